@@ -1,0 +1,68 @@
+"""Backends: where an SGLang program's ``gen``/``select`` calls run.
+
+``connect()`` picks one: an SGLang server URL, an in-process SGLang runtime when CUDA is present, or
+the CPU :class:`LocalBackend`. All of them accept :func:`sgl_tts.gen`'s per-request fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+from sglang.lang.backend.base_backend import BaseBackend
+
+from sgl_tts.backends.endpoint import InProcessSGLang, SGLangEndpoint, apply_request_fields
+from sgl_tts.backends.engine import BatchEngine, Completion, UnsupportedFeatureError
+from sgl_tts.backends.local import LocalBackend
+from sgl_tts.backends.request import RequestFields, gen, take_request_fields
+
+logger = logging.getLogger(__name__)
+
+Runtime = Literal["auto", "server", "cuda", "cpu"]
+
+
+def _is_url(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def connect(target: str | os.PathLike | None = None, *, runtime: Runtime = "auto",
+            **kwargs: Any) -> BaseBackend:
+    """Return an SGLang frontend backend for ``target``.
+
+    * ``target`` is an ``http(s)://`` URL of a running SGLang server -> :class:`SGLangEndpoint`
+      (kwargs: ``api_key``, ``chat_template_name``).
+    * ``target`` is a model folder (or ``None`` for the embedded default model) and CUDA is
+      available -> :class:`InProcessSGLang`, an SGLang server started for it (kwargs: SGLang
+      ``ServerArgs``).
+    * otherwise -> :class:`LocalBackend` on the CPU (kwargs: its options).
+
+    ``runtime`` forces a choice: ``"server"`` (URL only), ``"cuda"`` or ``"cpu"``.
+    """
+    if target is not None and _is_url(str(target)):
+        if runtime not in ("auto", "server"):
+            raise ValueError(f"runtime={runtime!r} does not apply to a server URL")
+        return SGLangEndpoint(str(target).rstrip("/"), **kwargs)
+    if runtime == "server":
+        raise ValueError(f"runtime='server' needs an http(s):// URL, got {target!r}")
+    if target is None:
+        from sgl_tts.models import default_model_path
+
+        target = default_model_path()
+    if runtime == "cuda" or (runtime == "auto" and _cuda_available()):
+        logger.info("starting an in-process SGLang runtime for %s", target)
+        return InProcessSGLang(str(target), **kwargs)
+    return LocalBackend(target, **kwargs)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+__all__ = [
+    "BatchEngine", "Completion", "InProcessSGLang", "LocalBackend", "RequestFields",
+    "SGLangEndpoint", "UnsupportedFeatureError", "apply_request_fields", "connect", "gen",
+    "take_request_fields",
+]

@@ -1,0 +1,871 @@
+"""A continuous-batching generation engine for Hugging Face causal LMs on the CPU.
+
+One engine thread owns the model. Callers (the SGLang interpreter's fork threads) submit requests and
+block on a future; the engine admits whatever has arrived, prefills it in one forward pass (shared
+prompt prefixes computed once), then decodes every running request together, one token per step, and
+retires requests as they finish. New requests join between steps, so a 64-way fork costs one decode
+forward per token, not 64.
+
+Semantics follow SGLang 0.5.15's server (``Req.update_finish_state`` and the detokenizer's
+``trim_matched_stop``) so that a program gets the same text from this backend and from a server:
+
+* the length limit is checked first, then stop strings (on the decoded tail of the last
+  ``max_stop_tokens + 1`` tokens), then stop token ids / EOS (all skipped when ``ignore_eos``);
+* a matched stop string is cut from the text at its first occurrence; a matched stop token is dropped;
+  a length finish trims nothing;
+* input logprobs start at ``logprob_start_len`` and their first entry is ``None``; ``token_ids_logprob``
+  rows are aligned the same way; sampled-token logprobs are taken after temperature scaling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """A request asked for something this backend does not implement (it is never ignored)."""
+
+
+@dataclasses.dataclass
+class SamplingSpec:
+    """Sampling and stopping parameters of one request (SGLang's meanings)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                f"got {self.min_new_tokens}."
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+@dataclasses.dataclass
+class LogprobSpec:
+    """Which log-probabilities to return (SGLang's ``/generate`` fields)."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+    return_text_in_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class Completion:
+    """What a finished request returns: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters for tests and benchmarks (read them; the engine only adds)."""
+
+    requests: int = 0
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    max_running: int = 0
+
+
+class _Request:
+    """Engine-internal state of one request."""
+
+    __slots__ = (
+        "rid", "input_ids", "sampling", "logprobs", "score_positions", "future", "created",
+        "generator", "output_ids", "cached_tokens", "finish_reason", "out_lp", "out_top",
+        "out_ids_lp", "in_lp", "in_top", "in_ids_lp", "scores", "stop_window", "priority",
+    )
+
+    def __init__(self, rid, input_ids, sampling, logprobs, score_positions, priority=0):
+        self.rid: str = rid
+        self.priority: int = priority
+        self.input_ids: list[int] = input_ids
+        self.sampling: SamplingSpec = sampling
+        self.logprobs: LogprobSpec = logprobs
+        self.score_positions: tuple[tuple[int, ...], tuple[int, ...]] | None = score_positions
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.created = time.perf_counter()
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(sampling.seed))
+        self.output_ids: list[int] = []
+        self.cached_tokens = 0
+        self.finish_reason: dict | None = None
+        self.out_lp: list[float] = []
+        self.out_top: list[list[tuple[float, int]]] = []
+        self.out_ids_lp: list[list[float]] = []
+        self.in_lp: list[float | None] = []
+        self.in_top: list[list[tuple[float, int]] | None] = []
+        self.in_ids_lp: list[list[float] | None] = []
+        self.scores: np.ndarray | None = None
+        self.stop_window = 0
+
+    # Rows of the prompt whose next-token distribution this request needs (besides the last one).
+    def needed_rows(self) -> list[int]:
+        rows: list[int] = []
+        lp = self.logprobs
+        if lp.return_logprob:
+            start = self.input_start()
+            # Entry j (j >= 1) is token start+j, predicted by row start+j-1; entry 0 is None.
+            rows.extend(range(start, len(self.input_ids) - 1))
+        if self.score_positions is not None:
+            rows.extend(self.score_positions[0])
+        return rows
+
+    def input_start(self) -> int:
+        start = self.logprobs.logprob_start_len
+        return len(self.input_ids) if start is None or start < 0 else start
+
+    def reuse_limit(self) -> int:
+        """Longest prompt prefix whose KV may come from a cache (its rows need no logits)."""
+        limit = len(self.input_ids) - 1
+        rows = self.needed_rows()
+        if rows:
+            limit = min(limit, min(rows))
+        return max(limit, 0)
+
+
+class _SlabLayer(DynamicLayer):
+    """A KV layer backed by a buffer with spare capacity: appending a token writes in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.kbuf, self.vbuf, self.length = keys, values, length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = key_states.shape[-2]
+        need = self.length + n
+        if need > self.kbuf.shape[2]:
+            cap = max(need, int(self.kbuf.shape[2] * 1.5) + 16)
+            self.kbuf = _grow(self.kbuf, cap, self.length)
+            self.vbuf = _grow(self.vbuf, cap, self.length)
+        self.kbuf[:, :, self.length:need] = key_states
+        self.vbuf[:, :, self.length:need] = value_states
+        self.length = need
+        self.keys, self.values = self.kbuf[:, :, :need], self.vbuf[:, :, :need]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+
+def _grow(buf: torch.Tensor, cap: int, used: int) -> torch.Tensor:
+    new = buf.new_zeros(buf.shape[0], buf.shape[1], cap, buf.shape[3])
+    new[:, :, :used] = buf[:, :, :used]
+    return new
+
+
+class _Batch:
+    """KV of the running requests: per layer [rows, kv_heads, capacity, head_dim], left-padded."""
+
+    def __init__(self, layers: list[_SlabLayer], valid: torch.Tensor, reqs: list[_Request],
+                 next_pos: torch.Tensor):
+        self.layers = layers
+        self.valid = valid            # bool [rows, length]: which columns hold a real token
+        self.reqs = reqs
+        self.next_pos = next_pos      # long [rows]: position id of the next fed token
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def cache(self) -> Cache:
+        return Cache(layers=list(self.layers))
+
+    def row_kv(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row i's KV with padding removed: per layer ([heads, n, dim], [heads, n, dim])."""
+        cols = self.valid[i].nonzero().squeeze(1)
+        return [(lay.keys[i].index_select(1, cols), lay.values[i].index_select(1, cols))
+                for lay in self.layers]
+
+
+def _stack_rows(parts: Sequence[tuple[list[_SlabLayer], torch.Tensor]], headroom: int):
+    """Concatenate batches of rows, left-padding each to the longest; returns (layers, valid)."""
+    length = max(v.shape[1] for _, v in parts)
+    rows = sum(v.shape[0] for _, v in parts)
+    ref = parts[0][0]
+    layers = []
+    for li in range(len(ref)):
+        kb = ref[li].kbuf
+        k = kb.new_zeros(rows, kb.shape[1], length + headroom, kb.shape[3])
+        v = torch.zeros_like(k)
+        r = 0
+        for lays, valid in parts:
+            n, t = valid.shape
+            k[r:r + n, :, length - t:length] = lays[li].keys
+            v[r:r + n, :, length - t:length] = lays[li].values
+            r += n
+        layers.append(_SlabLayer(k, v, length))
+    valid = torch.zeros(rows, length, dtype=torch.bool)
+    r = 0
+    for _, vmask in parts:
+        n, t = vmask.shape
+        valid[r:r + n, length - t:] = vmask
+        r += n
+    return layers, valid
+
+
+class PrefixCache:
+    """KV of recently seen token sequences, for reuse by requests that extend them (LRU, byte cap)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, tuple[np.ndarray, list, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: np.ndarray, limit: int):
+        """Longest cached prefix of ``ids`` (at most ``limit`` tokens): (n, kv) with kv sliced to n."""
+        best_n, best_key = 0, None
+        for key, (eids, _, _) in self._entries.items():
+            m = min(len(eids), limit)
+            if m <= best_n:
+                continue
+            eq = eids[:m] == ids[:m]
+            n = m if eq.all() else int(eq.argmin())
+            if n > best_n:
+                best_n, best_key = n, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        _, kv, _ = self._entries[best_key]
+        return best_n, [(k[:, :best_n], v[:, :best_n]) for k, v in kv]
+
+    def insert(self, ids: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.max_bytes <= 0 or len(ids) == 0:
+            return
+        key = ids.tobytes()
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+        if nbytes > self.max_bytes:
+            return
+        # An entry that is a prefix of the new one is now redundant.
+        for okey in [k for k, (e, _, _) in self._entries.items()
+                     if len(e) <= len(ids) and np.array_equal(e, ids[:len(e)])]:
+            self.bytes -= self._entries.pop(okey)[2]
+        self._entries[key] = (ids.copy(), [(k.contiguous(), v.contiguous()) for k, v in kv], nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1][2]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
+class BatchEngine:
+    """Owns a causal LM and serves generation requests from many threads in shared batches.
+
+    Args:
+        model: a transformers causal LM (``AutoModelForCausalLM``), already on its device.
+        tokenizer: its tokenizer.
+        max_running: most requests decoded together; more wait in line.
+        prefix_cache_bytes: memory for KV of finished sequences and prompts (0 disables reuse).
+        gather_window_s: after the first request of an idle spell arrives, keep collecting for as long
+            as more arrive within this window (a fork's siblings arrive within microseconds).
+        min_shared_prefix: a prompt prefix shared by this many tokens of concurrent requests is
+            prefilled once for all of them.
+    """
+
+    def __init__(self, model, tokenizer, *, max_running: int = 256,
+                 prefix_cache_bytes: int = 256 << 20, gather_window_s: float = 0.004,
+                 min_shared_prefix: int = 8, seed: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_running = max_running
+        self.gather_window_s = gather_window_s
+        self.min_shared_prefix = min_shared_prefix
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.stats = EngineStats()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.eos_ids = self._eos_token_ids()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._rng = torch.Generator()
+        self._rng.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"))
+        self._stop_len_cache: dict[str, int] = {}
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._waiting: deque[_Request] = deque()
+        self._admitting: list[_Request] = []  # taken from the line, not yet running or finished
+        self._batch: _Batch | None = None
+        self._closed = False
+        self._flush = False
+        self._thread = threading.Thread(target=self._loop, name="sgl-tts-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------- public
+    def submit(self, input_ids: Sequence[int], sampling: SamplingSpec,
+               logprobs: LogprobSpec | None = None, *, rid: str | None = None,
+               score_positions: tuple[Sequence[int], Sequence[int]] | None = None,
+               priority: int = 0) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to a :class:`Completion`.
+
+        ``score_positions=(positions, token_ids)`` additionally returns, in
+        ``meta_info["next_token_logprobs"]``, log P(next token = id | tokens[: p + 1]) for every
+        position p and id, as a ``len(positions) x len(token_ids)`` list of lists. When more
+        requests wait than can run, higher ``priority`` is admitted first (FIFO among equals).
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise ValueError("a request needs at least one input token")
+        sampling.validate()
+        if self.max_positions and len(ids) + sampling.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"the model's max_position_embeddings ({self.max_positions}); shorten the prompt or "
+                f"lower max_new_tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input token ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        lp = logprobs or LogprobSpec()
+        if lp.return_logprob and lp.logprob_start_len is not None and lp.logprob_start_len > len(ids):
+            raise ValueError(
+                f"logprob_start_len={lp.logprob_start_len} is higher than the number of input "
+                f"tokens ({len(ids)}); use a smaller logprob_start_len")
+        sp = None
+        if score_positions is not None:
+            pos, tids = (tuple(int(p) for p in score_positions[0]),
+                         tuple(int(t) for t in score_positions[1]))
+            if any(not 0 <= p < len(ids) for p in pos):
+                raise ValueError(f"score positions must lie in [0, {len(ids)}), got {pos}")
+            if any(not 0 <= t < self.vocab_size for t in tids):
+                raise ValueError(f"score token ids must lie in [0, {self.vocab_size}), got {tids}")
+            sp = (pos, tids)
+        req = _Request(rid or uuid.uuid4().hex, ids, sampling, lp, sp, int(priority))
+        self._queue.put(req)
+        return req.future
+
+    def generate(self, input_ids: Sequence[int], sampling: SamplingSpec,
+                 logprobs: LogprobSpec | None = None, **kw) -> Completion:
+        """Blocking :meth:`submit`."""
+        return self.submit(input_ids, sampling, logprobs, **kw).result()
+
+    def flush_prefix_cache(self) -> None:
+        """Drop every cached prefix (takes effect before the engine's next step)."""
+        self._flush = True
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------ scheduling
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            try:
+                if not self._collect():
+                    break
+                if self._flush:
+                    self._flush = False
+                    self.prefix_cache.clear()
+                if self._waiting:
+                    self._admit()
+                if self._batch is not None:
+                    self._decode_step()
+            except Exception as exc:  # noqa: BLE001 - fail the affected requests, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+        self._fail_all(RuntimeError("the engine was closed"))
+
+    def _collect(self) -> bool:
+        """Move arrived requests into the waiting line; block when there is nothing to do."""
+        idle = self._batch is None and not self._waiting
+        try:
+            if idle:
+                item = self._queue.get()
+                if item is None:
+                    return False
+                self._waiting.append(item)
+                deadline = time.perf_counter() + 10 * self.gather_window_s
+                while time.perf_counter() < deadline:
+                    item = self._queue.get(timeout=self.gather_window_s)
+                    if item is None:
+                        return False
+                    self._waiting.append(item)
+            while True:
+                item = self._queue.get_nowait()
+                if item is None:
+                    return False
+                self._waiting.append(item)
+        except queue.Empty:
+            return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        reqs = list(self._waiting) + self._admitting + (self._batch.reqs if self._batch else [])
+        self._waiting.clear()
+        self._admitting = []
+        self._batch = None
+        for r in reqs:
+            if not r.future.done():
+                r.future.set_exception(exc)
+
+    # ------------------------------------------------------------------------------- prefill
+    def _admit(self) -> None:
+        running = len(self._batch.reqs) if self._batch else 0
+        free = self.max_running - running
+        if free <= 0:
+            return
+        if len(self._waiting) > free:
+            ordered = sorted(self._waiting, key=lambda r: -r.priority)  # stable: FIFO among equals
+            take, rest = ordered[:free], ordered[free:]
+            self._waiting = deque(sorted(rest, key=lambda r: r.created))
+        else:
+            take = list(self._waiting)
+            self._waiting.clear()
+        self.stats.requests += len(take)
+        self._admitting = take
+        self._share_prefixes(take)
+        # Bound the prefill's activation memory: chunks of at most ~8k padded tokens.
+        take.sort(key=lambda r: len(r.input_ids))
+        chunk: list[_Request] = []
+        for r in take:
+            width = max([len(x.input_ids) for x in chunk] + [len(r.input_ids)])
+            if chunk and width * (len(chunk) + 1) > 8192:
+                self._prefill(chunk)
+                chunk = []
+            chunk.append(r)
+        if chunk:
+            self._prefill(chunk)
+        self._admitting = []
+
+    def _share_prefixes(self, reqs: list[_Request]) -> None:
+        """Prefill, once, each long prompt prefix that several new requests share."""
+        if len(reqs) < 2 or self.prefix_cache.max_bytes <= 0:
+            return
+        order = sorted(reqs, key=lambda r: r.input_ids)
+        groups: list[list[_Request]] = [[order[0]]]
+        for r in order[1:]:
+            prev = groups[-1][-1]
+            if common_prefix_len(prev.input_ids, r.input_ids) >= self.min_shared_prefix:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        for g in groups:
+            if len(g) < 2:
+                continue
+            n = min(common_prefix_len(g[0].input_ids, g[-1].input_ids), min(r.reuse_limit() for r in g))
+            ids = np.asarray(g[0].input_ids[:n], dtype=np.int64)
+            hit, _ = self.prefix_cache.lookup(ids, n)
+            if n - hit >= self.min_shared_prefix:
+                probe = _Request("prefix", g[0].input_ids[:n], SamplingSpec(max_new_tokens=0),
+                                 LogprobSpec(), None)
+                self._prefill([probe], cache_only=True)
+
+    def _prefill(self, reqs: list[_Request], cache_only: bool = False) -> None:
+        hits = []
+        for r in reqs:
+            ids = np.asarray(r.input_ids, dtype=np.int64)
+            n, kv = self.prefix_cache.lookup(ids, r.reuse_limit())
+            r.cached_tokens = n
+            hits.append(kv)
+        past_len = max(r.cached_tokens for r in reqs)
+        suffixes = [r.input_ids[r.cached_tokens:] for r in reqs]
+        slen = max(len(s) for s in suffixes)
+        b = len(reqs)
+
+        # Past KV (from the prefix cache), left-padded to past_len.
+        cfg_layers = self._num_layers()
+        layers = []
+        for li in range(cfg_layers):
+            k = v = None
+            for i, kv in enumerate(hits):
+                if kv is None:
+                    continue
+                kk, vv = kv[li]
+                if k is None:
+                    k = kk.new_zeros(b, kk.shape[0], past_len + slen + 8, kk.shape[2])
+                    v = torch.zeros_like(k)
+                n = kk.shape[1]
+                k[i, :, past_len - n:past_len] = kk
+                v[i, :, past_len - n:past_len] = vv
+            layers.append((k, v))
+        past_valid = torch.zeros(b, past_len, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            past_valid[i, past_len - r.cached_tokens:] = True
+
+        input_ids = torch.full((b, slen), self.pad_id, dtype=torch.long)
+        in_valid = torch.zeros(b, slen, dtype=torch.bool)
+        positions = torch.zeros(b, slen, dtype=torch.long)
+        for i, (r, s) in enumerate(zip(reqs, suffixes)):
+            input_ids[i, slen - len(s):] = torch.tensor(s, dtype=torch.long)
+            in_valid[i, slen - len(s):] = True
+            positions[i, slen - len(s):] = torch.arange(r.cached_tokens, r.cached_tokens + len(s))
+
+        # Attention: real queries see valid past columns and earlier valid input columns; padding
+        # queries see only themselves (keeps every softmax row finite).
+        causal = torch.tril(torch.ones(slen, slen, dtype=torch.bool))
+        allow_in = (causal[None] & in_valid[:, None, :]) | torch.eye(slen, dtype=torch.bool)[None]
+        allow_past = past_valid[:, None, :].expand(b, slen, past_len) & in_valid[:, :, None]
+        allow = torch.cat([allow_past, allow_in], dim=2)
+        mask = self._additive(allow)[:, None]
+
+        # Which columns need logits: the last one, plus rows asked for logprobs / scores.
+        keep = {slen - 1}
+        for r in reqs:
+            off = slen - len(r.input_ids)  # column of prompt position p is p + off
+            keep.update(p + off for p in r.needed_rows())
+        keep_cols = sorted(keep)
+
+        if past_len:
+            slabs = [_SlabLayer(k, v, past_len) for k, v in layers]
+        else:
+            slabs = [_SlabLayer(*self._empty_kv(b, slen + 8), 0) for _ in range(cfg_layers)]
+        cache = Cache(layers=slabs)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=torch.tensor(keep_cols, device=self.device))
+        logits = out.logits.float()  # [b, len(keep_cols), vocab]
+        col_index = {c: j for j, c in enumerate(keep_cols)}
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += int(in_valid.sum())
+        self.stats.cached_tokens += sum(r.cached_tokens for r in reqs)
+        valid = torch.cat([past_valid, in_valid], dim=1)
+        batch = _Batch(slabs, valid, reqs, torch.tensor([len(r.input_ids) for r in reqs]))
+
+        # Remember each distinct prompt's KV for later requests that extend it.
+        seen = set()
+        for i, r in enumerate(reqs):
+            key = tuple(r.input_ids)
+            if len(key) > r.cached_tokens and key not in seen:
+                seen.add(key)
+                kv = batch.row_kv(i)
+                self.prefix_cache.insert(np.asarray(key, dtype=np.int64),
+                                         [(k[:, :len(key)], v[:, :len(key)]) for k, v in kv])
+        if cache_only:
+            return
+
+        keep_rows = []
+        last = logits[:, col_index[slen - 1]]
+        for i, r in enumerate(reqs):
+            off = slen - len(r.input_ids)
+            self._record_input_logprobs(r, logits[i], col_index, off)
+            if r.sampling.max_new_tokens == 0:
+                r.finish_reason = {"type": "length", "length": 0}
+                self._finish(r)
+            else:
+                keep_rows.append(i)
+        if not keep_rows:
+            return
+        idx = torch.tensor(keep_rows)
+        self._append_tokens([reqs[i] for i in keep_rows], last[idx])
+        alive = [i for i in keep_rows if reqs[i].finish_reason is None]
+        for i in keep_rows:
+            if reqs[i].finish_reason is not None:
+                self._finish(reqs[i], batch, i)
+        if alive:
+            self._merge(batch, alive)
+
+    def _record_input_logprobs(self, r: _Request, logits: torch.Tensor, col_index: dict, off: int):
+        lp = r.logprobs
+        if r.score_positions is not None:
+            pos, tids = r.score_positions
+            rows = torch.stack([logits[col_index[p + off]] for p in pos]).log_softmax(-1)
+            r.scores = rows[:, list(tids)].numpy() if tids else np.zeros((len(pos), 0))
+        if not lp.return_logprob:
+            return
+        start = r.input_start()
+        n = len(r.input_ids) - start
+        if n <= 0:
+            return
+        r.in_lp = [None]
+        r.in_top = [None]
+        r.in_ids_lp = [None]
+        if n > 1:
+            rows = torch.stack([logits[col_index[p + off]] for p in range(start, len(r.input_ids) - 1)])
+            lps = rows.log_softmax(-1)
+            nxt = torch.tensor(r.input_ids[start + 1:])
+            r.in_lp += lps.gather(1, nxt[:, None]).squeeze(1).tolist()
+            if lp.top_logprobs_num > 0:
+                r.in_top += _topk(lps, lp.top_logprobs_num)
+            if lp.token_ids_logprob:
+                r.in_ids_lp += lps[:, list(lp.token_ids_logprob)].tolist()
+
+    def _merge(self, new: _Batch, rows: list[int]) -> None:
+        if len(rows) != len(new.reqs):
+            new = self._select_rows(new, rows)
+        if self._batch is None:
+            self._batch = new
+        else:
+            old = self._batch
+            layers, valid = _stack_rows([(old.layers, old.valid), (new.layers, new.valid)], headroom=32)
+            self._batch = _Batch(layers, valid, old.reqs + new.reqs, torch.cat([old.next_pos, new.next_pos]))
+        self.stats.max_running = max(self.stats.max_running, len(self._batch.reqs))
+
+    @staticmethod
+    def _select_rows(batch: _Batch, rows: list[int]) -> _Batch:
+        idx = torch.tensor(rows)
+        valid = batch.valid[idx]
+        cols = valid.any(0).nonzero()
+        first = int(cols[0]) if len(cols) else valid.shape[1]
+        valid = valid[:, first:]
+        layers = []
+        for lay in batch.layers:
+            k = lay.kbuf[idx][:, :, first:].contiguous()
+            v = lay.vbuf[idx][:, :, first:].contiguous()
+            layers.append(_SlabLayer(k, v, lay.length - first))
+        return _Batch(layers, valid, [batch.reqs[i] for i in rows], batch.next_pos[idx])
+
+    # -------------------------------------------------------------------------------- decode
+    def _decode_step(self) -> None:
+        batch = self._batch
+        b = len(batch.reqs)
+        input_ids = torch.tensor([[r.output_ids[-1]] for r in batch.reqs], dtype=torch.long)
+        valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)
+        mask = self._additive(valid)[:, None, None, :]
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=batch.next_pos[:, None].to(self.device),
+                         past_key_values=batch.cache(), use_cache=True)
+        batch.valid = valid
+        batch.next_pos = batch.next_pos + 1
+        self.stats.decode_forwards += 1
+        self.stats.decode_tokens += b
+        self._append_tokens(batch.reqs, out.logits[:, -1].float())
+        done = [i for i, r in enumerate(batch.reqs) if r.finish_reason is not None]
+        if not done:
+            return
+        for i in done:
+            self._finish(batch.reqs[i], batch, i)
+        alive = [i for i, r in enumerate(batch.reqs) if r.finish_reason is None]
+        self._batch = self._select_rows(batch, alive) if alive else None
+
+    # ------------------------------------------------------------------------------ sampling
+    def _append_tokens(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from ``logits`` [n, vocab], record logprobs, check stops."""
+        n = len(reqs)
+        for i, r in enumerate(reqs):
+            s = r.sampling
+            if len(r.output_ids) < s.min_new_tokens:
+                blocked = list(s.stop_token_ids | self.eos_ids)
+                logits[i, blocked] = float("-inf")
+        temps = torch.tensor([1.0 if r.sampling.greedy else r.sampling.temperature for r in reqs])
+        scaled = logits / temps[:, None]
+        tokens = torch.empty(n, dtype=torch.long)
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+        if greedy:
+            g = torch.tensor(greedy)
+            tokens[g] = scaled[g].argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+        if sampled:
+            tokens[torch.tensor(sampled)] = self._sample([reqs[i] for i in sampled], scaled[sampled])
+        logprobs = None
+        for i, r in enumerate(reqs):
+            t = int(tokens[i])
+            r.output_ids.append(t)
+            lp = r.logprobs
+            if lp.return_logprob:
+                if logprobs is None:
+                    logprobs = scaled.log_softmax(-1)
+                r.out_lp.append(float(logprobs[i, t]))
+                if lp.top_logprobs_num > 0:
+                    r.out_top.extend(_topk(logprobs[i:i + 1], lp.top_logprobs_num))
+                if lp.token_ids_logprob:
+                    r.out_ids_lp.append(logprobs[i, list(lp.token_ids_logprob)].tolist())
+            self._check_finished(r)
+
+    def _sample(self, reqs: list[_Request], scaled: torch.Tensor) -> torch.Tensor:
+        """top-k / top-p / min-p sampling by inverse CDF over sorted probabilities (SGLang's order)."""
+        probs_sorted, idx = scaled.softmax(-1).sort(dim=-1, descending=True)
+        vocab = probs_sorted.shape[1]
+        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs])
+        top_p = torch.tensor([r.sampling.top_p for r in reqs])
+        min_p = torch.tensor([r.sampling.min_p for r in reqs])
+        ranks = torch.arange(vocab)[None]
+        cum = probs_sorted.cumsum(-1)
+        drop = (ranks >= top_k[:, None]) | ((cum - probs_sorted) > top_p[:, None])
+        drop |= probs_sorted < (probs_sorted[:, :1] * min_p[:, None])
+        probs_sorted = probs_sorted.masked_fill(drop, 0.0)
+        cdf = probs_sorted.cumsum(-1)
+        u = torch.stack([torch.rand((), generator=r.generator or self._rng) for r in reqs])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        pick = pick.clamp(max=vocab - 1)
+        # Never pick a dropped (zero-probability) entry because of rounding at the CDF's end.
+        kept = (~drop).sum(-1) - 1
+        pick = torch.minimum(pick, kept)
+        return idx.gather(1, pick[:, None]).squeeze(1)
+
+    def _check_finished(self, r: _Request) -> None:
+        """SGLang 0.5.15's order: length, then stop strings, then stop tokens / EOS."""
+        s = r.sampling
+        if len(r.output_ids) >= s.max_new_tokens:
+            r.finish_reason = {"type": "length", "length": s.max_new_tokens}
+            return
+        if s.stop:
+            if not r.stop_window:
+                r.stop_window = max(self._stop_len(x) for x in s.stop) + 1
+            tail = self.tokenizer.decode(r.output_ids[-r.stop_window:])
+            for stop in s.stop:
+                if stop in tail:
+                    r.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if s.ignore_eos:
+            return
+        t = r.output_ids[-1]
+        if t in s.stop_token_ids or t in self.eos_ids:
+            r.finish_reason = {"type": "stop", "matched": t}
+
+    def _stop_len(self, stop: str) -> int:
+        n = self._stop_len_cache.get(stop)
+        if n is None:
+            n = len(self.tokenizer.encode(stop, add_special_tokens=False))
+            self._stop_len_cache[stop] = n
+        return n
+
+    # -------------------------------------------------------------------------------- finish
+    def _finish(self, r: _Request, batch: _Batch | None = None, row: int | None = None) -> None:
+        s = r.sampling
+        if batch is not None and len(r.output_ids) > 1:
+            # KV now covers the prompt and all output tokens but the last (never fed back).
+            seq = np.asarray(r.input_ids + r.output_ids[:-1], dtype=np.int64)
+            self.prefix_cache.insert(seq, batch.row_kv(row))
+        ids = list(r.output_ids)
+        matched = (r.finish_reason or {}).get("matched")
+        if isinstance(matched, int) and not s.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
+        if isinstance(matched, str):
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[:pos + len(matched)] if s.no_stop_trim else text[:pos]
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+            "e2e_latency": time.perf_counter() - r.created,
+        }
+        lp = r.logprobs
+        if lp.return_logprob:
+            start = r.input_start()
+            txt = self._token_text if lp.return_text_in_logprobs else (lambda _t: None)
+            meta["input_token_logprobs"] = [
+                [v, t, txt(t)] for v, t in zip(r.in_lp, r.input_ids[start:])]
+            meta["output_token_logprobs"] = [
+                [v, t, txt(t)] for v, t in zip(r.out_lp, r.output_ids)]
+            if lp.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    None if e is None else [[v, t, txt(t)] for v, t in e] for e in r.in_top]
+                meta["output_top_logprobs"] = [
+                    [[v, t, txt(t)] for v, t in e] for e in r.out_top]
+            if lp.token_ids_logprob:
+                tids = lp.token_ids_logprob
+                meta["input_token_ids_logprobs"] = [
+                    None if e is None else [[v, t, txt(t)] for v, t in zip(e, tids)]
+                    for e in r.in_ids_lp]
+                meta["output_token_ids_logprobs"] = [
+                    [[v, t, txt(t)] for v, t in zip(e, tids)] for e in r.out_ids_lp]
+        if r.scores is not None:
+            meta["next_token_logprobs"] = r.scores.tolist()
+        if not r.future.done():
+            r.future.set_result(Completion(text, list(r.output_ids), meta))
+
+    def _token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    # --------------------------------------------------------------------------------- utils
+    def _num_layers(self) -> int:
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        return int(cfg.num_hidden_layers)
+
+    def _empty_kv(self, b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        k = torch.zeros(b, heads, cap, dim, dtype=self.dtype, device=self.device)
+        return k, torch.zeros_like(k)
+
+    def _additive(self, allow: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.dtype)
+        neg = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype)
+        return torch.where(allow, zero, neg)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(x) for x in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _topk(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    vals, idx = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v.tolist(), i.tolist())) for v, i in zip(vals, idx)]

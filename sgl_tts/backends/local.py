@@ -1,0 +1,226 @@
+"""``LocalBackend``: SGLang frontend programs on a Hugging Face causal LM, on the CPU, no server.
+
+The interpreter calls ``generate``/``select`` from one thread per fork; every call becomes a request
+to one :class:`~sgl_tts.backends.engine.BatchEngine`, which batches whatever runs concurrently into
+shared forward passes and reuses the KV of shared prefixes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from sglang.global_config import global_config
+from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.chat_template import get_chat_template, get_chat_template_by_model_path
+from sglang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, token_length_normalized
+from sglang.lang.ir import SglSamplingParams
+
+from sgl_tts.backends.engine import (
+    BatchEngine,
+    Completion,
+    LogprobSpec,
+    SamplingSpec,
+    UnsupportedFeatureError,
+    common_prefix_len,
+)
+from sgl_tts.backends.request import RequestFields, take_request_fields
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LocalBackend(BaseBackend):
+    """Run SGLang programs on a local transformers model (CPU by default).
+
+    Args:
+        model_path: a Hugging Face model folder (``config.json``, weights, tokenizer).
+        dtype: ``"float32"`` (default, exact) or ``"bfloat16"`` (faster on recent CPUs).
+        device: torch device for the model.
+        max_running: most requests decoded together.
+        prefix_cache_mb: memory kept for KV of shared prefixes (0 disables reuse across calls).
+        seed: seed of the engine's generator for requests without their own seed.
+        chat_template: SGLang chat template name; by default chosen from the model path as SGLang does.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
+                 max_running: int = 256, prefix_cache_mb: int = 256, seed: int | None = None,
+                 chat_template: str | None = None, trust_remote_code: bool = False):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no model at {path}: expected a Hugging Face model folder with config.json "
+                f"(model hubs are not used; pass a local path)")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model_path = str(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model.to(device).eval()
+        self.model = model
+        self.engine = BatchEngine(model, self.tokenizer, max_running=max_running,
+                                  prefix_cache_bytes=prefix_cache_mb << 20, seed=seed)
+        self.chat_template = (get_chat_template(chat_template) if chat_template
+                              else get_chat_template_by_model_path(self.model_path))
+        self.is_chat_model = False
+
+    # ------------------------------------------------------------------ BaseBackend interface
+    def get_model_name(self) -> str:
+        return self.model_path
+
+    def generate(self, s, sampling_params: SglSamplingParams):
+        fields = take_request_fields()
+        comp = self._complete(s.text_, sampling_params, fields)
+        return comp.text, comp.meta_info
+
+    def generate_stream(self, s, sampling_params: SglSamplingParams):
+        # The engine finishes a request before returning it: the stream yields one chunk, the
+        # whole completion, with the same text and meta_info as ``generate``.
+        text, meta = self.generate(s, sampling_params)
+        yield text, meta
+
+    def select(self, s, choices: list[str], temperature: float,
+               choices_method: ChoicesSamplingMethod | None = None) -> ChoicesDecision:
+        take_request_fields()
+        if temperature > 1e-5:
+            raise UnsupportedFeatureError("select with temperature > 0 (SGLang selects greedily)")
+        method = choices_method or token_length_normalized
+        prompt = self.encode(s.text_)
+        futures, spans = [], []
+        for choice in choices:
+            ids = self.encode(s.text_ + choice)
+            p = common_prefix_len(prompt, ids)
+            if p == len(ids):  # the choice adds no token of its own
+                p = len(ids) - 1
+            spans.append(ids[p:])
+            futures.append(self.engine.submit(
+                ids, SamplingSpec(max_new_tokens=0),
+                LogprobSpec(return_logprob=True, logprob_start_len=max(p - 1, 0),
+                            return_text_in_logprobs=True)))
+        input_lps, output_lps, normalized = [], [], []
+        for fut, span in zip(futures, spans):
+            meta = fut.result().meta_info
+            entries = meta["input_token_logprobs"]
+            entries = entries[len(entries) - len(span):]  # the choice's own tokens
+            input_lps.append(entries)
+            output_lps.append(meta["output_token_logprobs"])
+            values = [e[0] for e in entries if e[0] is not None]
+            normalized.append(sum(values) / len(values) if values else 0.0)
+        unconditional = None
+        if method.requires_unconditional_logprobs:
+            futs = [self.engine.submit(span, SamplingSpec(max_new_tokens=0),
+                                       LogprobSpec(return_logprob=True, logprob_start_len=0,
+                                                   return_text_in_logprobs=True))
+                    for span in spans]
+            unconditional = [f.result().meta_info["input_token_logprobs"] for f in futs]
+        return method(choices=choices, normalized_prompt_logprobs=normalized,
+                      input_token_logprobs=input_lps, output_token_logprobs=output_lps,
+                      unconditional_token_logprobs=unconditional)
+
+    def cache_prefix(self, prefix_str: str) -> None:
+        ids = self.encode(prefix_str)
+        if ids:
+            self.engine.generate(ids, SamplingSpec(max_new_tokens=0))
+
+    def flush_cache(self) -> None:
+        self.engine.flush_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.close()
+
+    def concatenate_and_append(self, src_rids, dst_rid):
+        raise UnsupportedFeatureError("concatenate_and_append (KV concatenation of forks)")
+
+    # ------------------------------------------------------------------------ extra API
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` exactly as an SGLang server tokenizes a ``/generate`` prompt."""
+        return self.tokenizer.encode(text)
+
+    def complete(self, text: str, sampling_params: SglSamplingParams | None = None,
+                 fields: RequestFields | None = None) -> Completion:
+        """One generation outside a program: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
+        return self._complete(text, sampling_params or SglSamplingParams(), fields or RequestFields())
+
+    def next_token_logprobs(self, prompts: Sequence[str | Sequence[int]],
+                            positions: Sequence[Sequence[int]],
+                            token_ids: Sequence[int]) -> list[list[list[float]]]:
+        """log P(next token = t | prompt[: p + 1]) for every prompt, position p and id t.
+
+        ``prompts`` are texts or token id lists; ``positions[i]`` index prompt i's tokens (negative
+        positions count from the end). All prompts run as one batch. Returns
+        ``[prompt][position][token]``. PRM step scores are read this way (e.g. P("+") after a tag).
+        """
+        if len(prompts) != len(positions):
+            raise ValueError("prompts and positions must have the same length")
+        futs = []
+        for prompt, pos in zip(prompts, positions):
+            ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            pos = [p + len(ids) if p < 0 else p for p in pos]
+            futs.append(self.engine.submit(ids, SamplingSpec(max_new_tokens=0),
+                                           score_positions=(pos, token_ids)))
+        return [f.result().meta_info["next_token_logprobs"] for f in futs]
+
+    # ---------------------------------------------------------------------------- helpers
+    def _complete(self, text: str, params: SglSamplingParams, fields: RequestFields) -> Completion:
+        sampling, logprobs = self._specs(params, fields)
+        ids = self.encode(text)
+        comp = self.engine.submit(ids, sampling, logprobs, rid=fields.rid,
+                                  priority=fields.priority or 0).result()
+        if fields.custom_params is not None or fields.priority is not None:
+            comp.meta_info["request_fields"] = {"priority": fields.priority,
+                                                "custom_params": fields.custom_params}
+        return comp
+
+    @staticmethod
+    def _specs(p: SglSamplingParams, fields: RequestFields) -> tuple[SamplingSpec, LogprobSpec]:
+        unsupported = []
+        if p.n not in (None, 1):
+            unsupported.append(f"n={p.n} (fork the program instead)")
+        if p.regex is not None or p.dtype is not None:
+            unsupported.append("regex/dtype constrained decoding")
+        if p.json_schema is not None:
+            unsupported.append("json_schema constrained decoding")
+        if p.stop_regex:
+            unsupported.append("stop_regex")
+        if p.frequency_penalty or p.presence_penalty:
+            unsupported.append("frequency/presence penalties")
+        if unsupported:
+            raise UnsupportedFeatureError(
+                "LocalBackend does not support " + ", ".join(unsupported)
+                + "; use an SGLang server backend (sgl_tts.connect(url)) for these")
+        stop = p.stop
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        sampling = SamplingSpec(
+            max_new_tokens=int(p.max_new_tokens if p.max_new_tokens is not None else 128),
+            min_new_tokens=int(p.min_new_tokens or 0),
+            temperature=float(p.temperature if p.temperature is not None else 1.0),
+            top_p=float(p.top_p if p.top_p is not None else 1.0),
+            top_k=int(p.top_k if p.top_k is not None else -1),
+            min_p=float(p.min_p or 0.0),
+            stop=tuple(x for x in stop if x),
+            stop_token_ids=frozenset(int(t) for t in (p.stop_token_ids or ())),
+            ignore_eos=bool(p.ignore_eos),
+            skip_special_tokens=global_config.skip_special_tokens_in_output,
+            spaces_between_special_tokens=global_config.spaces_between_special_tokens_in_out,
+            seed=fields.seed,
+        )
+        token_ids = tuple(fields.token_ids_logprob) if fields.token_ids_logprob is not None else None
+        logprobs = LogprobSpec(
+            return_logprob=bool(p.return_logprob) or token_ids is not None,
+            logprob_start_len=p.logprob_start_len if p.logprob_start_len is not None else -1,
+            top_logprobs_num=int(p.top_logprobs_num or 0),
+            token_ids_logprob=token_ids,
+            return_text_in_logprobs=bool(p.return_text_in_logprobs),
+        )
+        return sampling, logprobs
+
+
+__all__ = ["LocalBackend", "UnsupportedFeatureError"]

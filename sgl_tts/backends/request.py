@@ -1,0 +1,101 @@
+"""Per-call request fields that SGLang's ``sgl.gen`` does not pass, carried to the backend.
+
+``sgl_tts.gen(...)`` is ``sgl.gen(...)`` plus ``rid``, ``priority``, ``custom_params``,
+``token_ids_logprob`` and ``seed``. The interpreter hands a backend only the text and the sampling
+parameters, so the fields travel beside them: when the interpreter's worker thread reads the
+expression's sampling parameters (immediately before it calls ``backend.generate`` on that same
+thread), the expression leaves its fields in a thread-local slot, and sgl-tts backends take them out.
+Each ``StreamExecutor`` runs its expressions in order on its own thread, so a field can never reach
+another call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Mapping, Sequence
+
+from sglang.lang.api import gen as _sgl_gen
+from sglang.lang.ir import SglExpr, SglGen
+
+_slot = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFields:
+    """Fields of one ``/generate`` request beyond the sampling parameters.
+
+    Attributes:
+        rid: request id (SGLang's ``rid``); lets a scheduler plugin or an abort address the request.
+        priority: scheduling priority (SGLang: higher value first by default).
+        custom_params: free-form per-request parameters (SGLang ``sampling_params.custom_params``),
+            e.g. search group, parent beam, depth and request class for the sgl-tts scheduler plugin.
+        token_ids_logprob: token ids whose log-probabilities to return at every returned position
+            (turns ``return_logprob`` on).
+        seed: per-request sampling seed (SGLang ``sampling_params.sampling_seed``).
+    """
+
+    rid: str | None = None
+    priority: int | None = None
+    custom_params: Mapping[str, Any] | None = None
+    token_ids_logprob: Sequence[int] | None = None
+    seed: int | None = None
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+
+class RequestGen(SglGen):
+    """An ``SglGen`` that carries :class:`RequestFields` to sgl-tts backends."""
+
+    def __init__(self, base: SglGen, fields: RequestFields):
+        super().__init__(base.name)
+        self._params = base.sampling_params
+        self.request_fields = fields
+
+    @property
+    def sampling_params(self):  # read by StreamExecutor._execute_gen right before backend.generate
+        _slot.fields = self.request_fields
+        return self._params
+
+    @sampling_params.setter
+    def sampling_params(self, value):
+        self._params = value
+
+    def __repr__(self) -> str:
+        return f"Gen('{self.name}', {self.request_fields})"
+
+
+def take_request_fields() -> RequestFields:
+    """Remove and return the fields left for the current call (empty fields if there are none)."""
+    fields = getattr(_slot, "fields", None)
+    _slot.fields = None
+    return fields if fields is not None else RequestFields()
+
+
+def gen(
+    name: str | None = None,
+    *,
+    rid: str | None = None,
+    priority: int | None = None,
+    custom_params: Mapping[str, Any] | None = None,
+    token_ids_logprob: Sequence[int] | None = None,
+    seed: int | None = None,
+    **kwargs: Any,
+) -> SglExpr:
+    """``sgl.gen`` with per-request fields (see :class:`RequestFields`); other arguments as ``sgl.gen``.
+
+    Example::
+
+        forks += lambda i: sgl_tts.gen("step", max_tokens=64, stop="\\n\\n", seed=1000 + i,
+                                       custom_params={"group": "q17", "depth": 2})
+    """
+    fields = RequestFields(rid, priority, dict(custom_params) if custom_params is not None else None,
+                           list(token_ids_logprob) if token_ids_logprob is not None else None, seed)
+    base = _sgl_gen(name, **kwargs)
+    if fields.is_empty():
+        return base
+    if not isinstance(base, SglGen):
+        raise ValueError("request fields (rid, priority, custom_params, token_ids_logprob, seed) "
+                         "apply to generation calls, not to choices/select")
+    return RequestGen(base, fields)

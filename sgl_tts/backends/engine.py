@@ -342,7 +342,6 @@ class BatchEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._rng = torch.Generator()
         self._rng.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"))
-        self._stop_len_cache: dict[str, int] = {}
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._waiting: deque[_Request] = deque()
         self._admitting: list[_Request] = []  # taken from the line, not yet running or finished
@@ -747,31 +746,10 @@ class BatchEngine:
         return idx.gather(1, pick[:, None]).squeeze(1)
 
     def _check_finished(self, r: _Request) -> None:
-        """SGLang 0.5.15's order: length, then stop strings, then stop tokens / EOS."""
-        s = r.sampling
-        if len(r.output_ids) >= s.max_new_tokens:
-            r.finish_reason = {"type": "length", "length": s.max_new_tokens}
-            return
-        if s.stop:
-            if not r.stop_window:
-                r.stop_window = max(self._stop_len(x) for x in s.stop) + 1
-            tail = self.tokenizer.decode(r.output_ids[-r.stop_window:])
-            for stop in s.stop:
-                if stop in tail:
-                    r.finish_reason = {"type": "stop", "matched": stop}
-                    return
-        if s.ignore_eos:
-            return
-        t = r.output_ids[-1]
-        if t in s.stop_token_ids or t in self.eos_ids:
-            r.finish_reason = {"type": "stop", "matched": t}
-
-    def _stop_len(self, stop: str) -> int:
-        n = self._stop_len_cache.get(stop)
-        if n is None:
-            n = len(self.tokenizer.encode(stop, add_special_tokens=False))
-            self._stop_len_cache[stop] = n
-        return n
+        if r.sampling.stop and not r.stop_window:
+            r.stop_window = stop_window(r.sampling.stop, self.tokenizer)
+        r.finish_reason = finish_reason(r.output_ids, r.sampling, self.tokenizer, self.eos_ids,
+                                        r.stop_window)
 
     # -------------------------------------------------------------------------------- finish
     def _finish(self, r: _Request, batch: _Batch | None = None, row: int | None = None) -> None:
@@ -780,15 +758,7 @@ class BatchEngine:
             # KV now covers the prompt and all output tokens but the last (never fed back).
             seq = np.asarray(r.input_ids + r.output_ids[:-1], dtype=np.int64)
             self.prefix_cache.insert(seq, batch.row_kv(row))
-        ids = list(r.output_ids)
-        matched = (r.finish_reason or {}).get("matched")
-        if isinstance(matched, int) and not s.no_stop_trim and ids:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
-        if isinstance(matched, str):
-            pos = text.find(matched)
-            if pos != -1:
-                text = text[:pos + len(matched)] if s.no_stop_trim else text[:pos]
+        text = output_text(r.output_ids, r.finish_reason, s, self.tokenizer)
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
@@ -855,6 +825,50 @@ class BatchEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
+
+
+def stop_window(stops: Sequence[str], tokenizer) -> int:
+    """How many trailing tokens SGLang decodes to look for stop strings (``stop_str_max_len + 1``)."""
+    return max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops) + 1
+
+
+def finish_reason(output_ids: Sequence[int], sampling: SamplingSpec, tokenizer,
+                  eos_ids: frozenset[int], stop_window: int) -> dict | None:
+    """Whether a request ends after its latest token, in SGLang 0.5.15's order and form.
+
+    Length first, then stop strings (searched in the decoded tail of the last ``stop_window``
+    tokens, SGLang's ``stop_str_max_len + 1``), then stop token ids / EOS unless ``ignore_eos``.
+    Returns SGLang's ``finish_reason`` JSON or ``None``.
+    """
+    if len(output_ids) >= sampling.max_new_tokens:
+        return {"type": "length", "length": sampling.max_new_tokens}
+    if sampling.stop:
+        tail = tokenizer.decode(list(output_ids[-stop_window:]))
+        for stop in sampling.stop:
+            if stop in tail:
+                return {"type": "stop", "matched": stop}
+    if sampling.ignore_eos:
+        return None
+    t = output_ids[-1]
+    if t in sampling.stop_token_ids or t in eos_ids:
+        return {"type": "stop", "matched": t}
+    return None
+
+
+def output_text(output_ids: Sequence[int], reason: dict | None, sampling: SamplingSpec,
+                tokenizer) -> str:
+    """The text SGLang returns: a matched stop token is dropped, a matched stop string is cut at its
+    first occurrence (both kept with ``no_stop_trim``), a length finish trims nothing."""
+    ids = list(output_ids)
+    matched = (reason or {}).get("matched")
+    if isinstance(matched, int) and not sampling.no_stop_trim and ids:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            text = text[:pos + len(matched)] if sampling.no_stop_trim else text[:pos]
+    return text
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -62,7 +62,11 @@ install_project() {
      "$venv/bin/python" -c 'import sgl_tts' >/dev/null 2>&1; then
     return
   fi
-  pip_clean install -q --no-deps --no-build-isolation -e "$root" >&2
+  if ! pip_clean install -q --no-deps --no-build-isolation -e "$root" >"$venv/.project.log" 2>&1; then
+    cat "$venv/.project.log" >&2
+    log "error: could not install this clone into $venv"
+    exit 1
+  fi
   echo "$want" >"$stamp"
 }
 
@@ -72,6 +76,8 @@ install_project
 cmd=${1:-}
 [[ $# -gt 0 ]] && shift
 export PATH="$venv/bin:$PATH"
+# Import this clone even if another clone shares the environment.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 case "$cmd" in
   demo) exec "$venv/bin/sgl-tts" demo "$@" ;;
   test)

@@ -22,6 +22,17 @@ class SGLangEndpoint(RuntimeEndpoint):
     Everything else (chat templates, ``select``, ``concatenate_and_append``) is SGLang's own.
     """
 
+    def __init__(self, base_url: str, api_key: str | None = None, verify: str | None = None,
+                 chat_template_name: str | None = None):
+        try:
+            super().__init__(base_url, api_key=api_key, verify=verify,
+                             chat_template_name=chat_template_name)
+        except (OSError, ConnectionError) as exc:  # urllib's URLError is an OSError
+            raise ConnectionError(
+                f"cannot reach an SGLang server at {base_url} ({exc}); start one with "
+                f"`python -m sglang.launch_server --model-path PATH --port PORT` or fix the URL"
+            ) from exc
+
     def _generate_body(self, s, sampling_params, fields: RequestFields) -> dict[str, Any]:
         self._handle_dtype_to_regex(sampling_params)
         data: dict[str, Any] = {

@@ -1,0 +1,181 @@
+"""SGLangEndpoint sends per-call request fields; checked against a real HTTP server that records the
+JSON it receives (no GPU: the server speaks SGLang's /get_model_info and /generate wire format)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import sglang as sgl
+
+import sgl_tts
+from sgl_tts import SGLangEndpoint
+
+
+class RecordingServer:
+    """A minimal SGLang look-alike *server process side*; the client under test is the real one."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, obj, status=200):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/get_model_info":
+                    self._send({"model_path": "tiny-test-model", "is_generation": True})
+                else:
+                    self._send({"error": "not found"}, 404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.bodies.append(body)
+                    n = len(outer.bodies)
+                meta = {"id": body.get("rid", f"auto-{n}"), "prompt_tokens": 3, "completion_tokens": 1,
+                        "finish_reason": {"type": "length", "length": 1}}
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for text in ("ab", "abc"):
+                        self.wfile.write(f"data: {json.dumps({'text': text, 'meta_info': meta})}\n\n".encode())
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
+                self._send({"text": f"<{n}>", "meta_info": meta})
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # a 16-way fork connects all at once
+            daemon_threads = True
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def generate_bodies(self):
+        return [b for b in self.bodies if b.get("sampling_params", {}).get("max_new_tokens", 1) > 0]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    srv = RecordingServer()
+    yield srv
+    srv.close()
+
+
+def test_connect_url_gives_the_endpoint_subclass(server):
+    backend = sgl_tts.connect(server.url + "/")
+    assert isinstance(backend, SGLangEndpoint)
+    assert backend.base_url == server.url
+    assert backend.get_model_name() == "tiny-test-model"
+
+
+def test_extra_fields_reach_the_server_and_plain_gen_sends_none(server):
+    backend = sgl_tts.connect(server.url)
+
+    @sgl.function
+    def prog(s):
+        s += "Question: 2+2?\n\n"
+        s += sgl_tts.gen("step", max_tokens=16, stop="\n\n", rid="q1-b0-d1", priority=7,
+                         custom_params={"group": "q1", "parent": None, "depth": 1, "class": "normal"},
+                         token_ids_logprob=[10, 11], seed=1234)
+        s += sgl.gen("plain", max_tokens=4)
+
+    state = prog.run(backend=backend)
+    state.sync()
+    assert state.error() is None
+    first, second = server.generate_bodies()
+    assert first["rid"] == "q1-b0-d1"
+    assert first["priority"] == 7
+    assert first["token_ids_logprob"] == [10, 11]
+    assert first["return_logprob"] is True
+    sp = first["sampling_params"]
+    assert sp["custom_params"] == {"group": "q1", "parent": None, "depth": 1, "class": "normal"}
+    assert sp["sampling_seed"] == 1234
+    assert sp["max_new_tokens"] == 16 and sp["stop"] == "\n\n"
+    assert first["text"] == "Question: 2+2?\n\n"
+    for key in ("rid", "priority", "token_ids_logprob"):
+        assert key not in second
+    assert "custom_params" not in second["sampling_params"]
+    assert "sampling_seed" not in second["sampling_params"]
+    assert state["step"] == "<1>" and state["plain"] == "<2>"
+
+
+def test_each_fork_sends_its_own_fields(server):
+    backend = sgl_tts.connect(server.url)
+
+    @sgl.function
+    def prog(s):
+        s += "Q\n\n"
+        forks = s.fork(16)
+        forks += lambda i: sgl_tts.gen("step", max_tokens=8, rid=f"beam-{i}", priority=i,
+                                       custom_params={"beam": i})
+        forks.join()
+
+    state = prog.run(backend=backend)
+    state.sync()
+    assert state.error() is None
+    bodies = [b for b in server.generate_bodies() if "rid" in b]
+    assert len(bodies) == 16
+    for b in bodies:
+        i = int(b["rid"].split("-")[1])
+        assert b["priority"] == i
+        assert b["sampling_params"]["custom_params"] == {"beam": i}
+
+
+def test_streaming_gen_sends_fields_too(server):
+    backend = sgl_tts.connect(server.url)
+
+    @sgl.function
+    def prog(s):
+        s += "Q\n\n"
+        s += sgl_tts.gen("a", max_tokens=4, rid="streamed", custom_params={"k": "v"})
+
+    state = prog.run(backend=backend, stream=True)
+    chunks = list(state.text_iter("a"))
+    assert "".join(chunks) == "abc"
+    body = server.generate_bodies()[-1]
+    assert body["stream"] is True and body["rid"] == "streamed"
+    assert body["sampling_params"]["custom_params"] == {"k": "v"}
+
+
+def test_fields_are_refused_on_select():
+    with pytest.raises(ValueError, match="request fields .* apply to generation calls"):
+        sgl_tts.gen("x", choices=["a", "b"], rid="nope")
+
+
+def test_unreachable_server_gives_one_clear_error():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectionError, match=rf"cannot reach an SGLang server at http://127.0.0.1:{port}"):
+        sgl_tts.connect(f"http://127.0.0.1:{port}")
+
+
+def test_connect_routes_paths_to_the_cpu_backend(tiny_model_path):
+    backend = sgl_tts.connect(tiny_model_path, runtime="cpu")
+    try:
+        assert isinstance(backend, sgl_tts.LocalBackend)
+    finally:
+        backend.shutdown()
+    with pytest.raises(ValueError, match="runtime='server' needs an http"):
+        sgl_tts.connect(tiny_model_path, runtime="server")

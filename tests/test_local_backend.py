@@ -336,3 +336,21 @@ def test_closed_engine_refuses_work_and_fails_waiters(tiny_model_path):
         fut.result(timeout=30)  # either it finished before the close or it was failed, never hangs
     except RuntimeError as exc:
         assert "closed" in str(exc)
+
+
+def test_sampled_first_tokens_respect_top_k_and_top_p(backend, hf_model):
+    ids = backend.encode(PROMPT)
+    probs = ref_logprobs(hf_model, ids)[-1].exp()
+    order = probs.argsort(descending=True).tolist()
+    # top-p keeps the smallest prefix of the sorted distribution whose mass reaches p.
+    mass, nucleus = 0.0, []
+    for t in order:
+        nucleus.append(t)
+        mass += float(probs[t])
+        if mass >= 0.05:
+            break
+    for spec, allowed in [(dict(top_k=3), set(order[:3])), (dict(top_p=0.05), set(nucleus))]:
+        futs = [backend.engine.submit(ids, SamplingSpec(max_new_tokens=1, ignore_eos=True, seed=i, **spec))
+                for i in range(96)]
+        seen = {f.result().output_ids[0] for f in futs}
+        assert seen == allowed, spec

@@ -725,25 +725,32 @@ class BatchEngine:
             self._check_finished(r)
 
     def _sample(self, reqs: list[_Request], scaled: torch.Tensor) -> torch.Tensor:
-        """top-k / top-p / min-p sampling by inverse CDF over sorted probabilities (SGLang's order)."""
-        probs_sorted, idx = scaled.softmax(-1).sort(dim=-1, descending=True)
-        vocab = probs_sorted.shape[1]
+        """top-k / top-p / min-p filtering (SGLang's rules, on sorted probabilities), then one seeded
+        uniform draw per request mapped through the CDF in *vocabulary* order.
+
+        Inverting the CDF in vocabulary order (not sorted order) keeps a seeded draw stable when
+        batching perturbs logits by float noise: near-equal probabilities may swap places in a sort,
+        but a token's interval in vocabulary order only moves by the noise itself.
+        """
+        probs = scaled.softmax(-1)
+        probs_sorted, idx = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[1]
         top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs])
         top_p = torch.tensor([r.sampling.top_p for r in reqs])
         min_p = torch.tensor([r.sampling.min_p for r in reqs])
         ranks = torch.arange(vocab)[None]
         cum = probs_sorted.cumsum(-1)
-        drop = (ranks >= top_k[:, None]) | ((cum - probs_sorted) > top_p[:, None])
-        drop |= probs_sorted < (probs_sorted[:, :1] * min_p[:, None])
-        probs_sorted = probs_sorted.masked_fill(drop, 0.0)
-        cdf = probs_sorted.cumsum(-1)
+        drop_sorted = (ranks >= top_k[:, None]) | ((cum - probs_sorted) > top_p[:, None])
+        drop_sorted |= probs_sorted < (probs_sorted[:, :1] * min_p[:, None])
+        drop_sorted[:, 0] = False  # the most likely token always survives
+        drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+        kept = probs.masked_fill(drop, 0.0)
+        cdf = kept.cumsum(-1)
         u = torch.stack([torch.rand((), generator=r.generator or self._rng) for r in reqs])
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-        pick = pick.clamp(max=vocab - 1)
-        # Never pick a dropped (zero-probability) entry because of rounding at the CDF's end.
-        kept = (~drop).sum(-1) - 1
-        pick = torch.minimum(pick, kept)
-        return idx.gather(1, pick[:, None]).squeeze(1)
+        # Rounding at the CDF's end must not land past the last kept token.
+        last_kept = vocab - 1 - (~drop).flip(1).float().argmax(1)
+        return torch.minimum(pick, last_kept)
 
     def _check_finished(self, r: _Request) -> None:
         if r.sampling.stop and not r.stop_window:

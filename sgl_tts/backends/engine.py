@@ -112,6 +112,7 @@ class EngineStats:
     decode_tokens: int = 0
     cached_tokens: int = 0
     max_running: int = 0
+    joined_running: int = 0   # requests admitted while others were mid-decode
 
 
 class _Request:
@@ -649,6 +650,7 @@ class BatchEngine:
             self._batch = new
         else:
             old = self._batch
+            self.stats.joined_running += len(new.reqs)
             layers, valid = _stack_rows([(old.layers, old.valid), (new.layers, new.valid)], headroom=32)
             self._batch = _Batch(layers, valid, old.reqs + new.reqs, torch.cat([old.next_pos, new.next_pos]))
         self.stats.max_running = max(self.stats.max_running, len(self._batch.reqs))

@@ -68,7 +68,8 @@ def test_tokenizers_agree(tokenizers):
         assert sgl_tok.encode(text) == hf_tok.encode(text)
 
 
-STOP_SETS = [(), ("\n\n",), ("ab", "b\n"), ("x y",), ("<|im_end|>",), ("a",)]
+STOP_SETS = [(), ("\n\n",), ("ab", "b\n"), ("x y",), ("<|im_end|>",), ("a",),
+             ("ax",), ("<|endoftext|>",)]  # the last two can complete on a stop/EOS token
 
 
 @pytest.mark.parametrize("stop", STOP_SETS, ids=lambda s: repr(s))

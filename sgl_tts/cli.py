@@ -110,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
     if getattr(args, "width", 1) < 1:
         print("sgl-tts: error: --width must be at least 1", file=sys.stderr)
         return 2

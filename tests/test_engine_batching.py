@@ -63,3 +63,27 @@ def test_concurrent_and_staggered_requests_equal_solo_runs(backend, seed):
         assert_same(a, b)
     assert backend.engine.stats.cached_tokens > 0
     assert backend.engine.stats.joined_running > joined  # some requests joined mid-flight
+
+
+def test_prefix_cache_finds_the_longest_prefix_and_evicts_lru():
+    import numpy as np
+    import torch
+
+    from sgl_tts.backends.engine import PrefixCache
+
+    def kv(n):
+        t = torch.arange(n, dtype=torch.float32)[None, :, None].expand(1, n, 2).contiguous()
+        return [(t, t + 100)]
+
+    cache = PrefixCache(max_bytes=1 << 20, max_entries=3)
+    cache.insert(np.array([1, 2, 3]), kv(3))
+    cache.insert(np.array([1, 2, 3, 4, 5]), kv(5))   # replaces its own prefix [1, 2, 3]
+    assert len(cache) == 1
+    cache.insert(np.array([1, 9]), kv(2))
+    n, got = cache.lookup(np.array([1, 2, 3, 4, 7, 7]), limit=5)
+    assert n == 4 and got[0][0].shape == (1, 4, 2) and float(got[0][1][0, 3, 0]) == 103.0
+    assert cache.lookup(np.array([1, 2, 3, 4, 5]), limit=2)[0] == 2   # limit respected
+    cache.insert(np.array([7]), kv(1))
+    cache.insert(np.array([8]), kv(1))                 # 4 entries > 3: least recently used goes
+    assert cache.lookup(np.array([1, 9]), limit=2)[0] == 1  # [1, 9] was evicted; [1,2,...] remains
+    assert len(cache) == 3

@@ -260,10 +260,14 @@ def _stack_rows(parts: Sequence[tuple[list[_SlabLayer], torch.Tensor]], headroom
 
 
 class PrefixCache:
-    """KV of recently seen token sequences, for reuse by requests that extend them (LRU, byte cap)."""
+    """KV of recently seen token sequences, for reuse by requests that extend them.
 
-    def __init__(self, max_bytes: int):
+    LRU, capped in bytes and in entries (a lookup compares against every entry).
+    """
+
+    def __init__(self, max_bytes: int, max_entries: int = 512):
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self.bytes = 0
         self._entries: OrderedDict[bytes, tuple[np.ndarray, list, int]] = OrderedDict()
 
@@ -303,7 +307,7 @@ class PrefixCache:
             self.bytes -= self._entries.pop(okey)[2]
         self._entries[key] = (ids.copy(), [(k.contiguous(), v.contiguous()) for k, v in kv], nbytes)
         self.bytes += nbytes
-        while self.bytes > self.max_bytes:
+        while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
             self.bytes -= self._entries.popitem(last=False)[1][2]
 
     def clear(self) -> None:

@@ -40,6 +40,30 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars)))
 
 
+def byte_symbols(text: str) -> str:
+    """``text`` in the byte-level alphabet of the vocabulary (e.g. a space becomes ``Ġ``)."""
+    b2u = _bytes_to_unicode()
+    return "".join(b2u[b] for b in text.encode("utf-8"))
+
+
+def word_merges(words: Sequence[str]) -> list[tuple[str, str]]:
+    """Merges that make each of ``words`` one token, built left to right (``St``, ``Ste``, ``Step``).
+
+    Words are given as text; a word must be one pre-token under Qwen2's splitting rules (letters with
+    at most one leading space or symbol, or a run of newlines) for its merges to apply.
+    """
+    merges: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for word in words:
+        sym = byte_symbols(word)
+        for i in range(2, len(sym) + 1):
+            pair = (sym[: i - 1], sym[i - 1])
+            if pair not in seen:
+                seen.add(pair)
+                merges.append(pair)
+    return merges
+
+
 def write_byte_level_tokenizer(path: str | Path, merges: Sequence[tuple[str, str]] = ()) -> int:
     """Write a Qwen2-format byte-level BPE tokenizer into ``path``; returns the vocabulary size.
 

@@ -179,3 +179,20 @@ def test_connect_routes_paths_to_the_cpu_backend(tiny_model_path):
         backend.shutdown()
     with pytest.raises(ValueError, match="runtime='server' needs an http"):
         sgl_tts.connect(tiny_model_path, runtime="server")
+
+
+def test_fields_sent_to_a_stock_backend_are_reported(server):
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    stock = RuntimeEndpoint(server.url)
+
+    @sgl.function
+    def prog(s):
+        s += "Q\n\n"
+        s += sgl_tts.gen("a", max_tokens=4, rid="one")
+        s += sgl_tts.gen("b", max_tokens=4, rid="two")
+
+    with pytest.warns(RuntimeWarning, match="never sent: its backend is not an sgl-tts backend"):
+        state = prog.run(backend=stock, use_thread=False)
+        state.sync()
+    assert all("rid" not in b for b in server.generate_bodies())

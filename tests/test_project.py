@@ -39,7 +39,7 @@ def test_readme_main_command_runs_a_program_and_prints_its_result(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"
     env = dict(os.environ, SGL_TTS_CACHE=str(tmp_path))  # builds the embedded default from scratch
-    out = subprocess.run([exe, "demo", "--json", "--width", "4", "--step-tokens", "8"],
+    out = subprocess.run([exe, "demo", "--json", "--runtime", "cpu", "--width", "4", "--step-tokens", "8"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -50,7 +50,7 @@ def test_readme_main_command_runs_a_program_and_prints_its_result(tmp_path):
     assert result["tokens"] == sum(s["completion_tokens"] for s in result["steps"])
     assert result["answer"] in ("yes", "no")
     # The table form prints the same program's result.
-    table = subprocess.run([exe, "demo", "--width", "2", "--step-tokens", "4"], capture_output=True,
+    table = subprocess.run([exe, "demo", "--runtime", "cpu", "--width", "2", "--step-tokens", "4"], capture_output=True,
                            text=True, env=env, timeout=300)
     assert table.returncode == 0, table.stderr
     assert "selected answer:" in table.stdout and "branch  tokens" in table.stdout

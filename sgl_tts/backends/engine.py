@@ -344,6 +344,9 @@ class BatchEngine:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = self._eos_token_ids()
+        # SGLang's min_new_tokens penalizer blocks stop_token_ids and the tokenizer's EOS only.
+        self.min_tokens_blocked = frozenset(
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._rng = torch.Generator()
         self._rng.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"))
@@ -352,6 +355,7 @@ class BatchEngine:
         self._admitting: list[_Request] = []  # taken from the line, not yet running or finished
         self._batch: _Batch | None = None
         self._closed = False
+        self._lock = threading.Lock()
         self._flush = False
         self._thread = threading.Thread(target=self._loop, name="sgl-tts-engine", daemon=True)
         self._thread.start()
@@ -397,7 +401,10 @@ class BatchEngine:
                 raise ValueError(f"score token ids must lie in [0, {self.vocab_size}), got {tids}")
             sp = (pos, tids)
         req = _Request(rid or uuid.uuid4().hex, ids, sampling, lp, sp, int(priority))
-        self._queue.put(req)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._queue.put(req)
         return req.future
 
     def generate(self, input_ids: Sequence[int], sampling: SamplingSpec,
@@ -410,10 +417,13 @@ class BatchEngine:
         self._flush = True
 
     def close(self) -> None:
-        if not self._closed:
+        """Stop the engine; every request not finished yet fails with "the engine was closed"."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._queue.put(None)
-            self._thread.join(timeout=30)
+        self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------------------ scheduling
     def _loop(self) -> None:
@@ -432,6 +442,14 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 - fail the affected requests, keep serving
                 logger.exception("engine step failed")
                 self._fail_all(exc)
+        # Closed: nothing can be queued any more (submit checks under the lock), so drain and fail.
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._waiting.append(item)
         self._fail_all(RuntimeError("the engine was closed"))
 
     def _collect(self) -> bool:
@@ -703,7 +721,7 @@ class BatchEngine:
         for i, r in enumerate(reqs):
             s = r.sampling
             if len(r.output_ids) < s.min_new_tokens:
-                blocked = list(s.stop_token_ids | self.eos_ids)
+                blocked = list(s.stop_token_ids | self.min_tokens_blocked)
                 logits[i, blocked] = float("-inf")
         temps = torch.tensor([1.0 if r.sampling.greedy else r.sampling.temperature for r in reqs])
         scaled = logits / temps[:, None]
@@ -874,6 +892,8 @@ def output_text(output_ids: Sequence[int], reason: dict | None, sampling: Sampli
     first occurrence (both kept with ``no_stop_trim``), a length finish trims nothing."""
     ids = list(output_ids)
     matched = (reason or {}).get("matched")
+    if not matched:  # as SGLang's trim_matched_stop: nothing to trim (this includes token id 0)
+        return tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
     if isinstance(matched, int) and not sampling.no_stop_trim and ids:
         ids = ids[:-1]
     text = tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from sglang.global_config import global_config
 from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.backend.runtime_endpoint import compute_normalized_prompt_logprobs
 from sglang.lang.chat_template import get_chat_template, get_chat_template_by_model_path
 from sglang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, token_length_normalized
 from sglang.lang.ir import SglSamplingParams
@@ -25,7 +26,6 @@ from sgl_tts.backends.engine import (
     LogprobSpec,
     SamplingSpec,
     UnsupportedFeatureError,
-    common_prefix_len,
 )
 from sgl_tts.backends.request import RequestFields, take_request_fields
 
@@ -63,10 +63,14 @@ class LocalBackend(BaseBackend):
                 f"(model hubs are not used; pass a local path)")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if str(device) != "cpu":
+            raise ValueError(f"LocalBackend runs on the CPU (device='cpu'), got device={device!r}; "
+                             f"with CUDA use sgl_tts.connect(path) for an in-process SGLang runtime")
         self.model_path = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        check_supported_architecture(model.config)
         model.to(device).eval()
         self.model = model
         self.engine = BatchEngine(model, self.tokenizer, max_running=max_running,
@@ -93,40 +97,41 @@ class LocalBackend(BaseBackend):
 
     def select(self, s, choices: list[str], temperature: float,
                choices_method: ChoicesSamplingMethod | None = None) -> ChoicesDecision:
+        """SGLang's ``RuntimeEndpoint.select``, step for step, on the local engine: score each
+        ``text + choice`` from two tokens before the end of the prompt, normalise with SGLang's own
+        ``compute_normalized_prompt_logprobs``, undo the token-healing overlap the way it does."""
         take_request_fields()
         if temperature > 1e-5:
             raise UnsupportedFeatureError("select with temperature > 0 (SGLang selects greedily)")
         method = choices_method or token_length_normalized
-        prompt = self.encode(s.text_)
-        futures, spans = [], []
-        for choice in choices:
-            ids = self.encode(s.text_ + choice)
-            p = common_prefix_len(prompt, ids)
-            if p == len(ids):  # the choice adds no token of its own
-                p = len(ids) - 1
-            spans.append(ids[p:])
-            futures.append(self.engine.submit(
-                ids, SamplingSpec(max_new_tokens=0),
-                LogprobSpec(return_logprob=True, logprob_start_len=max(p - 1, 0),
-                            return_text_in_logprobs=True)))
-        input_lps, output_lps, normalized = [], [], []
-        for fut, span in zip(futures, spans):
-            meta = fut.result().meta_info
-            entries = meta["input_token_logprobs"]
-            entries = entries[len(entries) - len(span):]  # the choice's own tokens
-            input_lps.append(entries)
-            output_lps.append(meta["output_token_logprobs"])
-            values = [e[0] for e in entries if e[0] is not None]
-            normalized.append(sum(values) / len(values) if values else 0.0)
+        prompt_len = len(self.encode(s.text_))
+        logprob_start_len = max(prompt_len - 2, 0)  # for token healing, as the server client does
+        futs = [self.engine.submit(self.encode(s.text_ + c), SamplingSpec(max_new_tokens=0, temperature=0),
+                                   LogprobSpec(return_logprob=True, logprob_start_len=logprob_start_len,
+                                               return_text_in_logprobs=True))
+                for c in choices]
+        metas = [f.result().meta_info for f in futs]
+        input_token_logprobs = [m["input_token_logprobs"] for m in metas]
+        output_token_logprobs = [m["output_token_logprobs"] for m in metas]
+        normalized = [compute_normalized_prompt_logprobs(lps) for lps in input_token_logprobs]
+        for i, lps in enumerate(input_token_logprobs):
+            healed_token_str = lps[0][-1]
+            if s.text_.endswith(healed_token_str):  # no healing happened: drop the extra token
+                healed = lps[0][0]
+                if healed is not None:  # (the first returned entry is None: it never entered the mean)
+                    normalized[i] = (normalized[i] * len(lps) - healed) / (len(lps) - 1)
+                input_token_logprobs[i] = lps[1:]
         unconditional = None
         if method.requires_unconditional_logprobs:
-            futs = [self.engine.submit(span, SamplingSpec(max_new_tokens=0),
-                                       LogprobSpec(return_logprob=True, logprob_start_len=0,
-                                                   return_text_in_logprobs=True))
-                    for span in spans]
+            # SGLang 0.5.15's client asks with the default logprob_start_len, for which its server
+            # returns no input logprobs (and the method then fails); ask from position 0 instead.
+            futs = [self.engine.submit([e[1] for e in lps], SamplingSpec(max_new_tokens=0),
+                                       LogprobSpec(return_logprob=True, logprob_start_len=0))
+                    for lps in input_token_logprobs]
             unconditional = [f.result().meta_info["input_token_logprobs"] for f in futs]
         return method(choices=choices, normalized_prompt_logprobs=normalized,
-                      input_token_logprobs=input_lps, output_token_logprobs=output_lps,
+                      input_token_logprobs=input_token_logprobs,
+                      output_token_logprobs=output_token_logprobs,
                       unconditional_token_logprobs=unconditional)
 
     def cache_prefix(self, prefix_str: str) -> None:
@@ -227,4 +232,26 @@ class LocalBackend(BaseBackend):
         return sampling, logprobs
 
 
-__all__ = ["LocalBackend", "UnsupportedFeatureError"]
+
+
+def check_supported_architecture(config) -> None:
+    """Refuse models whose attention the engine's masks would get wrong (sliding windows, hybrid or
+    state-space layers): the engine builds full causal masks over a per-layer KV cache."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(cfg, "layer_types", None)
+    problem = None
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        problem = f"layer types {sorted(set(layer_types))}"
+    elif getattr(cfg, "use_sliding_window", False):
+        problem = "sliding-window attention (use_sliding_window=True)"
+    elif getattr(cfg, "model_type", "") in ("mistral", "mixtral"):
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and window < getattr(cfg, "max_position_embeddings", 0):
+            problem = f"sliding-window attention (sliding_window={window})"
+    if problem:
+        raise UnsupportedFeatureError(
+            f"LocalBackend supports full-attention decoder models only; this model has {problem}. "
+            f"Serve it with SGLang and use sgl_tts.connect(url)")
+
+
+__all__ = ["LocalBackend", "UnsupportedFeatureError", "check_supported_architecture"]

@@ -6,13 +6,15 @@ parameters, so the fields travel beside them: when the interpreter's worker thre
 expression's sampling parameters (immediately before it calls ``backend.generate`` on that same
 thread), the expression leaves its fields in a thread-local slot, and sgl-tts backends take them out.
 Each ``StreamExecutor`` runs its expressions in order on its own thread, so a field can never reach
-another call.
+another call. Stock SGLang backends never take the fields (they are not sent); the next
+``sgl_tts.gen`` on that thread then warns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any, Mapping, Sequence
 
 from sglang.lang.api import gen as _sgl_gen
@@ -55,6 +57,10 @@ class RequestGen(SglGen):
 
     @property
     def sampling_params(self):  # read by StreamExecutor._execute_gen right before backend.generate
+        if getattr(_slot, "fields", None) is not None:
+            warnings.warn("request fields of an earlier sgl_tts.gen were never sent: its backend is "
+                          "not an sgl-tts backend (stock SGLang backends ignore rid, priority, "
+                          "custom_params, token_ids_logprob and seed)", RuntimeWarning, stacklevel=2)
         _slot.fields = self.request_fields
         return self._params
 

@@ -7,13 +7,16 @@
 #   ./dev.sh path          print the environment's folder
 #
 # The heavy environment (sglang==0.5.15 with its CUDA torch, ~11 GB) lives outside the clone, in
-# ${SGL_TTS_CACHE:-~/.cache/sgl-tts}/venv-<key>, where <key> hashes requirements/lock.txt and the Python
-# version: repeat runs reuse it, a change of pins builds a new one, and a fresh machine builds it once.
+# ${SGL_TTS_CACHE:-~/.cache/sgl-tts}/venv-<key>, where <key> hashes requirements/lock.txt (top-level
+# pins), requirements/constraints.txt (every package's exact version) and the Python version: repeat
+# runs reuse it, a change of pins builds a new one, and a fresh machine builds it once.
+# Needs Linux x86_64 with python3 -m venv (Debian/Ubuntu: python3-venv), flock and sha256sum.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${SGL_TTS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sgl-tts}
 lock="$root/requirements/lock.txt"
+constraints="$root/requirements/constraints.txt"
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
@@ -31,7 +34,7 @@ find_python() {
 
 py=$(find_python)
 pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-key=$( (cat "$lock"; echo "python=$pyver") | sha256sum | cut -c1-16)
+key=$( (cat "$lock" "$constraints"; echo "python=$pyver") | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 
 # This machine's pip configuration prefers a local CPU torch wheel (find-links) and local mirrors that
@@ -47,8 +50,8 @@ build_env() {
   rm -rf "$venv"
   "$py" -m venv "$venv"
   pip_clean install -q --upgrade pip
-  pip_clean install --progress-bar off -r "$lock"
-  cp "$lock" "$venv/.lock.txt"
+  pip_clean install --progress-bar off -r "$lock" -c "$constraints"
+  cp "$lock" "$constraints" "$venv/"
   touch "$venv/.complete"
   log "environment ready"
 }

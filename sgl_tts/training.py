@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sgl_tts import task
-from sgl_tts.models.tiny import SPECIAL_TOKENS, TinyModelSpec, word_merges, write_byte_level_tokenizer
+from sgl_tts.models.tiny import TinyModelSpec, word_merges, write_byte_level_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -334,27 +334,95 @@ def accuracy(problems: Sequence[task.Problem], texts: Sequence[str]) -> float:
     return sum(task.grade(p, t).answer_ok for p, t in zip(problems, texts)) / max(1, len(problems))
 
 
-def _main_generator(argv: Sequence[str] | None = None) -> int:
+def sample_pool(generator: str | Path, count: int, samples: int, *, temperature: float, seed: int,
+                progress: bool = True) -> list[tuple[task.Problem, str]]:
+    """The generator's own solutions to ``count`` training problems (PRM training data)."""
+    from sgl_tts import LocalBackend
+
+    stream = task.train_stream(f"{task.TRAIN_SEED}-pool-{seed}")
+    problems = [next(stream) for _ in range(count)]
+    backend = LocalBackend(generator, max_running=512, seed=seed)
+    try:
+        texts = sample_solutions(backend, problems, samples, temperature=temperature, seed=seed,
+                                 progress=progress)
+    finally:
+        backend.shutdown()
+    return [(p, t) for p, ts in zip(problems, texts) for t in ts]
+
+
+@dataclasses.dataclass
+class TinyRecipe:
+    """Everything ``sgl-tts train-tiny`` does, with its fixed seeds."""
+
+    generator_steps: int = 1000
+    prm_steps: int = 1200
+    prm_batch: int = 32
+    prm_lr: float = 5e-4
+    pool_problems: int = 3000
+    pool_samples: int = 4
+    pool_temperature: float = 0.8
+    seed: int = 0
+
+
+def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: bool = True) -> dict:
+    """Train generator and PRM into ``out``/generator and ``out``/prm. Finished stages are skipped on a
+    rerun (each writes a ``.done`` marker), so an interrupted run resumes."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen, prm = out / "generator", out / "prm"
+    timings = {}
+    t = time.perf_counter()
+    if not (gen / ".done").exists():
+        new_generator(gen, seed=recipe.seed)
+        train_generator(gen, TrainConfig(steps=recipe.generator_steps, seed=recipe.seed), progress=progress)
+        (gen / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
+    timings["generator_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pool_file = out / "prm-pool.jsonl"
+    if not pool_file.exists():
+        pool = sample_pool(gen, recipe.pool_problems, recipe.pool_samples,
+                           temperature=recipe.pool_temperature, seed=recipe.seed, progress=progress)
+        tmp = pool_file.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for p, text in pool:
+                f.write(json.dumps({**p.to_record("pool"), "sample": text}) + "\n")
+        tmp.replace(pool_file)
+    pool = [(task.Problem.from_record(r), r["sample"])
+            for r in map(json.loads, pool_file.read_text().splitlines())]
+    timings["pool_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if not (prm / ".done").exists():
+        new_prm(gen, prm)
+        train_prm(prm, pool, TrainConfig(steps=recipe.prm_steps, batch_size=recipe.prm_batch,
+                                         lr=recipe.prm_lr, warmup=50, seed=recipe.seed),
+                  progress=progress)
+        (prm / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
+    timings["prm_s"] = time.perf_counter() - t
+    return timings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--checkpoints", default="")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="sgl-tts train-tiny", description=train_tiny.__doc__)
+    ap.add_argument("--out", required=True, help="folder for generator/, prm/ and the PRM data pool")
+    d = TinyRecipe()
+    for f in dataclasses.fields(TinyRecipe):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
+                        default=getattr(d, f.name))
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    out = Path(args.out)
-    new_generator(out, seed=args.seed)
-    cps = [int(x) for x in args.checkpoints.split(",") if x]
-    train_generator(out, TrainConfig(steps=args.steps, seed=args.seed), checkpoints=cps)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    recipe = TinyRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyRecipe)})
+    timings = train_tiny(args.out, recipe)
+    print(json.dumps({"out": str(args.out), "recipe": dataclasses.asdict(recipe), **timings}))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main_generator())
+    raise SystemExit(main())
 
 
-__all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TrainConfig", "accuracy", "new_generator",
-           "sample_solutions", "save_model", "train_generator", "write_task_tokenizer",
-           "SPECIAL_TOKENS", "json", "random"]
+__all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "accuracy", "corrupt",
+           "new_generator", "new_prm", "prm_step_scores", "sample_pool", "sample_solutions",
+           "save_model", "tag_positions", "train_generator", "train_prm", "train_tiny",
+           "write_task_tokenizer"]

@@ -8,16 +8,29 @@ from pathlib import Path
 
 from sgl_tts.models.tiny import TinyModelSpec, build_tiny_model, write_byte_level_tokenizer
 
-__all__ = ["TinyModelSpec", "build_tiny_model", "default_model_path", "write_byte_level_tokenizer"]
+__all__ = ["DATA", "TinyModelSpec", "build_tiny_model", "default_model_path", "shipped_model",
+           "write_byte_level_tokenizer"]
 
 
-def default_model_path() -> "Path":
-    """The embedded default model folder.
+DATA = Path(__file__).parent / "data"
 
-    Until the project's trained tiny generator ships (see docs/ARCHITECTURE.md), this is an
-    untrained, seeded tiny Qwen2 model, built once into the user cache: it exercises the runtime, and
-    its text is not meaningful.
+
+def shipped_model(name: str) -> Path | None:
+    """Folder of a model shipped inside the package (``"generator"`` or ``"prm"``), if present."""
+    path = DATA / name
+    return path if (path / "model.safetensors").is_file() else None
+
+
+def default_model_path() -> Path:
+    """The embedded default model folder: the shipped tiny generator for the arithmetic task.
+
+    If the package carries no trained weights (a source tree before ``sgl-tts train-tiny``), an
+    untrained seeded tiny Qwen2 is built once into the user cache instead: it exercises the runtime,
+    and its text is not meaningful.
     """
+    shipped = shipped_model("generator")
+    if shipped is not None:
+        return shipped
     import os
 
     root = Path(os.environ.get("SGL_TTS_CACHE", Path.home() / ".cache" / "sgl-tts")) / "models"
@@ -25,5 +38,6 @@ def default_model_path() -> "Path":
     if not (path / "model.safetensors").is_file():
         tmp = root / f".tiny-untrained-v1.{os.getpid()}"
         build_tiny_model(tmp, seed=0)
-        tmp.replace(path) if not path.exists() else None
+        if not path.exists():
+            tmp.replace(path)
     return path

@@ -175,6 +175,14 @@ def tag_positions(tokenizer, question: str, steps: Sequence[str]) -> tuple[list[
 
 def corrupt(problem: task.Problem, rng: random.Random) -> list[str]:
     """The reference steps with one injected error, carried on consistently or not."""
+    for _ in range(100):
+        steps = _corrupt_once(problem, rng)
+        if not all(task.grade(problem, task.STEP_SEPARATOR.join(steps)).step_ok):
+            return steps
+    raise RuntimeError(f"could not inject an error into {problem.question}")
+
+
+def _corrupt_once(problem: task.Problem, rng: random.Random) -> list[str]:
     steps = problem.step_texts()
     vals = problem.values
     k = rng.randrange(len(problem.ops))

@@ -87,6 +87,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delegated(command: str):
+    """Subcommands with their own argument parsers (listed in ``--help``, dispatched in ``main``)."""
+    if command == "train-tiny":
+        from sgl_tts.training import main as delegate
+    else:
+        from sgl_tts.quality import main as delegate
+    return delegate
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-tts", description="Fast test-time scaling on SGLang.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -95,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default=None,
                    help="SGLang server URL or model folder (default: the embedded default model)")
     d.add_argument("--runtime", choices=["auto", "server", "cuda", "cpu"], default="auto")
-    d.add_argument("--question", default="Compute ((3+4)*5)-6 step by step.")
+    d.add_argument("--question", default="Compute ((3+4)*5)-6.",
+                   help="a problem in the task format (default: a 3-operation chain)")
     d.add_argument("--width", type=int, default=8, help="number of forked branches")
     d.add_argument("--step-tokens", type=int, default=32, help="max tokens per step")
     d.add_argument("--seed", type=int, default=0)
@@ -103,10 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="versions of sgl-tts, sglang, torch, transformers")
     i.set_defaults(func=cmd_info)
+    sub.add_parser("train-tiny", add_help=False,
+                   help="train the tiny generator + PRM for the arithmetic task (see its --help)")
+    sub.add_parser("quality", add_help=False,
+                   help="measure single/majority/best-of-N/beam search/PRM AUC (see its --help)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("train-tiny", "quality"):
+        return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

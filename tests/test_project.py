@@ -38,15 +38,19 @@ def test_pins_are_the_ones_installed_and_the_lock_covers_pyproject():
 def test_readme_main_command_runs_a_program_and_prints_its_result(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"
-    env = dict(os.environ, SGL_TTS_CACHE=str(tmp_path))  # builds the embedded default from scratch
+    env = dict(os.environ, SGL_TTS_CACHE=str(tmp_path))
     out = subprocess.run([exe, "demo", "--json", "--runtime", "cpu", "--width", "4", "--step-tokens", "8"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["backend"] == "LocalBackend"
-    assert result["model"] == str(tmp_path / "models" / "tiny-untrained-v1")
+    from sgl_tts.models import default_model_path
+
+    assert result["model"] == str(default_model_path())  # the shipped tiny generator
     assert len(result["steps"]) == 4
     assert all(1 <= s["completion_tokens"] <= 8 for s in result["steps"])
+    # 8 tokens of the trained generator's first step: "Step 1: 3+4=7" begins "Step 1: 3+"
+    assert all(s["text"].startswith("Step 1: ") for s in result["steps"])
     assert result["tokens"] == sum(s["completion_tokens"] for s in result["steps"])
     assert result["answer"] in ("yes", "no")
     # The table form prints the same program's result.
@@ -62,3 +66,15 @@ def test_demo_reports_bad_input_in_one_line(tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"sgl-tts: error: no model at {tmp_path / 'x'}: expected a Hugging Face model folder")
+
+
+def test_cli_dispatches_training_and_quality_commands(capsys):
+    import pytest
+
+    from sgl_tts.cli import main
+
+    for command, flag in (("train-tiny", "--generator-steps"), ("quality", "--generator")):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert flag in capsys.readouterr().out

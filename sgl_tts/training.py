@@ -100,26 +100,29 @@ def generator_batches(tokenizer, cfg: TrainConfig) -> Iterator[tuple[torch.Tenso
         yield input_ids, mask, _pad(labels, -100)
 
 
-def train_generator(path: str | Path, cfg: TrainConfig, *, checkpoints: Sequence[int] = (),
-                    progress: bool = True) -> Path:
-    """Train the generator folder at ``path`` in place; also saves ``path``-stepN at ``checkpoints``."""
+def _fit(path: Path, cfg: TrainConfig, desc: str, batches, loss_of, *,
+         checkpoints: Sequence[int] = (), progress: bool = True) -> Path:
+    """The training loop both stages share: AdamW with warm-up + cosine, bf16 autocast, clipping.
+
+    ``batches(tokenizer)`` yields batches; ``loss_of(model, batch)`` returns the scalar loss. The model
+    folder at ``path`` is trained in place (and saved as ``path``-stepN at ``checkpoints``).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
     torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     opt = _optimizer(model, cfg)
-    batches = generator_batches(tok, cfg)
-    bar = tqdm(range(cfg.steps), desc="generator", disable=not progress)
+    stream = batches(tok)
+    bar = tqdm(range(cfg.steps), desc=desc, disable=not progress)
     t0, ema = time.perf_counter(), None
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        input_ids, mask, labels = next(batches)
+        batch = next(stream)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss = loss_of(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -127,11 +130,19 @@ def train_generator(path: str | Path, cfg: TrainConfig, *, checkpoints: Sequence
         ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
         bar.set_postfix(loss=f"{ema:.4f}")
         if (step + 1) % cfg.log_every == 0:
-            logger.info("generator step %d loss %.4f (%.1fs)", step + 1, ema, time.perf_counter() - t0)
+            logger.info("%s step %d loss %.4f (%.1fs)", desc, step + 1, ema, time.perf_counter() - t0)
         if step + 1 in checkpoints:
             save_model(model, tok, path.with_name(f"{path.name}-step{step + 1}"))
     save_model(model, tok, path)
     return path
+
+
+def train_generator(path: str | Path, cfg: TrainConfig, *, checkpoints: Sequence[int] = (),
+                    progress: bool = True) -> Path:
+    """Train the generator folder at ``path`` in place: next-token loss on the reference solution."""
+    return _fit(Path(path), cfg, "generator", lambda tok: generator_batches(tok, cfg),
+                lambda model, b: model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss,
+                checkpoints=checkpoints, progress=progress)
 
 
 def save_model(model, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -257,43 +268,33 @@ def new_prm(generator: str | Path, path: str | Path) -> Path:
     return save_model(model, tok, path, dtype=torch.float32)
 
 
+def prm_batches(tokenizer, pool: Sequence[tuple[task.Problem, str]], cfg: TrainConfig):
+    """Collated PRM batches: (input_ids, attention_mask, rows, cols, labels) of every step tag."""
+    examples = prm_examples(tokenizer, pool, cfg.seed)
+    while True:
+        batch = [next(examples) for _ in range(cfg.batch_size)]
+        yield (_pad([b[0] for b in batch], tokenizer.eos_token_id),
+               _pad([[1] * len(b[0]) for b in batch], 0),
+               torch.tensor([i for i, b in enumerate(batch) for _ in b[1]]),
+               torch.tensor([p for b in batch for p in b[1]]),
+               torch.tensor([lab for b in batch for lab in b[2]], dtype=torch.float32))
+
+
 def train_prm(path: str | Path, pool: Sequence[tuple[task.Problem, str]], cfg: TrainConfig,
               progress: bool = True) -> Path:
     """Fine-tune the PRM folder at ``path``: 2-way cross-entropy over {+, -} at every step tag."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    path = Path(path)
-    torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
     plus, minus = tok.convert_tokens_to_ids(PLUS), tok.convert_tokens_to_ids(MINUS)
-    opt = _optimizer(model, cfg)
-    examples = prm_examples(tok, pool, cfg.seed)
-    bar = tqdm(range(cfg.steps), desc="prm", disable=not progress)
-    ema = None
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        batch = [next(examples) for _ in range(cfg.batch_size)]
-        input_ids = _pad([b[0] for b in batch], tok.eos_token_id)
-        mask = _pad([[1] * len(b[0]) for b in batch], 0)
-        rows = torch.tensor([i for i, b in enumerate(batch) for _ in b[1]])
-        cols = torch.tensor([p for b in batch for p in b[1]])
-        target = torch.tensor([lab for b in batch for lab in b[2]], dtype=torch.float32)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            logits = model.lm_head(hidden[rows, cols])[:, [plus, minus]].float()
-        margin = logits[:, 0] - logits[:, 1]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(margin, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
-        bar.set_postfix(loss=f"{ema:.4f}")
-    save_model(model, tok, path)
-    return path
+
+    def loss_of(model, b):
+        input_ids, mask, rows, cols, target = b
+        hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        logits = model.lm_head(hidden[rows, cols])[:, [plus, minus]].float()
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits[:, 0] - logits[:, 1], target)
+
+    return _fit(Path(path), cfg, "prm", lambda t: prm_batches(t, pool, cfg), loss_of, progress=progress)
 
 
 def prm_step_scores(backend, question: str, steps_list: Sequence[Sequence[str]]) -> list[list[float]]:
@@ -362,7 +363,8 @@ def sample_pool(generator: str | Path, count: int, samples: int, *, temperature:
 class TinyRecipe:
     """Everything ``sgl-tts train-tiny`` does, with its fixed seeds."""
 
-    generator_steps: int = 1000
+    generator_steps: int = 1500
+    generator_batch: int = 64
     prm_steps: int = 1200
     prm_batch: int = 32
     prm_lr: float = 5e-4
@@ -382,7 +384,8 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
     t = time.perf_counter()
     if not (gen / ".done").exists():
         new_generator(gen, seed=recipe.seed)
-        train_generator(gen, TrainConfig(steps=recipe.generator_steps, seed=recipe.seed), progress=progress)
+        train_generator(gen, TrainConfig(steps=recipe.generator_steps, batch_size=recipe.generator_batch,
+                                         seed=recipe.seed), progress=progress)
         (gen / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
     timings["generator_s"] = time.perf_counter() - t
     t = time.perf_counter()

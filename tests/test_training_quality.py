@@ -82,3 +82,23 @@ def test_auc_equals_pairwise_definition():
     pairwise = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg) / (len(pos) * len(neg))
     assert auc(scores, labels) == pytest.approx(pairwise)
     assert auc([0.1, 0.9], [0, 1]) == 1.0
+
+
+def test_train_tiny_runs_every_stage_and_resumes(tmp_path):
+    import json
+
+    from transformers import AutoConfig
+
+    from sgl_tts.training import TinyRecipe, train_tiny
+
+    recipe = TinyRecipe(generator_steps=2, generator_batch=4, prm_steps=2, prm_batch=4,
+                        pool_problems=2, pool_samples=1)
+    train_tiny(tmp_path, recipe, progress=False)
+    for stage in ("generator", "prm"):
+        assert (tmp_path / stage / "model.safetensors").is_file()
+        assert json.loads((tmp_path / stage / ".done").read_text())["generator_steps"] == 2
+    assert len((tmp_path / "prm-pool.jsonl").read_text().splitlines()) == 2
+    assert AutoConfig.from_pretrained(tmp_path / "prm").tie_word_embeddings is False
+    stamp = (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns
+    train_tiny(tmp_path, recipe, progress=False)  # finished stages are skipped on a rerun
+    assert (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns == stamp

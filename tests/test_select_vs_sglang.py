@@ -74,6 +74,12 @@ CASES = [
 ]
 
 
+def run_state(program, backend):
+    state = program.run(backend=backend)
+    state.sync()
+    return state
+
+
 @pytest.mark.parametrize("prompt, choices", CASES)
 def test_select_equals_sglang_runtime_endpoint(backend, shim, prompt, choices):
     @sgl.function
@@ -83,8 +89,7 @@ def test_select_equals_sglang_runtime_endpoint(backend, shim, prompt, choices):
 
     results = []
     for be in (backend, RuntimeEndpoint(shim)):
-        state = prog.run(backend=be)
-        state.sync()
+        state = run_state(prog, be)
         assert state.error() is None, state.error()
         results.append((state["ans"], state.get_meta_info("ans")["normalized_prompt_logprobs"]))
     (ours, ours_norm), (server, server_norm) = results
@@ -103,11 +108,8 @@ def test_where_sglang_select_crashes_local_select_answers(backend, shim):
         s += "aa"
         s += sgl.select("ans", choices=choices)
 
-    server_state = prog.run(backend=RuntimeEndpoint(shim))
-    server_state.sync()
-    assert isinstance(server_state.error(), TypeError)
-    state = prog.run(backend=backend)
-    state.sync()
+    assert isinstance(run_state(prog, RuntimeEndpoint(shim)).error(), TypeError)
+    state = run_state(prog, backend)
     assert state.error() is None
     meta = state.get_meta_info("ans")
     # The mean over the choice's entries after the dropped first one equals the reported value.
@@ -130,11 +132,8 @@ def test_unconditional_likelihood_gets_choice_logprobs_from_position_0(backend, 
         s += "aa"
         s += sgl.select("ans", choices=choices, choices_method=unconditional_likelihood_normalized)
 
-    server_state = prog.run(backend=RuntimeEndpoint(shim))
-    server_state.sync()
-    assert isinstance(server_state.error(), TypeError)
-    state = prog.run(backend=backend)
-    state.sync()
+    assert isinstance(run_state(prog, RuntimeEndpoint(shim)).error(), TypeError)
+    state = run_state(prog, backend)
     assert state.error() is None
     assert state["ans"] in choices
     uncond = state.get_meta_info("ans")["unconditional_token_logprobs"]

@@ -219,10 +219,6 @@ class _Batch:
         self.reqs = reqs
         self.next_pos = next_pos      # long [rows]: position id of the next fed token
 
-    @property
-    def length(self) -> int:
-        return self.valid.shape[1]
-
     def cache(self) -> Cache:
         return Cache(layers=list(self.layers))
 

@@ -153,11 +153,6 @@ class LocalBackend(BaseBackend):
         """Token ids of ``text`` exactly as an SGLang server tokenizes a ``/generate`` prompt."""
         return self.tokenizer.encode(text)
 
-    def complete(self, text: str, sampling_params: SglSamplingParams | None = None,
-                 fields: RequestFields | None = None) -> Completion:
-        """One generation outside a program: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
-        return self._complete(text, sampling_params or SglSamplingParams(), fields or RequestFields())
-
     def next_token_logprobs(self, prompts: Sequence[str | Sequence[int]],
                             positions: Sequence[Sequence[int]],
                             token_ids: Sequence[int]) -> list[list[list[float]]]:

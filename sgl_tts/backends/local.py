@@ -22,6 +22,7 @@ from sglang.lang.ir import SglSamplingParams
 
 from sgl_tts.backends.engine import (
     BatchEngine,
+    use_engine_attention,
     Completion,
     LogprobSpec,
     SamplingSpec,
@@ -47,12 +48,14 @@ class LocalBackend(BaseBackend):
         chat_template: SGLang chat template name; by default chosen from the model path as SGLang does.
         gather_window_ms: how long the engine waits for more requests to arrive together once one
             arrives at an idle engine (a fork's branches arrive within microseconds).
+        threads: torch threads of the engine (default 1; ``None`` for torch's default), see
+            :class:`~sgl_tts.backends.engine.BatchEngine`.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
                  max_running: int = 256, prefix_cache_mb: int = 256, seed: int | None = None,
                  chat_template: str | None = None, gather_window_ms: float = 4.0,
-                 trust_remote_code: bool = False):
+                 threads: int | None = 1, trust_remote_code: bool = False):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,10 +75,11 @@ class LocalBackend(BaseBackend):
             path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
         check_supported_architecture(model.config)
         model.to(device).eval()
+        use_engine_attention(model)
         self.model = model
         self.engine = BatchEngine(model, self.tokenizer, max_running=max_running,
                                   prefix_cache_bytes=prefix_cache_mb << 20, seed=seed,
-                                  gather_window_s=gather_window_ms / 1000.0)
+                                  gather_window_s=gather_window_ms / 1000.0, threads=threads)
         self.chat_template = (get_chat_template(chat_template) if chat_template
                               else get_chat_template_by_model_path(self.model_path))
         self.is_chat_model = False

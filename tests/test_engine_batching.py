@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 
@@ -87,3 +88,25 @@ def test_prefix_cache_finds_the_longest_prefix_and_evicts_lru():
     cache.insert(np.array([8]), kv(1))                 # 4 entries > 3: least recently used goes
     assert cache.lookup(np.array([1, 9]), limit=2)[0] == 1  # [1, 9] was evicted; [1,2,...] remains
     assert len(cache) == 3
+
+
+def test_grouped_kv_decode_attention_equals_transformers_sdpa():
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sgl_tts.backends.engine import _sdpa_gqa_decode
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, length, dim = 5, 8, 2, 13, 16
+    q = torch.randn(b, heads, 1, dim, generator=g)
+    k = torch.randn(b, kv_heads, length, dim, generator=g)
+    v = torch.randn(b, kv_heads, length, dim, generator=g)
+    allow = torch.rand(b, length, generator=g) > 0.3
+    allow[:, -1] = True
+    mask = torch.where(allow, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = _sdpa_gqa_decode(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (b, 1, heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

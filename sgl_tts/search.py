@@ -1,0 +1,170 @@
+"""Primitives that TTS programs share: step generation on many forks, score aggregation, stable top-k
+selection, beam expansion, answer extraction and voting, and the result types programs return.
+
+A new search algorithm is an ``@sgl.function`` that forks, calls :func:`gen_step`, scores the
+candidates with a PRM (:mod:`sgl_tts.prm`), keeps :func:`top_k` of them and :func:`expand`s them.
+Everything here is deterministic: ties always go to the earlier candidate, so the same samples and
+scores always give the same selection.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import math
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import sgl_tts
+
+STEP_DELIMITER = "\n\n"
+BOXED = r"\\boxed\{([^{}]*)\}"
+
+AGGREGATIONS: dict[str, Callable[[Sequence[float]], float]] = {
+    "last": lambda xs: xs[-1],
+    "min": min,
+    "prod": math.prod,
+    "mean": lambda xs: sum(xs) / len(xs),
+}
+
+
+def aggregate(scores: Sequence[float], how: str = "last") -> float:
+    """One trajectory score from its step scores (``last``, ``min``, ``prod`` or ``mean``); an empty
+    trajectory scores 0."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {how!r}; choose one of {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[how](scores) if scores else 0.0
+
+
+def top_k(scores: Sequence[float], k: int) -> list[int]:
+    """Indices of the ``k`` highest scores, best first; ties go to the lower index (stable)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:max(0, k)]
+
+
+def expand(count: int, total: int) -> list[int]:
+    """How many children each of ``count`` ranked beams gets so that ``total`` are made: an equal
+    share, the remainder to the best-ranked beams (``expand(3, 8) == [3, 3, 2]``)."""
+    if count <= 0:
+        return []
+    base, extra = divmod(total, count)
+    return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def extract_answer(text: str, pattern: str = BOXED) -> str | None:
+    """The last match of ``pattern``'s first group in ``text`` (default: ``\\boxed{...}``), stripped."""
+    found = re.findall(pattern, text)
+    return found[-1].strip() if found else None
+
+
+def vote(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:
+    """The answer with the most votes (or the largest total weight); ties go to the answer seen first;
+    ``None`` (no answer) never wins."""
+    if weights is not None and len(weights) != len(answers):
+        raise ValueError("answers and weights must have the same length")
+    score: dict[str, float] = collections.OrderedDict()
+    for i, a in enumerate(answers):
+        if a is not None:
+            score[a] = score.get(a, 0.0) + (1.0 if weights is None else float(weights[i]))
+    if not score:
+        return None
+    best = max(score.values())
+    return next(a for a, v in score.items() if v == best)
+
+
+def split_steps(text: str, delimiter: str = STEP_DELIMITER) -> list[str]:
+    """A solution text as its non-empty steps."""
+    return [s.strip() for s in text.strip().split(delimiter) if s.strip()]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit sampling seed from any parts (the same parts always give the same seed)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclasses.dataclass
+class Step:
+    """One generated step: its text, token count, and whether it ends the trajectory."""
+
+    text: str
+    tokens: int
+    final: bool
+    finish_reason: Mapping[str, Any] | None = None
+
+
+def is_final(text: str, finish_reason: Mapping[str, Any] | None, pattern: str = BOXED) -> bool:
+    """A step ends its trajectory when it holds an answer or the model stopped (EOS, not a stop
+    string and not the step's token limit)."""
+    if re.search(pattern, text):
+        return True
+    reason = finish_reason or {}
+    return reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+
+
+def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: float,
+             seeds: Sequence[int] | None = None, delimiter: str = STEP_DELIMITER,
+             answer_pattern: str = BOXED, custom_params: Sequence[Mapping[str, Any]] | None = None,
+             ) -> list[Step]:
+    """Generate one step on every state (all in flight at once) and wait for them.
+
+    Each state gets ``sgl_tts.gen(name, stop=delimiter, ...)``; the stop string is not kept in the
+    state's text (SGLang trims it), so a program appends ``delimiter`` before the next step.
+    """
+    for i, st in enumerate(states):
+        st += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, stop=delimiter,
+                          seed=None if seeds is None else seeds[i],
+                          custom_params=None if custom_params is None else custom_params[i])
+    out = []
+    for st in states:
+        text = st[name]
+        meta = st.get_meta_info(name) or {}
+        reason = meta.get("finish_reason")
+        out.append(Step(text.strip(), int(meta.get("completion_tokens", 0)),
+                        is_final(text, reason, answer_pattern), reason))
+    return out
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A finished (or, when the search ran out of depth, unfinished) candidate solution."""
+
+    steps: list[str]
+    step_scores: list[float]
+    score: float
+    answer: str | None
+    tokens: int
+    finished: bool
+
+    @property
+    def text(self) -> str:
+        return STEP_DELIMITER.join(self.steps)
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """What every program returns: its pick, other selections, every trajectory, and its costs.
+
+    Attributes:
+        answer: the program's own pick.
+        answers: the answer under each selection rule the program computed (e.g. ``majority``,
+            ``prm_best``, ``prm_weighted``).
+        trajectories: every completed trajectory (plus the best unfinished one if none completed).
+        tokens_generated: every token the program generated, pruned branches included.
+        seconds: wall time of the program.
+    """
+
+    answer: str | None
+    answers: dict[str, str | None]
+    trajectories: list[Trajectory]
+    tokens_generated: int
+    seconds: float
+
+    @property
+    def tokens_kept(self) -> int:
+        return sum(t.tokens for t in self.trajectories)
+
+
+__all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
+           "aggregate", "derive_seed", "expand", "extract_answer", "gen_step", "is_final",
+           "split_steps", "top_k", "vote"]

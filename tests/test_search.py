@@ -1,0 +1,63 @@
+"""Search primitives: aggregation, stable top-k, expansion, answers, votes, seeds, final steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_tts.search import (aggregate, derive_seed, expand, extract_answer, is_final, split_steps,
+                            top_k, vote)
+
+
+def test_aggregations():
+    xs = [0.9, 0.5, 0.8]
+    assert aggregate(xs, "last") == 0.8
+    assert aggregate(xs, "min") == 0.5
+    assert aggregate(xs, "prod") == pytest.approx(0.36)
+    assert aggregate(xs, "mean") == pytest.approx(2.2 / 3)
+    assert aggregate([], "min") == 0.0
+    with pytest.raises(ValueError, match="unknown aggregation 'max'; choose one of"):
+        aggregate(xs, "max")
+
+
+def test_top_k_is_stable_on_ties():
+    assert top_k([0.5, 0.9, 0.5, 0.9, 0.1], 3) == [1, 3, 0]
+    assert top_k([0.2, 0.2, 0.2], 2) == [0, 1]
+    assert top_k([0.3], 5) == [0]
+    assert top_k([0.3, 0.4], 0) == []
+
+
+def test_expand_splits_the_budget_best_first():
+    assert expand(4, 16) == [4, 4, 4, 4]
+    assert expand(3, 8) == [3, 3, 2]
+    assert expand(5, 3) == [1, 1, 1, 0, 0]
+    assert expand(0, 16) == []
+    assert sum(expand(7, 16)) == 16
+
+
+def test_answers_and_votes():
+    assert extract_answer("Step 1: 1+2=3\n\nThe answer is \\boxed{3}") == "3"
+    assert extract_answer("\\boxed{1} then \\boxed{ 2 }") == "2"
+    assert extract_answer("no answer") is None
+    assert extract_answer("ANSWER: 42", pattern=r"ANSWER: (\d+)") == "42"
+    assert vote(["3", "5", "5", None, None, None]) == "5"
+    assert vote(["3", "5"]) == "3"  # tie: first seen
+    assert vote([None, None]) is None
+    assert vote(["3", "5", "5"], weights=[0.9, 0.1, 0.2]) == "3"
+    with pytest.raises(ValueError, match="same length"):
+        vote(["3"], weights=[0.1, 0.2])
+
+
+def test_seeds_are_stable_and_distinct():
+    assert derive_seed("beam", 0, "q", 1, 2) == derive_seed("beam", 0, "q", 1, 2)
+    seeds = {derive_seed("beam", 0, "q", d, i) for d in range(20) for i in range(16)}
+    assert len(seeds) == 320
+    assert all(0 <= s < 2 ** 63 for s in seeds)
+    assert derive_seed("x", 1) == 2319442240190766601  # fixed across runs and machines
+
+
+def test_final_steps_and_splitting():
+    assert is_final("The answer is \\boxed{3}", {"type": "stop", "matched": "\n\n"})
+    assert is_final("Step 2", {"type": "stop", "matched": 0})          # EOS token
+    assert not is_final("Step 2: 3+4=7", {"type": "stop", "matched": "\n\n"})
+    assert not is_final("Step 2: 3+4", {"type": "length", "length": 64})
+    assert split_steps("\n\nStep 1: a\n\n\n\nStep 2: b\n\n") == ["Step 1: a", "Step 2: b"]

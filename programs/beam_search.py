@@ -1,0 +1,78 @@
+"""Step-wise beam search guided by a PRM (search-and-learn / FlashTTS style).
+
+N beams (``num_beams``) sample one step each (``fork`` + ``gen`` with the step delimiter as stop string); the PRM
+scores every candidate; candidates that finished (an answer, or EOS) are set aside; the best N/M
+unfinished ones are kept and each is forked M (``beam_width``) times (fewer kept → more children each, so N
+candidates are always in flight); repeat until N trajectories finished, none is left, or
+``max_depth``. The pick is the finished trajectory with the best aggregated score (the best
+unfinished one if none finished). Ties always go to the earlier candidate.
+"""
+
+from __future__ import annotations
+
+import time
+
+import sglang as sgl
+
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
+                            expand, extract_answer, gen_step, top_k, vote)
+
+
+@sgl.function
+def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
+                step_tokens: int = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
+                seed: int = 0, delimiter: str = STEP_DELIMITER,
+                answer_pattern: str = BOXED) -> SearchResult:
+    if num_beams < 1 or beam_width < 1:
+        raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
+    t0 = time.perf_counter()
+    s += question + delimiter
+    group = s.fork(num_beams)
+    beams = [(st, [], 0) for st in group]       # (state, steps so far, their tokens)
+    groups = [group]
+    done: list[Trajectory] = []
+    best_open: Trajectory | None = None
+    generated = 0
+    keep = max(1, num_beams // beam_width)
+    for depth in range(max_depth):
+        seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
+        steps = gen_step([b[0] for b in beams], f"step{depth}", max_tokens=step_tokens,
+                         temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
+                         answer_pattern=answer_pattern)
+        generated += sum(x.tokens for x in steps)
+        cands = [(st, prev + [x.text] if x.text else prev, x, used + x.tokens)
+                 for (st, prev, used), x in zip(beams, steps)]
+        scores = prm.score(question, [c[1] for c in cands])
+        open_idx = []
+        for i, ((st, path, x, used), sc) in enumerate(zip(cands, scores)):
+            traj = Trajectory(path, sc, aggregate(sc, aggregation),
+                              extract_answer(delimiter.join(path), answer_pattern),
+                              used, x.final or not x.text)
+            if traj.finished:
+                done.append(traj)
+            else:
+                open_idx.append(i)
+                if best_open is None or traj.score > best_open.score:
+                    best_open = traj
+        if len(done) >= num_beams or not open_idx:
+            break
+        ranked = top_k([aggregate(scores[i], aggregation) for i in open_idx], keep)
+        beams = []
+        for r, children in zip(ranked, expand(len(ranked), num_beams)):
+            st, path, _, used = cands[open_idx[r]]
+            kids = st.fork(children)
+            groups.append(kids)
+            for kid in kids:
+                kid += delimiter
+                beams.append((kid, path, used))
+        for g in groups[:-len(ranked)]:
+            g.join()
+        groups = groups[-len(ranked):]
+    for g in groups:
+        g.join()
+    pool = done or ([best_open] if best_open else [])
+    pick = top_k([t.score for t in pool], 1)
+    answer = pool[pick[0]].answer if pick else None
+    answers = {"prm_best": answer, "majority": vote([t.answer for t in pool]),
+               "prm_weighted": vote([t.answer for t in pool], [t.score for t in pool])}
+    return SearchResult(answer, answers, pool, generated, time.perf_counter() - t0)

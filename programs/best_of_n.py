@@ -1,0 +1,51 @@
+"""Best-of-N and self-consistency: sample N (``num_samples``) full solutions in parallel, then pick.
+
+``fork`` N branches after the prompt, ``gen`` a whole solution in each (its own seed), split the
+solutions into steps, score every step with a PRM, and select:
+
+- ``majority``: the most frequent answer (self-consistency; no PRM needed);
+- ``prm_best``: the answer of the trajectory with the best aggregated PRM score (best-of-N);
+- ``prm_weighted``: answers weighted by their trajectories' aggregated scores.
+
+``prm=None`` runs plain self-consistency. The program's own pick (``answer``) is ``prm_best`` when a
+PRM is given, ``majority`` otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+
+import sglang as sgl
+
+import sgl_tts
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
+                            extract_answer, split_steps, top_k, vote)
+
+
+@sgl.function
+def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: str = "last",
+              max_tokens: int = 256, sampling_temperature: float = 0.8, seed: int = 0,
+              delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED) -> SearchResult:
+    t0 = time.perf_counter()
+    s += question + delimiter
+    forks = s.fork(num_samples)
+    for i, f in enumerate(forks):
+        f += sgl_tts.gen("solution", max_tokens=max_tokens, temperature=sampling_temperature,
+                         seed=derive_seed("best_of_n", seed, question, i))
+    texts = [f["solution"] for f in forks]
+    tokens = [int((f.get_meta_info("solution") or {}).get("completion_tokens", 0)) for f in forks]
+    forks.join()
+    steps = [split_steps(t, delimiter) for t in texts]
+    scores = prm.score(question, steps) if prm is not None else [[] for _ in steps]
+    trajectories = [
+        Trajectory(st, sc, aggregate(sc, aggregation), extract_answer(t, answer_pattern), k,
+                   extract_answer(t, answer_pattern) is not None)
+        for st, sc, t, k in zip(steps, scores, texts, tokens)]
+    answers = {"majority": vote([t.answer for t in trajectories])}
+    if prm is not None:
+        best = top_k([t.score for t in trajectories], 1)
+        answers["prm_best"] = trajectories[best[0]].answer if best else None
+        answers["prm_weighted"] = vote([t.answer for t in trajectories],
+                                       [t.score for t in trajectories])
+    return SearchResult(answers["prm_best" if prm is not None else "majority"], answers, trajectories,
+                        sum(tokens), time.perf_counter() - t0)

@@ -1,15 +1,19 @@
 """Train the project's tiny generator and tiny PRM for the arithmetic task (``sgl-tts train-tiny``).
 
-Stages, each saved as a Hugging Face folder so a crash loses at most the stage in progress:
+Stages, each saved as a Hugging Face folder (with a marker file) so a crash loses at most the stage in
+progress and a rerun resumes:
 
-1. tokenizer: Qwen2-format byte-level BPE with merges for the task's words (one digit per token);
-2. generator: a Qwen2 causal LM trained on reference solutions of fresh training problems;
-3. PRM: a copy of the generator, output embedding untied, fine-tuned so that at each step tag
-   (the ``"\\n\\n"`` after a step) the next-token mass goes to ``"+"`` for a step that is still
-   correct and ``"-"`` otherwise; data: the generator's own samples graded by the checker, correct
-   references, and references with one injected error.
+1. ``generator-base``: a Qwen2 causal LM trained on reference solutions of fresh training problems
+   (with the task tokenizer: Qwen2-format byte-level BPE, one digit per token);
+2. ``generator``: the base fine-tuned on solutions with random one-digit slips, so that sampling makes
+   independent mistakes while the right answer stays the mode (what search can fix);
+3. ``prm-pool.jsonl``: the generator's own samples on training problems;
+4. ``prm``: the generator plus one new layer, trained so that at each step tag (the ``"\n\n"`` after a
+   step) the next-token mass goes to ``"+"`` for a step that is still correct and ``"-"`` otherwise;
+   data: the pool graded by the checker, correct references, and references with one injected error.
 
-Fixed seeds throughout; runs on a 2-core CPU. CI never runs this (it uses the shipped weights).
+Fixed seeds throughout; runs on a 2-core CPU in about an hour. CI never runs this (it uses the shipped
+weights). docs/TINY_MODELS.md records what was tried and measured.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -28,6 +33,7 @@ from tqdm.auto import tqdm
 
 from sgl_tts import task
 from sgl_tts.models.tiny import TinyModelSpec, word_merges, write_byte_level_tokenizer
+from sgl_tts.prm import tag_positions
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +77,9 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _optimizer(model, cfg: TrainConfig):
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.ndim >= 2]
+    no_decay = [p for n, p in params if p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(0.9, 0.98))
@@ -83,16 +90,51 @@ def _pad(seqs: Sequence[Sequence[int]], value: int) -> torch.Tensor:
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
 
 
-def generator_batches(tokenizer, cfg: TrainConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids, attention_mask, labels): prompt + reference solution + EOS; loss on the answer."""
-    stream = task.train_stream(f"{task.TRAIN_SEED}-gen-{cfg.seed}")
+def slipped_steps(problem: task.Problem, rng: random.Random, rate: float) -> list[str]:
+    """The reference steps, except that each step's result is, with probability ``rate``, one digit
+    off (a random arithmetic slip); later steps compute correctly from the slipped value, as a model
+    that slipped would. Slips that would push a later value outside [0, MAX_VALUE] are not made."""
+    values = problem.values
+    steps: list[str] = []
+    v = values[0]
+    for k, (op, y) in enumerate(problem.ops):
+        z = task.apply(v, op, y)
+        if rng.random() < rate:
+            digits = list(str(z))
+            for _ in range(10):
+                i = rng.randrange(len(digits))
+                d = rng.choice([c for c in "0123456789" if c != digits[i] and (c != "0" or i > 0 or len(digits) == 1)])
+                wrong = int("".join(digits[:i] + [d] + digits[i + 1:]))
+                if _chain_fits(wrong, problem.ops[k + 1:]):
+                    z = wrong
+                    break
+        steps.append(f"Step {k + 1}: {v}{op}{y}={z}")
+        v = z
+    return steps + [task.answer_step(v)]
+
+
+def _chain_fits(value: int, ops: Sequence[tuple[str, int]]) -> bool:
+    for op, y in ops:
+        if not 0 <= value <= task.MAX_VALUE:
+            return False
+        value = task.apply(value, op, y)
+    return 0 <= value <= task.MAX_VALUE
+
+
+def generator_batches(tokenizer, cfg: TrainConfig,
+                      slip_rate: float = 0.0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask, labels): prompt + solution + EOS; loss on the solution. With
+    ``slip_rate`` > 0 the solutions carry random one-digit slips (:func:`slipped_steps`)."""
+    stream = task.train_stream(f"{task.TRAIN_SEED}-gen-{cfg.seed}" + (f"-slip{slip_rate}" if slip_rate else ""))
+    rng = random.Random(f"slips-{cfg.seed}-{slip_rate}")
     eos = tokenizer.eos_token_id
     while True:
         ids, labels = [], []
         for _ in range(cfg.batch_size):
             p = next(stream)
             q = tokenizer.encode(task.prompt(p.question))
-            a = tokenizer.encode(p.solution()) + [eos]
+            text = task.STEP_SEPARATOR.join(slipped_steps(p, rng, slip_rate)) if slip_rate else p.solution()
+            a = tokenizer.encode(text) + [eos]
             ids.append(q + a)
             labels.append([-100] * len(q) + a)
         input_ids = _pad(ids, eos)
@@ -101,7 +143,7 @@ def generator_batches(tokenizer, cfg: TrainConfig) -> Iterator[tuple[torch.Tenso
 
 
 def _fit(path: Path, cfg: TrainConfig, desc: str, batches, loss_of, *,
-         checkpoints: Sequence[int] = (), progress: bool = True) -> Path:
+         checkpoints: Sequence[int] = (), progress: bool = True, prepare=None) -> Path:
     """The training loop both stages share: AdamW with warm-up + cosine, bf16 autocast, clipping.
 
     ``batches(tokenizer)`` yields batches; ``loss_of(model, batch)`` returns the scalar loss. The model
@@ -113,6 +155,8 @@ def _fit(path: Path, cfg: TrainConfig, desc: str, batches, loss_of, *,
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
+    if prepare is not None:
+        prepare(model)
     opt = _optimizer(model, cfg)
     stream = batches(tok)
     bar = tqdm(range(cfg.steps), desc=desc, disable=not progress)
@@ -127,7 +171,8 @@ def _fit(path: Path, cfg: TrainConfig, desc: str, batches, loss_of, *,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
         bar.set_postfix(loss=f"{ema:.4f}")
         if (step + 1) % cfg.log_every == 0:
             logger.info("%s step %d loss %.4f (%.1fs)", desc, step + 1, ema, time.perf_counter() - t0)
@@ -137,10 +182,12 @@ def _fit(path: Path, cfg: TrainConfig, desc: str, batches, loss_of, *,
     return path
 
 
-def train_generator(path: str | Path, cfg: TrainConfig, *, checkpoints: Sequence[int] = (),
-                    progress: bool = True) -> Path:
-    """Train the generator folder at ``path`` in place: next-token loss on the reference solution."""
-    return _fit(Path(path), cfg, "generator", lambda tok: generator_batches(tok, cfg),
+def train_generator(path: str | Path, cfg: TrainConfig, *, slip_rate: float = 0.0,
+                    checkpoints: Sequence[int] = (), progress: bool = True) -> Path:
+    """Train the generator folder at ``path`` in place: next-token loss on the reference solution
+    (with random one-digit slips at ``slip_rate`` per step, see :func:`slipped_steps`)."""
+    return _fit(Path(path), cfg, "generator" + (" (slips)" if slip_rate else ""),
+                lambda tok: generator_batches(tok, cfg, slip_rate),
                 lambda model, b: model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss,
                 checkpoints=checkpoints, progress=progress)
 
@@ -166,22 +213,6 @@ PLUS, MINUS = "+", "-"
 def prm_text(question: str, steps: Sequence[str]) -> str:
     """PRM input: the prompt, then every step followed by the step tag (a blank line)."""
     return task.prompt(question) + "".join(s + task.STEP_SEPARATOR for s in steps)
-
-
-def tag_positions(tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
-    """Token ids of the PRM input and the positions of its step tags (one per step)."""
-    for st in steps:
-        if task.STEP_SEPARATOR in st or st != st.strip("\n"):
-            raise ValueError(f"a step must not contain a blank line or start/end with a newline: {st!r}")
-    ids = tokenizer.encode(prm_text(question, steps))
-    tag = tokenizer.encode(task.STEP_SEPARATOR)
-    if len(tag) != 1:
-        raise ValueError("the step tag must be a single token for this tokenizer")
-    start = len(tokenizer.encode(task.prompt(question)))
-    pos = [i for i in range(start, len(ids)) if ids[i] == tag[0]]
-    if len(pos) != len(steps):
-        raise ValueError(f"expected {len(steps)} step tags, found {len(pos)}")
-    return ids, pos
 
 
 def corrupt(problem: task.Problem, rng: random.Random) -> list[str]:
@@ -230,9 +261,17 @@ def _corrupt_once(problem: task.Problem, rng: random.Random) -> list[str]:
 
 
 def prm_examples(tokenizer, pool: Sequence[tuple[task.Problem, str]], seed: int,
-                 mix: tuple[float, float, float] = (0.5, 0.2, 0.3)) -> Iterator[tuple[list[int], list[int], list[int]]]:
-    """Endless (ids, tag positions, labels 1/0): graded generator samples from ``pool``, correct
-    references and corrupted references, in proportions ``mix``."""
+                 mix: tuple[float, float, float] = (0.5, 0.2, 0.3),
+                 ) -> Iterator[tuple[list[int], list[int], list[int], list[bool]]]:
+    """Endless PRM training examples ``(ids, positions, labels, is_tag)`` from graded generator
+    samples in ``pool``, correct references and corrupted references, in proportions ``mix``.
+
+    Solution tokens are labelled too (dense labels): 1 while the text so far is still a prefix of the
+    reference solution, 0 for the first token that leaves it (later tokens are not labelled). At the
+    step tags, which are what the PRM is read at, the labels are the checker's "correct so far"
+    verdicts. Dense labels put a training signal on the very token where a step goes wrong; with tag
+    labels alone the tiny PRM plateaued near the majority class (loss 0.63 after 300 steps).
+    """
     rng = random.Random(f"prm-{seed}")
     stream = task.train_stream(f"{task.TRAIN_SEED}-prm-{seed}")
     while True:
@@ -240,27 +279,76 @@ def prm_examples(tokenizer, pool: Sequence[tuple[task.Problem, str]], seed: int,
         if r < mix[0] and pool:
             problem, text = pool[rng.randrange(len(pool))]
             g = task.grade(problem, text)
-            steps, labels = list(g.steps), [int(v) for v in g.prefix_ok]
+            steps, tag_labels = list(g.steps), [int(v) for v in g.prefix_ok]
             if not steps:
                 continue
         else:
             problem = next(stream)
             steps = problem.step_texts() if r < mix[0] + mix[1] else corrupt(problem, rng)
-            labels = [int(v) for v in task.grade(problem, task.STEP_SEPARATOR.join(steps)).prefix_ok]
+            tag_labels = [int(v) for v in task.grade(problem, task.STEP_SEPARATOR.join(steps)).prefix_ok]
         try:
-            ids, pos = tag_positions(tokenizer, problem.question, steps)
+            ids, tags = tag_positions(tokenizer, problem.question, steps)
         except ValueError:
             continue  # a sample whose text breaks the tag structure (e.g. stray newlines)
-        yield ids, pos, labels
+        yield (ids, *dense_labels(tokenizer, problem, steps, ids, tags, tag_labels))
 
 
-def new_prm(generator: str | Path, path: str | Path) -> Path:
-    """The PRM starts as a copy of the generator with an untied output embedding
-    (``+``/``-`` are also operators in the problems, so their input embeddings must not move)."""
+def dense_labels(tokenizer, problem: task.Problem, steps: Sequence[str], ids: Sequence[int],
+                 tags: Sequence[int], tag_labels: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
+    """Positions from the first solution token to the last tag, their labels and which are tags."""
+    text = prm_text(problem.question, steps)
+    ref = prm_text(problem.question, problem.step_texts())
+    agree = common_prefix_chars(text, ref)
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    if list(enc["input_ids"]) != list(ids):
+        raise ValueError("tokenizer offsets disagree with the PRM input ids")
+    start = len(tokenizer.encode(task.prompt(problem.question)))
+    tag_label = dict(zip(tags, tag_labels))
+    offsets = enc["offset_mapping"]
+    # Tokens up to the first wrong one: "is this token still right?". Later tokens only repeat
+    # that an error happened (the tags after it still say so), so they are left out.
+    positions = [p for p in range(start, tags[-1] + 1) if p in tag_label or offsets[p][0] <= agree]
+    labels = [tag_label[p] if p in tag_label else int(offsets[p][1] <= agree) for p in positions]
+    return positions, labels, [p in tag_label for p in positions]
+
+
+def common_prefix_chars(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def new_prm(generator: str | Path, path: str | Path, extra_layers: int = 0,
+            trainable_base_layers: int = 0) -> Path:
+    """The PRM starts as a copy of the generator, plus ``extra_layers`` new decoder layers on top
+    whose output projections start at zero (so the copy computes exactly what the generator does).
+
+    Without extra layers the output embedding is untied (``+``/``-`` are also operators in the
+    problems, so their input embeddings must not move). With extra layers the embeddings stay tied
+    and are frozen during training instead (:func:`train_prm`), which keeps the folder small.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(generator)
-    model = AutoModelForCausalLM.from_pretrained(generator, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(generator, dtype=torch.float32)
+    if extra_layers:
+        cfg = base.config
+        # train_prm trains the new layers and the top ``trainable_base_layers`` of the generator's
+        cfg.sgl_tts_frozen_layers = max(0, cfg.num_hidden_layers - trainable_base_layers)
+        cfg.num_hidden_layers += extra_layers
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+        torch.manual_seed(0)
+        model = type(base)(cfg)
+        missing, _ = model.load_state_dict(base.state_dict(), strict=False)
+        assert all(".layers." in k for k in missing), missing
+        for layer in model.model.layers[-extra_layers:]:
+            torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+        return save_model(model, tok, path, dtype=torch.float32)
+    model = base
     model.config.tie_word_embeddings = False
     head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     head.weight.data.copy_(model.get_input_embeddings().weight.data)
@@ -269,7 +357,8 @@ def new_prm(generator: str | Path, path: str | Path) -> Path:
 
 
 def prm_batches(tokenizer, pool: Sequence[tuple[task.Problem, str]], cfg: TrainConfig):
-    """Collated PRM batches: (input_ids, attention_mask, rows, cols, labels) of every step tag."""
+    """Collated PRM batches: (input_ids, attention_mask, rows, cols, labels, is_tag) of every
+    labelled position (see :func:`prm_examples`)."""
     examples = prm_examples(tokenizer, pool, cfg.seed)
     while True:
         batch = [next(examples) for _ in range(cfg.batch_size)]
@@ -277,49 +366,40 @@ def prm_batches(tokenizer, pool: Sequence[tuple[task.Problem, str]], cfg: TrainC
                _pad([[1] * len(b[0]) for b in batch], 0),
                torch.tensor([i for i, b in enumerate(batch) for _ in b[1]]),
                torch.tensor([p for b in batch for p in b[1]]),
-               torch.tensor([lab for b in batch for lab in b[2]], dtype=torch.float32))
+               torch.tensor([lab for b in batch for lab in b[2]], dtype=torch.float32),
+               torch.tensor([t for b in batch for t in b[3]], dtype=torch.bool))
 
 
 def train_prm(path: str | Path, pool: Sequence[tuple[task.Problem, str]], cfg: TrainConfig,
               progress: bool = True) -> Path:
-    """Fine-tune the PRM folder at ``path``: 2-way cross-entropy over {+, -} at every step tag."""
+    """Fine-tune the PRM folder at ``path``: two-way cross-entropy over {+, -} (as the logit
+    difference) at every labelled token, plus the same loss over the step tags alone."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     plus, minus = tok.convert_tokens_to_ids(PLUS), tok.convert_tokens_to_ids(MINUS)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
 
     def loss_of(model, b):
-        input_ids, mask, rows, cols, target = b
+        input_ids, mask, rows, cols, target, is_tag = b
         hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         logits = model.lm_head(hidden[rows, cols])[:, [plus, minus]].float()
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits[:, 0] - logits[:, 1], target)
+        margin = logits[:, 0] - logits[:, 1]
+        # Balanced: the rare wrong tokens weigh as much in total as the many right ones.
+        neg = target == 0
+        weight = torch.where(neg, (~neg).sum() / neg.sum().clamp(min=1), torch.ones_like(target))
+        return bce(margin, target, weight=weight) + bce(margin[is_tag], target[is_tag])
 
-    return _fit(Path(path), cfg, "prm", lambda t: prm_batches(t, pool, cfg), loss_of, progress=progress)
+    def prepare(model):
+        if model.config.tie_word_embeddings:  # tied head: keep the (operator) embeddings fixed
+            model.get_input_embeddings().weight.requires_grad_(False)
+        # With new layers on top, the generator's layers stay as they are: their next-token
+        # predictions are what the new layers compare each written token against.
+        for layer in model.model.layers[:getattr(model.config, "sgl_tts_frozen_layers", 0)]:
+            layer.requires_grad_(False)
 
-
-def prm_step_scores(backend, question: str, steps_list: Sequence[Sequence[str]]) -> list[list[float]]:
-    """P(+) / (P(+) + P(-)) at every step tag, one forward per trajectory (batched on the engine)."""
-    tok = backend.tokenizer
-    plus, minus = tok.convert_tokens_to_ids(PLUS), tok.convert_tokens_to_ids(MINUS)
-    prompts, positions, keep = [], [], []
-    for steps in steps_list:
-        try:
-            ids, pos = tag_positions(tok, question, steps)
-        except ValueError:
-            keep.append(False)
-            continue
-        keep.append(bool(steps))
-        if steps:
-            prompts.append(ids)
-            positions.append(pos)
-    rows = backend.next_token_logprobs(prompts, positions, [plus, minus]) if prompts else []
-    out, it = [], iter(rows)
-    for ok in keep:
-        if not ok:
-            out.append([0.0])
-            continue
-        out.append([1.0 / (1.0 + math.exp(b - a)) for a, b in next(it)])
-    return out
+    return _fit(Path(path), cfg, "prm", lambda t: prm_batches(t, pool, cfg), loss_of,
+                progress=progress, prepare=prepare)
 
 
 # -------------------------------------------------------------------------------- evaluation
@@ -365,10 +445,18 @@ class TinyRecipe:
 
     generator_steps: int = 1500
     generator_batch: int = 64
-    prm_steps: int = 1200
+    slip_steps: int = 300
+    slip_rate: float = 0.25
+    slip_lr: float = 5e-4
+    prm_extra_layers: int = 1
+    prm_trainable_base_layers: int = 1
+    prm_steps: int = 1500
     prm_batch: int = 32
-    prm_lr: float = 5e-4
-    pool_problems: int = 3000
+    prm_lr: float = 1e-3
+    prm_refine_rounds: int = 2
+    prm_refine_steps: int = 1000
+    prm_refine_lr: float = 5e-4
+    pool_problems: int = 1000
     pool_samples: int = 4
     pool_temperature: float = 0.8
     seed: int = 0
@@ -379,15 +467,27 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
     rerun (each writes a ``.done`` marker), so an interrupted run resumes."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    gen, prm = out / "generator", out / "prm"
+    base, gen, prm = out / "generator-base", out / "generator", out / "prm"
     timings = {}
     t = time.perf_counter()
+    if not (base / ".done").exists():
+        new_generator(base, seed=recipe.seed)
+        train_generator(base, TrainConfig(steps=recipe.generator_steps, batch_size=recipe.generator_batch,
+                                          seed=recipe.seed), progress=progress)
+        (base / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
+    timings["generator_base_s"] = time.perf_counter() - t
+    t = time.perf_counter()
     if not (gen / ".done").exists():
-        new_generator(gen, seed=recipe.seed)
-        train_generator(gen, TrainConfig(steps=recipe.generator_steps, batch_size=recipe.generator_batch,
-                                         seed=recipe.seed), progress=progress)
+        # A fully trained tiny generator is ~97% right and an undertrained one is confidently wrong
+        # (errors voting cannot fix); fine-tuning on solutions with random one-digit slips gives a
+        # policy whose mistakes are sampling slips, with the right answer as the mode.
+        shutil.rmtree(gen, ignore_errors=True)
+        shutil.copytree(base, gen, ignore=shutil.ignore_patterns(".done"))
+        train_generator(gen, TrainConfig(steps=recipe.slip_steps, batch_size=recipe.generator_batch,
+                                         lr=recipe.slip_lr, warmup=30, seed=recipe.seed),
+                        slip_rate=recipe.slip_rate, progress=progress)
         (gen / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
-    timings["generator_s"] = time.perf_counter() - t
+    timings["generator_slips_s"] = time.perf_counter() - t
     t = time.perf_counter()
     pool_file = out / "prm-pool.jsonl"
     if not pool_file.exists():
@@ -402,11 +502,24 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
             for r in map(json.loads, pool_file.read_text().splitlines())]
     timings["pool_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    if not (prm / ".done").exists():
-        new_prm(gen, prm)
+    # The PRM: the generator plus one new layer on top; the new layer and the generator's last layer
+    # train, the rest stays the generator's (its next-token predictions are what a written token is
+    # checked against). Stages, each resumable: the first, then refinement rounds at lower rates on
+    # fresh examples (the step-error detection appears late in the first stage and keeps improving).
+    if not (prm / ".stage1").exists():
+        new_prm(gen, prm, extra_layers=recipe.prm_extra_layers,
+                trainable_base_layers=recipe.prm_trainable_base_layers)
         train_prm(prm, pool, TrainConfig(steps=recipe.prm_steps, batch_size=recipe.prm_batch,
                                          lr=recipe.prm_lr, warmup=50, seed=recipe.seed),
                   progress=progress)
+        (prm / ".stage1").write_text(json.dumps(dataclasses.asdict(recipe)))
+    for r in range(recipe.prm_refine_rounds if recipe.prm_refine_steps else 0):
+        if not (prm / f".refine{r}").exists() and not (prm / ".done").exists():
+            train_prm(prm, pool, TrainConfig(steps=recipe.prm_refine_steps, batch_size=recipe.prm_batch,
+                                             lr=recipe.prm_refine_lr * 0.6 ** r, warmup=20,
+                                             seed=recipe.seed + 1 + r), progress=progress)
+            (prm / f".refine{r}").write_text(json.dumps(dataclasses.asdict(recipe)))
+    if not (prm / ".done").exists():
         (prm / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
     timings["prm_s"] = time.perf_counter() - t
     return timings
@@ -434,6 +547,6 @@ if __name__ == "__main__":
 
 
 __all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "accuracy", "corrupt",
-           "new_generator", "new_prm", "prm_step_scores", "sample_pool", "sample_solutions",
-           "save_model", "tag_positions", "train_generator", "train_prm", "train_tiny",
+           "new_generator", "new_prm", "sample_pool", "sample_solutions",
+           "save_model", "slipped_steps", "tag_positions", "train_generator", "train_prm", "train_tiny",
            "write_task_tokenizer"]

@@ -127,13 +127,15 @@ def test_train_tiny_runs_every_stage_and_resumes(tmp_path):
     from sgl_tts.training import TinyRecipe, train_tiny
 
     recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, prm_steps=2, prm_batch=4,
-                        pool_problems=2, pool_samples=1)
+                        prm_refine_steps=1, pool_problems=2, pool_samples=1)
     train_tiny(tmp_path, recipe, progress=False)
+    assert {p.name for p in (tmp_path / "prm").glob(".*")} == {".stage1", ".refine0", ".refine1", ".done"}
+    assert AutoConfig.from_pretrained(tmp_path / "prm").num_hidden_layers == 5  # generator + 1 layer
     for stage in ("generator-base", "generator", "prm"):
         assert (tmp_path / stage / "model.safetensors").is_file()
         assert json.loads((tmp_path / stage / ".done").read_text())["generator_steps"] == 2
     assert len((tmp_path / "prm-pool.jsonl").read_text().splitlines()) == 2
-    assert AutoConfig.from_pretrained(tmp_path / "prm").tie_word_embeddings is False
+    assert AutoConfig.from_pretrained(tmp_path / "prm").tie_word_embeddings is True
     stamp = (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns
     train_tiny(tmp_path, recipe, progress=False)  # finished stages are skipped on a rerun
     assert (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns == stamp

@@ -13,64 +13,63 @@ from typing import Sequence
 logger = logging.getLogger("sgl_tts")
 
 
-def _printable(text: str, limit: int = 48) -> str:
-    shown = "".join(c if c.isprintable() else "·" for c in text.replace("\n", "⏎"))
-    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the parallel-steps program on the embedded default model (or ``--target``)."""
+    """Compare single sample, majority vote, PRM best-of-N and PRM beam search on test problems."""
     import sgl_tts
-    from programs.parallel_steps import parallel_steps
+    from sgl_tts import quality, task
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM
 
+    ns = quality.check_ns(_int_list(args.ns, "--ns"))
+    if args.problems < 1:
+        raise ValueError("--problems must be at least 1")
+    prm_path = args.prm or shipped_model("prm")
+    if prm_path is None:
+        raise FileNotFoundError("no PRM: this source tree ships no trained PRM; pass --prm PATH "
+                                "(train one with `sgl-tts train-tiny --out DIR`)")
     t0 = time.perf_counter()
-    backend = sgl_tts.connect(args.target, runtime=args.runtime)
+    generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime)
+    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed)
     load_s = time.perf_counter() - t0
     try:
-        t1 = time.perf_counter()
-        state = parallel_steps.run(question=args.question, width=args.width,
-                                   step_tokens=args.step_tokens, seed=args.seed, backend=backend)
-        state.sync()
-        if state.error() is not None:
-            raise state.error()
-        run_s = time.perf_counter() - t1
-        metas = state["step_meta"]
-        result = {
-            "backend": type(backend).__name__,
-            "model": backend.get_model_name(),
-            "question": args.question,
-            "steps": [{"text": t, "completion_tokens": m["completion_tokens"],
-                       "finish_reason": m["finish_reason"]} for t, m in zip(state["step"], metas)],
-            "answer": state["answer"],
-            "tokens": sum(m["completion_tokens"] for m in metas),
-            "load_seconds": round(load_s, 3),
-            "run_seconds": round(run_s, 3),
-        }
-        engine = getattr(backend, "engine", None)
-        if engine is not None:
-            st = engine.stats
-            result["engine"] = {"decode_forwards": st.decode_forwards, "max_running": st.max_running,
-                                "prefill_tokens": st.prefill_tokens, "cached_tokens": st.cached_tokens}
+        cmp = quality.compare(generator, StepTagPRM(prm_backend), task.test_split()[:args.problems],
+                              ns=ns, beam_width=args.beam_width, temperature=args.temperature,
+                              seed=args.seed, progress=not args.json)
     finally:
-        backend.shutdown()
+        generator.shutdown()
+        prm_backend.shutdown()
+    plot = None if args.no_plot else str(quality.plot_accuracy(cmp, args.plot))
+    result = {"generator": generator.get_model_name(), "generator_backend": type(generator).__name__,
+              "prm": str(prm_path), **cmp.to_json(), "load_seconds": round(load_s, 3), "plot": plot,
+              "machine": quality.machine(), "date": time.strftime("%Y-%m-%d")}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"sgl-tts demo: {result['backend']} on {result['model']}")
-    if "tiny-untrained" in str(result["model"]):
-        print("  (embedded default = an untrained tiny Qwen2: the runtime is real, the text is noise)")
-    print(f"question: {args.question}")
-    print(f"{'branch':>6}  {'tokens':>6}  {'finish':<14} step")
-    for i, s in enumerate(result["steps"]):
-        fr = s["finish_reason"] or {}
-        finish = fr.get("type", "?") + (f":{fr['matched']!r}" if "matched" in fr else "")
-        print(f"{i:>6}  {s['completion_tokens']:>6}  {finish:<14.14} {_printable(s['text'])}")
-    print(f"selected answer: {result['answer']!r}")
-    eng = result.get("engine")
-    batched = (f"; {result['tokens']} tokens in {eng['decode_forwards']} decode passes, up to "
-               f"{eng['max_running']} branches per pass") if eng else ""
-    print(f"model load {result['load_seconds']:.2f}s, program {result['run_seconds']:.2f}s{batched}")
+    print(f"sgl-tts demo: {cmp.problems} test problems, T={cmp.temperature}, beam width "
+          f"{cmp.beam_width}, PRM score = {cmp.aggregation} step")
+    print(f"generator {result['generator']} ({result['generator_backend']}), PRM {prm_path}")
+    print(cmp.table())
+    d = cmp.details
+    if d:
+        n = d["samples"]
+        print(f"pass@{n} (an oracle picking any right sample): {100 * d[f'pass@{n}']:.1f}%; "
+              f"PRM step AUC {d['prm_step_auc']:.3f}")
+    print("majority vote, PRM best-of-N and PRM-weighted vote at one N read the same samples (one "
+          "run: its seconds include PRM scoring).")
+    if plot:
+        print(f"plot: {plot}")
+    print(f"load {load_s:.1f}s, total {cmp.seconds:.1f}s on {result['machine']}")
     return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -100,15 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-tts", description="Fast test-time scaling on SGLang.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run an SGLang program (fork/gen/join/select) on the embedded default")
-    d.add_argument("--target", default=None,
-                   help="SGLang server URL or model folder (default: the embedded default model)")
+    d = sub.add_parser("demo", help="compare single sample, majority vote, PRM best-of-N and PRM "
+                                    "beam search on test problems (CPU, embedded tiny models)")
+    d.add_argument("--problems", type=int, default=50, help="test problems (default 50)")
+    d.add_argument("--ns", default="1,4,16", help="N values, comma-separated, starting at 1")
+    d.add_argument("--beam-width", type=int, default=4, help="beam width M of beam search")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--generator", default=None, help="generator folder (default: the shipped one)")
+    d.add_argument("--prm", default=None, help="PRM folder (default: the shipped one)")
+    d.add_argument("--target", default=None, help="generator on an SGLang server URL instead")
     d.add_argument("--runtime", choices=["auto", "server", "cuda", "cpu"], default="auto")
-    d.add_argument("--question", default="Compute ((3+4)*5)-6.",
-                   help="a problem in the task format (default: a 3-operation chain)")
-    d.add_argument("--width", type=int, default=8, help="number of forked branches")
-    d.add_argument("--step-tokens", type=int, default=32, help="max tokens per step")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--plot", default="sgl-tts-demo.png", help="accuracy-vs-N plot file")
+    d.add_argument("--no-plot", action="store_true", help="do not save the plot")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="versions of sgl-tts, sglang, torch, transformers")
@@ -131,9 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
-    if getattr(args, "width", 1) < 1:
-        print("sgl-tts: error: --width must be at least 1", file=sys.stderr)
-        return 2
     try:
         return args.func(args)
     except (ConnectionError, FileNotFoundError, ValueError) as exc:

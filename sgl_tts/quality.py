@@ -1,49 +1,36 @@
-"""Quality of the tiny generator + PRM on held-out problems (``python -m sgl_tts.quality``).
+"""How much test-time scaling buys on the project's task: the TTS programs run side by side.
 
-Measures, on the fixed test split: single-sample accuracy at a temperature, majority vote over N
-samples, PRM best-of-N (several step-score aggregations), PRM-weighted vote, PRM-guided step beam
-search (N candidates per step, keep N/M, expand each M times), and the PRM's step-classification AUC on
-the generator's own graded steps. All sampling is seeded, so a run is reproducible.
+:func:`compare` runs, on held-out problems of :mod:`sgl_tts.task` and one generator backend plus a PRM
+scorer, the programs in ``programs/``: a single sample, self-consistency (majority vote) and PRM
+best-of-N (one ``best_of_n`` run per N: both read the same samples), and PRM-guided step beam search
+(one run per N). Every row carries accuracy, generated tokens per problem and wall seconds of its run.
+From the largest best-of-N run it also derives pass@N, the mean single-sample accuracy over all its
+samples, best-of-N under each step-score aggregation, and the PRM's step-classification AUC against the
+checker's labels.
 
-This evaluates the models directly on the CPU engine; the search algorithms as SGLang programs live in
-``programs/`` (issue "TTS programs"), which will reuse these numbers as their reference.
+``sgl-tts demo`` shows this on ~50 problems; ``sgl-tts quality`` measures the 500-problem test split
+(the numbers recorded in ``docs/TINY_MODELS.md``). This module sits above ``programs/`` (it is an
+application of them, like the CLI).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
-import math
+import platform
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
-
-from tqdm.auto import tqdm
+from typing import Any, Sequence
 
 from sgl_tts import task
-from sgl_tts.training import accuracy, prm_step_scores, sample_solutions
-
-AGGREGATIONS = {
-    "last": lambda xs: xs[-1],
-    "min": min,
-    "prod": lambda xs: math.prod(xs),
-    "mean": lambda xs: sum(xs) / len(xs),
-}
+from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
 
 
 def majority(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:
-    """Most voted (or most weighted) answer; ties go to the answer seen first; ``None`` never wins."""
-    score: dict[str, float] = collections.OrderedDict()
-    for i, a in enumerate(answers):
-        if a is not None:
-            score[a] = score.get(a, 0.0) + (1.0 if weights is None else weights[i])
-    if not score:
-        return None
-    best = max(score.values())
-    return next(a for a, v in score.items() if v == best)
+    """Alias of :func:`sgl_tts.search.vote` (kept for callers of the evaluation API)."""
+    return vote(answers, weights)
 
 
 def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
@@ -64,146 +51,233 @@ def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
 
 
-def beam_search(gen, prm, problems: Sequence[task.Problem], n: int, m: int, *, temperature: float,
-                seed: int, max_depth: int = 8, step_tokens: int = 40,
-                agg: str = "last", progress: bool = False) -> list[str]:
-    """PRM-guided step beam search for many problems at once (depth-synchronous).
+@dataclasses.dataclass
+class MethodRow:
+    """One method at one N: accuracy, generated tokens per problem, wall seconds of its run."""
 
-    Each depth: every active prefix gets one sampled step; steps are scored by the PRM; finished
-    candidates (boxed answer or end of text) are set aside; the best ``n // m`` unfinished ones are
-    kept and each expanded ``m`` times. The answer is the best finished candidate's (by ``agg`` of its
-    step scores), or the best unfinished one's if none finished.
-    """
-    from sgl_tts.backends.engine import SamplingSpec
-
-    keep = max(1, n // m)
-    active = [[[] for _ in range(n)] for _ in problems]  # per problem: list of step lists
-    done: list[list[tuple[float, list[str]]]] = [[] for _ in problems]
-    best_open: list[tuple[float, list[str]] | None] = [None] * len(problems)
-    for depth in tqdm(range(max_depth), desc="beam search", disable=not progress):
-        futs = []
-        for i, (p, beams) in enumerate(zip(problems, active)):
-            for j, steps in enumerate(beams):
-                text = task.prompt(p.question) + "".join(s + task.STEP_SEPARATOR for s in steps)
-                spec = SamplingSpec(max_new_tokens=step_tokens, temperature=temperature,
-                                    stop=(task.STEP_SEPARATOR,),
-                                    seed=seed * 1_000_003 + i * 100_003 + depth * 1009 + j)
-                futs.append((i, steps, gen.engine.submit(gen.encode(text), spec)))
-        cands: list[list[tuple[list[str], bool]]] = [[] for _ in problems]
-        for i, steps, f in futs:
-            comp = f.result()
-            step = comp.text.strip()
-            reason = comp.meta_info["finish_reason"] or {}
-            finished = "\\boxed" in step or isinstance(reason.get("matched"), int)
-            cands[i].append((steps + [step] if step else steps, finished or not step))
-        for i, p in enumerate(problems):
-            if not cands[i]:
-                continue
-            scores = prm_step_scores(prm, p.question, [c for c, _ in cands[i]])
-            ranked = []
-            for (steps, finished), sc in zip(cands[i], scores):
-                value = AGGREGATIONS[agg](sc)
-                (done[i].append((value, steps)) if finished else ranked.append((value, steps)))
-            ranked.sort(key=lambda x: -x[0])  # stable: ties keep generation order
-            if ranked and (best_open[i] is None or ranked[0][0] > best_open[i][0]):
-                best_open[i] = ranked[0]
-            active[i] = [steps for _, steps in ranked[:keep] for _ in range(m)]
-            if len(done[i]) >= n:
-                active[i] = []
-        if not any(active):
-            break
-    out = []
-    for i in range(len(problems)):
-        pool = done[i] or ([best_open[i]] if best_open[i] else [])
-        best = max(pool, key=lambda x: x[0])[1] if pool else []
-        out.append(task.STEP_SEPARATOR.join(best))
-    return out
+    method: str
+    n: int
+    accuracy: float
+    tokens_per_problem: float
+    seconds: float
 
 
 @dataclasses.dataclass
-class QualityReport:
+class Comparison:
     problems: int
-    samples: int
     temperature: float
-    results: dict
+    beam_width: int
+    aggregation: str
+    rows: list[MethodRow]
+    details: dict[str, Any]
     seconds: float
 
+    def row(self, method: str, n: int) -> MethodRow:
+        return next(r for r in self.rows if r.method == method and r.n == n)
+
     def table(self) -> str:
-        r = self.results
-        base = r["single_sample"]
-        lines = ["| method | accuracy | vs single sample |", "| --- | ---: | ---: |"]
-        for name, value in r.items():
-            if name in ("prm_step_auc", "pass_at_n"):
-                continue
-            lines.append(f"| {name} | {100 * value:.1f}% | {100 * (value - base):+.1f} |")
-        lines.append(f"| pass@{self.samples} (oracle) | {100 * r['pass_at_n']:.1f}% | |")
-        lines.append(f"| PRM step AUC | {r['prm_step_auc']:.3f} | |")
+        base = self.row("single sample", 1).accuracy
+        lines = ["| method | N | accuracy | vs single | tokens/problem | seconds |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in self.rows:
+            lines.append(f"| {r.method} | {r.n} | {100 * r.accuracy:.1f}% | "
+                         f"{100 * (r.accuracy - base):+.1f} | {r.tokens_per_problem:.0f} | "
+                         f"{r.seconds:.1f} |")
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
-def evaluate(generator: str | Path, prm: str | Path, *, count: int = 500, samples: int = 16,
-             temperature: float = 0.8, beam_width: int = 4, seed: int = 0,
-             progress: bool = True) -> QualityReport:
-    from sgl_tts import LocalBackend
 
-    t0 = time.perf_counter()
-    problems = task.test_split()[:count]
-    gen = LocalBackend(generator, max_running=512, seed=seed)
-    scorer = LocalBackend(prm, max_running=512, seed=seed)
+def _results(states) -> list:
+    out = []
+    for st in states:
+        err = st.error()
+        if err is not None:
+            raise err
+        out.append(st.ret_value)
+    return out
+
+
+def _accuracy(problems: Sequence[task.Problem], answers: Sequence[str | None]) -> float:
+    return sum(a == str(p.answer) for p, a in zip(problems, answers)) / max(1, len(problems))
+
+
+def check_ns(ns: Sequence[int]) -> list[int]:
+    """The N values sorted; they must include 1 (the single-sample baseline) and be positive."""
+    out = sorted(set(int(n) for n in ns))
+    if not out or out[0] != 1:
+        raise ValueError(f"N values must be positive and include 1 (the single-sample baseline), "
+                         f"got {list(ns)}")
+    return out
+
+
+def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[int] = (1, 4, 16),
+            beam_width: int = 4, temperature: float = 0.8, aggregation: str = "last", seed: int = 0,
+            max_tokens: int = 256, step_tokens: int = 64, progress: bool = True) -> Comparison:
+    """Run the TTS programs on ``problems`` with ``generator`` (an sgl backend) and ``prm`` (a
+    :class:`~sgl_tts.prm.PRMScorer`); see the module docstring for what is measured."""
+    from programs.beam_search import beam_search
+    from programs.best_of_n import best_of_n
+
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    ns = check_ns(ns)
+    t_all = time.perf_counter()
+    rows: list[MethodRow] = []
+    details: dict[str, Any] = {}
+    count = len(problems)
+    largest = None
+    for n in ns:
+        args = [dict(question=p.question, num_samples=n, prm=prm if n > 1 else None,
+                     aggregation=aggregation, max_tokens=max_tokens, sampling_temperature=temperature,
+                     seed=seed) for p in problems]
+        t = time.perf_counter()
+        res = _results(best_of_n.run_batch(args, backend=generator, progress_bar=progress))
+        secs = time.perf_counter() - t
+        tokens = sum(r.tokens_generated for r in res) / count
+        if n == 1:
+            rows.append(MethodRow("single sample", 1, _accuracy(problems, [r.answer for r in res]),
+                                  tokens, secs))
+            continue
+        rows.append(MethodRow("majority vote", n, _accuracy(problems, [r.answers["majority"] for r in res]),
+                              tokens, secs))
+        rows.append(MethodRow("PRM best-of-N", n, _accuracy(problems, [r.answers["prm_best"] for r in res]),
+                              tokens, secs))
+        rows.append(MethodRow("PRM-weighted vote", n,
+                              _accuracy(problems, [r.answers["prm_weighted"] for r in res]), tokens, secs))
+        largest = (n, res)
+    for n in ns:
+        if n < beam_width:
+            continue
+        args = [dict(question=p.question, prm=prm, num_beams=n, beam_width=beam_width,
+                     step_tokens=step_tokens, sampling_temperature=temperature,
+                     aggregation=aggregation, seed=seed) for p in problems]
+        t = time.perf_counter()
+        res = _results(beam_search.run_batch(args, backend=generator, progress_bar=progress))
+        rows.append(MethodRow("PRM beam search", n, _accuracy(problems, [r.answer for r in res]),
+                              sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
+    if largest is not None:
+        details.update(_sample_details(problems, *largest))
+    return Comparison(count, temperature, beam_width, aggregation, rows, details,
+                      time.perf_counter() - t_all)
+
+
+def _sample_details(problems: Sequence[task.Problem], n: int, results) -> dict[str, Any]:
+    """pass@N, mean single-sample accuracy, best-of-N per aggregation and the PRM step AUC from the
+    trajectories (and their PRM step scores) of one best-of-N run."""
+    grades = [[task.grade(p, t.text) for t in r.trajectories] for p, r in zip(problems, results)]
+    out: dict[str, Any] = {
+        "samples": n,
+        f"pass@{n}": sum(any(g.answer_ok for g in gs) for gs in grades) / len(problems),
+        "single_sample_mean": sum(g.answer_ok for gs in grades for g in gs) / (n * len(problems)),
+    }
+    for how in AGGREGATIONS:
+        picks = [top_k([aggregate(t.step_scores, how) for t in r.trajectories], 1)[0] for r in results]
+        out[f"prm_best_of_{n}[{how}]"] = sum(gs[j].answer_ok for gs, j in zip(grades, picks)) / len(problems)
+    labels, scores = [], []
+    for gs, r in zip(grades, results):
+        for g, t in zip(gs, r.trajectories):
+            k = min(len(g.prefix_ok), len(t.step_scores))
+            labels.extend(int(v) for v in g.prefix_ok[:k])
+            scores.extend(t.step_scores[:k])
+    out["prm_step_auc"] = auc(scores, labels)
+    out["prm_steps_graded"] = len(labels)
+    return out
+
+
+def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
+    """Accuracy vs N, one line per method (single sample as a dashed baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    base = cmp.row("single sample", 1).accuracy
+    for method in dict.fromkeys(r.method for r in cmp.rows if r.method != "single sample"):
+        pts = [(1, base)] + sorted((r.n, r.accuracy) for r in cmp.rows if r.method == method)
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=method)
+    ax.axhline(100 * base, ls="--", color="grey", label="single sample")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (samples / beams)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"sgl-tts tiny models, {cmp.problems} test problems, T={cmp.temperature}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def machine() -> str:
+    import os
+
+    cpu = platform.processor() or platform.machine()
     try:
-        texts = sample_solutions(gen, problems, samples, temperature=temperature, seed=seed,
-                                 progress=progress)
-        grades = [[task.grade(p, t) for t in ts] for p, ts in zip(problems, texts)]
-        single = sum(g.answer_ok for gs in grades for g in gs) / (len(problems) * samples)
-        votes = [majority([g.answer for g in gs]) for gs in grades]
-        results = {"single_sample": single,
-                   f"majority@{samples}": sum(v == str(p.answer) for v, p in zip(votes, problems)) / len(problems)}
-        step_scores = [prm_step_scores(scorer, p.question, [list(g.steps) for g in gs])
-                       for p, gs in tqdm(list(zip(problems, grades)), desc="PRM scoring",
-                                         disable=not progress)]
-        for agg, fn in AGGREGATIONS.items():
-            picks = [max(range(samples), key=lambda j: fn(sc[j])) for sc in step_scores]
-            results[f"prm_best_of_{samples}[{agg}]"] = sum(
-                gs[j].answer_ok for gs, j in zip(grades, picks)) / len(problems)
-        weighted = [majority([g.answer for g in gs], [AGGREGATIONS["min"](s) for s in sc])
-                    for gs, sc in zip(grades, step_scores)]
-        results[f"prm_weighted_vote@{samples}[min]"] = sum(
-            v == str(p.answer) for v, p in zip(weighted, problems)) / len(problems)
-        beams = beam_search(gen, scorer, problems, samples, beam_width, temperature=temperature,
-                            seed=seed + 1, progress=progress)
-        results[f"prm_beam_search(N={samples},M={beam_width})"] = accuracy(problems, beams)
-        labels, scores = [], []
-        for gs, sc in zip(grades, step_scores):
-            for g, s in zip(gs, sc):
-                if g.steps:
-                    labels.extend(int(v) for v in g.prefix_ok)
-                    scores.extend(s[:len(g.prefix_ok)])
-        results["prm_step_auc"] = auc(scores, labels)
-        results["pass_at_n"] = sum(any(g.answer_ok for g in gs) for gs in grades) / len(problems)
-    finally:
-        gen.shutdown()
-        scorer.shutdown()
-    return QualityReport(len(problems), samples, temperature, results, time.perf_counter() - t0)
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {cpu}, no GPU" if not _has_cuda() else f"{cpu} + CUDA"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--generator", required=True)
-    ap.add_argument("--prm", required=True)
-    ap.add_argument("--count", type=int, default=500)
-    ap.add_argument("--samples", type=int, default=16)
+    """``sgl-tts quality``: the test-split measurement behind docs/TINY_MODELS.md."""
+    from sgl_tts import LocalBackend
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM
+
+    ap = argparse.ArgumentParser(prog="sgl-tts quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--generator", default=None, help="generator folder (default: the shipped one)")
+    ap.add_argument("--prm", default=None, help="PRM folder (default: the shipped one)")
+    ap.add_argument("--count", type=int, default=task.TEST_SIZE, help="test problems (default: all)")
+    ap.add_argument("--ns", default="1,4,16", help="comma-separated N values (must include 1)")
+    ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--aggregation", default="last", choices=sorted(AGGREGATIONS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--plot", default=None, help="save the accuracy-vs-N plot here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rep = evaluate(args.generator, args.prm, count=args.count, samples=args.samples,
-                   temperature=args.temperature, seed=args.seed)
+    gen = LocalBackend(args.generator or shipped_model("generator"), max_running=256, seed=args.seed)
+    prm_backend = LocalBackend(args.prm or shipped_model("prm"), max_running=256, seed=args.seed)
+    try:
+        cmp = compare(gen, StepTagPRM(prm_backend), task.test_split()[:args.count],
+                      ns=[int(x) for x in args.ns.split(",")], beam_width=args.beam_width,
+                      temperature=args.temperature, aggregation=args.aggregation, seed=args.seed)
+    finally:
+        gen.shutdown()
+        prm_backend.shutdown()
+    record = {**cmp.to_json(), "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+              "command": "sgl-tts quality " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot:
+        plot_accuracy(cmp, args.plot)
     if args.json:
-        print(json.dumps(dataclasses.asdict(rep)))
+        print(json.dumps(record))
     else:
-        print(rep.table())
-        print(f"({rep.problems} problems, {rep.samples} samples at T={rep.temperature}, "
-              f"{rep.seconds:.0f}s)")
+        print(cmp.table())
+        for k, v in cmp.details.items():
+            print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+        print(f"({cmp.problems} problems, T={cmp.temperature}, {cmp.seconds:.0f}s)")
     return 0
 
 

@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import sglang
 import torch
 import transformers
@@ -35,37 +36,53 @@ def test_pins_are_the_ones_installed_and_the_lock_covers_pyproject():
     assert transformers.__version__ == "5.12.1"
 
 
-def test_readme_main_command_runs_a_program_and_prints_its_result(tmp_path):
+def test_readme_main_command_compares_the_methods(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"
     env = dict(os.environ, SGL_TTS_CACHE=str(tmp_path))
-    out = subprocess.run([exe, "demo", "--json", "--runtime", "cpu", "--width", "4", "--step-tokens", "8"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([exe, "demo", "--json", "--problems", "3", "--ns", "1,4", "--no-plot"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["backend"] == "LocalBackend"
-    from sgl_tts.models import default_model_path
+    from sgl_tts.models import shipped_model
 
-    assert result["model"] == str(default_model_path())  # the shipped tiny generator
-    assert len(result["steps"]) == 4
-    assert all(1 <= s["completion_tokens"] <= 8 for s in result["steps"])
-    # 8 tokens of the trained generator's first step: "Step 1: 3+4=7" begins "Step 1: 3+"
-    assert all(s["text"].startswith("Step 1: ") for s in result["steps"])
-    assert result["tokens"] == sum(s["completion_tokens"] for s in result["steps"])
-    assert result["answer"] in ("yes", "no")
-    # The table form prints the same program's result.
-    table = subprocess.run([exe, "demo", "--runtime", "cpu", "--width", "2", "--step-tokens", "4"], capture_output=True,
-                           text=True, env=env, timeout=300)
+    assert result["generator"] == str(shipped_model("generator"))
+    assert result["prm"] == str(shipped_model("prm"))
+    assert result["problems"] == 3 and result["plot"] is None
+    rows = result["rows"]
+    assert [(r["method"], r["n"]) for r in rows] == [
+        ("single sample", 1), ("majority vote", 4), ("PRM best-of-N", 4), ("PRM-weighted vote", 4),
+        ("PRM beam search", 4)]
+    for r in rows:
+        assert r["accuracy"] * 3 == pytest.approx(round(r["accuracy"] * 3))  # k of 3 problems
+        assert r["tokens_per_problem"] > 10 and r["seconds"] > 0
+    assert rows[0]["tokens_per_problem"] * 3 < rows[1]["tokens_per_problem"]  # 4 samples vs 1
+    d = result["details"]
+    assert d["samples"] == 4
+    assert d["pass@4"] >= max(r["accuracy"] for r in rows[1:4])
+    assert 0.0 <= d["prm_step_auc"] <= 1.0 and d["prm_steps_graded"] > 12
+    # The table form prints the same comparison and saves the plot.
+    plot = tmp_path / "demo.png"
+    table = subprocess.run([exe, "demo", "--problems", "2", "--ns", "1,4", "--plot", str(plot)],
+                           capture_output=True, text=True, env=env, timeout=600)
     assert table.returncode == 0, table.stderr
-    assert "selected answer:" in table.stdout and "branch  tokens" in table.stdout
+    assert "| method | N | accuracy | vs single | tokens/problem | seconds |" in table.stdout
+    assert "| PRM beam search | 4 |" in table.stdout and f"plot: {plot}" in table.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_reports_bad_input_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "demo", "--target", str(tmp_path / "x"),
-                          "--runtime", "cpu"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("args, message", [
+    (["--target", "{tmp}/x"], "sgl-tts: error: no model at {tmp}/x: expected a Hugging Face model folder"),
+    (["--ns", "4,16"], "sgl-tts: error: N values must be positive and include 1"),
+    (["--ns", "1,a"], "sgl-tts: error: --ns takes comma-separated integers, got '1,a'"),
+    (["--problems", "0"], "sgl-tts: error: --problems must be at least 1"),
+])
+def test_demo_reports_bad_input_in_one_line(tmp_path, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "demo", *args], capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"sgl-tts: error: no model at {tmp_path / 'x'}: expected a Hugging Face model folder")
+    assert out.stderr.strip().splitlines()[-1].startswith(message.replace("{tmp}", str(tmp_path)))
 
 
 def test_cli_dispatches_training_and_quality_commands(capsys):

@@ -73,15 +73,9 @@ def time_sequential(backend, width, tokens):
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from sgl_tts.machine import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "sglang": sgl.__version__, "platform": platform.platform()}
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -214,26 +213,9 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
 
 
 def machine() -> str:
-    import os
+    from sgl_tts.machine import describe
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core {cpu}, no GPU" if not _has_cuda() else f"{cpu} + CUDA"
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False
+    return describe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import collections
 import sys
 
 from sgl_tts import LocalBackend, task
-from sgl_tts.quality import majority
+from sgl_tts.search import vote
 from sgl_tts.training import sample_solutions
 
 probs = task.test_split()[:int(sys.argv[2]) if len(sys.argv) > 2 else 100]
@@ -18,7 +18,7 @@ g0 = sample_solutions(be, probs, 1, temperature=0.0, seed=0)
 be.shutdown()
 g = [[task.grade(p, t) for t in ts] for p, ts in zip(probs, texts)]
 single = sum(x.answer_ok for gs in g for x in gs) / (8 * len(probs))
-maj = sum(majority([x.answer for x in gs]) == str(p.answer) for p, gs in zip(probs, g)) / len(probs)
+maj = sum(vote([x.answer for x in gs]) == str(p.answer) for p, gs in zip(probs, g)) / len(probs)
 pas = sum(any(x.answer_ok for x in gs) for gs in g) / len(probs)
 greedy = sum(task.grade(p, t[0]).answer_ok for p, t in zip(probs, g0)) / len(probs)
 by = collections.defaultdict(list)

@@ -27,11 +27,6 @@ from sgl_tts import task
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
 
 
-def majority(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:
-    """Alias of :func:`sgl_tts.search.vote` (kept for callers of the evaluation API)."""
-    return vote(answers, weights)
-
-
 def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
     """Area under the ROC curve (Mann-Whitney U with tied ranks averaged)."""
     pairs = sorted(zip(scores, labels))

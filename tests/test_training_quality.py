@@ -1,4 +1,4 @@
-"""Training data and quality metrics: corruption, PRM labels and tag positions, voting, AUC."""
+"""Training data and quality metrics: slips, corruption, PRM labels and tag positions, AUC."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sgl_tts import task
-from sgl_tts.quality import auc, majority
+from sgl_tts.quality import auc
 from sgl_tts.training import (
     corrupt,
     prm_examples,
@@ -99,13 +99,6 @@ def test_tag_positions_refuses_steps_that_break_the_tag_structure(task_tokenizer
         tag_positions(task_tokenizer, "Compute 1+2.", ["Step 1: 1+2=3\n", "x"])
     ids, pos = tag_positions(task_tokenizer, "Compute 1+2.", ["Step 1: 1+2=3", "The answer is \\boxed{3}"])
     assert len(pos) == 2 and pos[-1] == len(ids) - 1
-
-
-def test_majority_vote_ties_and_weights():
-    assert majority(["3", "5", "5", None, None, None]) == "5"
-    assert majority(["3", "5"]) == "3"  # tie: first seen
-    assert majority([None, None]) is None
-    assert majority(["3", "5", "5"], weights=[0.9, 0.1, 0.2]) == "3"
 
 
 def test_auc_equals_pairwise_definition():

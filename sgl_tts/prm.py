@@ -33,6 +33,12 @@ def default_prompt(question: str) -> str:
     return question + "\n\n"
 
 
+def prm_input(question: str, steps: Sequence[str], *, tag: str = STEP_TAG,
+              prompt: Callable[[str], str] = default_prompt) -> str:
+    """The text a step-tag PRM reads: the prompt, then every step followed by ``tag``."""
+    return prompt(question) + "".join(s + tag for s in steps)
+
+
 def tag_positions(tokenizer, question: str, steps: Sequence[str], *, tag: str = STEP_TAG,
                   prompt: Callable[[str], str] = default_prompt) -> tuple[list[int], list[int]]:
     """Token ids of the PRM input (prompt, then every step followed by ``tag``) and the positions of
@@ -41,7 +47,7 @@ def tag_positions(tokenizer, question: str, steps: Sequence[str], *, tag: str = 
         if tag in st or st != st.strip("\n"):
             raise ValueError(f"a step must not contain the step tag or start/end with a newline: {st!r}")
     head = prompt(question)
-    ids = tokenizer.encode(head + "".join(s + tag for s in steps))
+    ids = tokenizer.encode(prm_input(question, steps, tag=tag, prompt=prompt))
     tag_ids = tokenizer.encode(tag)
     if len(tag_ids) != 1:
         raise ValueError(f"the step tag {tag!r} must be a single token for this tokenizer, got {tag_ids}")
@@ -129,4 +135,4 @@ class StepTagPRM:
                 self._cache.clear()
 
 
-__all__ = ["PRMScorer", "STEP_TAG", "StepTagPRM", "default_prompt", "tag_positions"]
+__all__ = ["PRMScorer", "STEP_TAG", "StepTagPRM", "default_prompt", "prm_input", "tag_positions"]

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from sgl_tts import task
 from sgl_tts.models.tiny import TinyModelSpec, word_merges, write_byte_level_tokenizer
-from sgl_tts.prm import tag_positions
+from sgl_tts.backends.engine import common_prefix_len
+from sgl_tts.prm import prm_input, tag_positions
 
 logger = logging.getLogger(__name__)
 
@@ -210,11 +211,6 @@ def save_model(model, tokenizer, path: str | Path, dtype: torch.dtype = torch.bf
 PLUS, MINUS = "+", "-"
 
 
-def prm_text(question: str, steps: Sequence[str]) -> str:
-    """PRM input: the prompt, then every step followed by the step tag (a blank line)."""
-    return task.prompt(question) + "".join(s + task.STEP_SEPARATOR for s in steps)
-
-
 def corrupt(problem: task.Problem, rng: random.Random) -> list[str]:
     """The reference steps with one injected error, carried on consistently or not."""
     for _ in range(100):
@@ -296,9 +292,9 @@ def prm_examples(tokenizer, pool: Sequence[tuple[task.Problem, str]], seed: int,
 def dense_labels(tokenizer, problem: task.Problem, steps: Sequence[str], ids: Sequence[int],
                  tags: Sequence[int], tag_labels: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
     """Positions from the first solution token to the last tag, their labels and which are tags."""
-    text = prm_text(problem.question, steps)
-    ref = prm_text(problem.question, problem.step_texts())
-    agree = common_prefix_chars(text, ref)
+    text = prm_input(problem.question, steps)
+    ref = prm_input(problem.question, problem.step_texts())
+    agree = common_prefix_len(text, ref)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     if list(enc["input_ids"]) != list(ids):
         raise ValueError("tokenizer offsets disagree with the PRM input ids")
@@ -310,14 +306,6 @@ def dense_labels(tokenizer, problem: task.Problem, steps: Sequence[str], ids: Se
     positions = [p for p in range(start, tags[-1] + 1) if p in tag_label or offsets[p][0] <= agree]
     labels = [tag_label[p] if p in tag_label else int(offsets[p][1] <= agree) for p in positions]
     return positions, labels, [p in tag_label for p in positions]
-
-
-def common_prefix_chars(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def new_prm(generator: str | Path, path: str | Path, extra_layers: int = 0,
@@ -417,10 +405,6 @@ def sample_solutions(backend, problems: Sequence[task.Problem], samples: int, *,
             futs.append(backend.engine.submit(ids, spec))
     texts = [f.result().text for f in tqdm(futs, desc="sampling", disable=not progress)]
     return [texts[i * samples:(i + 1) * samples] for i in range(len(problems))]
-
-
-def accuracy(problems: Sequence[task.Problem], texts: Sequence[str]) -> float:
-    return sum(task.grade(p, t).answer_ok for p, t in zip(problems, texts)) / max(1, len(problems))
 
 
 def sample_pool(generator: str | Path, count: int, samples: int, *, temperature: float, seed: int,
@@ -546,7 +530,7 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "accuracy", "corrupt",
+__all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "corrupt",
            "new_generator", "new_prm", "sample_pool", "sample_solutions",
            "save_model", "slipped_steps", "tag_positions", "train_generator", "train_prm", "train_tiny",
            "write_task_tokenizer"]

@@ -1,0 +1,133 @@
+"""How well can a step verifier rank the tiny generator's own samples, and how well does the PRM?
+
+For N sampled solutions per test problem, every step tag gets a score from each *scorer*, and each
+scorer is measured the way the tiny-model issue measures the PRM: step AUC against the checker's
+"correct so far" labels, and best-of-N accuracy (the trajectory whose last step scores highest).
+
+Scorers:
+- ``generator sum log p``: the generator's own log-probability of every solution token up to the
+  tag, summed (how surprised the generator is by what was written, all of it);
+- ``generator min log p``: the single most surprising token so far;
+- ``generator mean log p``: the sum divided by the number of tokens;
+- ``PRM [last]``, ``PRM [min]``, ``PRM [prod]``: the step-tag PRM's P(+) at the tag, and its
+  running min and product over the steps so far.
+
+The generator-based rows are a ceiling study, not a scorer the project ships: they show what a PRM
+built on the generator could reach if it accumulated the generator's surprise over the whole
+solution (see docs/TINY_MODELS.md).
+
+    ./dev.sh run python benchmarks/verifier_ceiling.py --problems 100 --out docs/results/verifier_ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from sgl_tts import LocalBackend, task
+from sgl_tts.machine import describe
+from sgl_tts.models import shipped_model
+from sgl_tts.prm import StepTagPRM, tag_positions
+from sgl_tts.quality import auc
+from sgl_tts.search import aggregate, vote
+from sgl_tts.training import sample_solutions
+
+
+def running(values: list[float], how: str) -> list[float]:
+    """The aggregate of the first k values, for every k."""
+    return [aggregate(values[:k], how) for k in range(1, len(values) + 1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--generator", default=str(shipped_model("generator")))
+    ap.add_argument("--prm", default=str(shipped_model("prm")))
+    ap.add_argument("--problems", type=int, default=100)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--out", help="write the numbers as JSON here")
+    args = ap.parse_args(argv)
+    if args.problems < 1 or args.samples < 4:
+        ap.error("need --problems >= 1 and --samples >= 4")
+    t0 = time.perf_counter()
+    problems = task.test_split()[:args.problems]
+    gen = LocalBackend(args.generator, seed=0)
+    texts = sample_solutions(gen, problems, args.samples, temperature=args.temperature, seed=args.seed,
+                             progress=True)
+    prm = StepTagPRM(LocalBackend(args.prm, seed=0), cache=False)
+    tok = gen.tokenizer
+    vocab = list(range(len(tok)))
+    names = ["generator sum log p", "generator min log p", "generator mean log p",
+             "PRM [last]", "PRM [min]", "PRM [prod]"]
+    scores: dict[str, list[float]] = {n: [] for n in names}
+    labels: list[int] = []
+    ns = sorted({n for n in (4, 16, args.samples) if n <= args.samples})
+    best = {(n, m): 0 for n in names for m in ns}
+    single = majority = 0.0
+    for p, sols in tqdm(list(zip(problems, texts)), desc="scoring"):
+        grades = [task.grade(p, t) for t in sols]
+        steps = [list(g.steps) for g in grades]
+        prm_scores = prm.score(p.question, steps)
+        start = len(tok.encode(task.prompt(p.question)))
+        finals = []
+        for g, st, ps in zip(grades, steps, prm_scores):
+            per: dict[str, list[float]] = {}
+            try:
+                ids, tags = tag_positions(tok, p.question, st)
+            except ValueError:
+                ids, tags = [], []
+            if tags:
+                rows = gen.next_token_logprobs([ids], [list(range(start - 1, tags[-1]))], vocab)[0]
+                lp = [rows[i - start][ids[i]] for i in range(start, tags[-1] + 1)]
+                cut = [t - start + 1 for t in tags]
+                per["generator sum log p"] = [sum(lp[:c]) for c in cut]
+                per["generator min log p"] = [min(lp[:c]) for c in cut]
+                per["generator mean log p"] = [sum(lp[:c]) / c for c in cut]
+                per["PRM [last]"] = list(ps)
+                per["PRM [min]"] = running(list(ps), "min")
+                per["PRM [prod]"] = running(list(ps), "prod")
+                for n in names:
+                    scores[n] += per[n]
+                labels += [int(v) for v in g.prefix_ok]
+            finals.append({n: (per[n][-1] if per.get(n) else -math.inf) for n in names})
+        for n in names:
+            for m in ns:
+                pick = max(range(m), key=lambda j: finals[j][n])
+                best[(n, m)] += grades[pick].answer_ok
+        single += sum(g.answer_ok for g in grades) / len(grades)
+        majority += str(vote([g.answer for g in grades])) == str(p.answer)
+    gen.shutdown()
+    prm.backend.shutdown()
+    k = len(problems)
+    result = {
+        "problems": k, "samples": args.samples, "temperature": args.temperature,
+        "single_sample_mean": single / k, f"majority@{args.samples}": majority / k,
+        "rows": [{"scorer": n, "step_auc": auc(scores[n], labels),
+                  **{f"best_of_{m}": best[(n, m)] / k for m in ns}} for n in names],
+        "graded_steps": len(labels), "seconds": time.perf_counter() - t0,
+        "generator": args.generator, "prm": args.prm, "machine": describe(),
+        "date": datetime.date.today().isoformat(),
+        "command": "benchmarks/verifier_ceiling.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    print(f"{k} problems x {args.samples} samples at T={args.temperature}: single sample "
+          f"{single / k:.1%}, majority@{args.samples} {majority / k:.1%}")
+    print("| scorer | step AUC | " + " | ".join(f"best-of-{m}" for m in ns) + " |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in ns) + " |")
+    for r in result["rows"]:
+        print(f"| {r['scorer']} | {r['step_auc']:.3f} | "
+              + " | ".join(f"{r[f'best_of_{m}']:.1%}" for m in ns) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

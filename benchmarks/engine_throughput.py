@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
-from sgl_tts.quality import machine
+from sgl_tts.machine import describe
 from sgl_tts.training import sample_solutions
 
 
@@ -55,7 +55,7 @@ def main() -> int:
     rows = [run(args.problems, args.samples, int(m), int(t))
             for m in args.max_running.split(",") for t in args.threads.split(",")]
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"machine": machine(), "date": dt.date.today().isoformat(), "revision": rev,
+    record = {"machine": describe(), "date": dt.date.today().isoformat(), "revision": rev,
               "command": "./dev.sh run python benchmarks/engine_throughput.py " + " ".join(sys.argv[1:]),
               "rows": rows}
     table = ["| max running | threads | tokens/s | seconds | user CPU s | system CPU s |",

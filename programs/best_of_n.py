@@ -37,10 +37,9 @@ def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: st
     forks.join()
     steps = [split_steps(t, delimiter) for t in texts]
     scores = prm.score(question, steps) if prm is not None else [[] for _ in steps]
-    trajectories = [
-        Trajectory(st, sc, aggregate(sc, aggregation), extract_answer(t, answer_pattern), k,
-                   extract_answer(t, answer_pattern) is not None)
-        for st, sc, t, k in zip(steps, scores, texts, tokens)]
+    answers_found = [extract_answer(t, answer_pattern) for t in texts]
+    trajectories = [Trajectory(st, sc, aggregate(sc, aggregation), a, k, a is not None)
+                    for st, sc, a, k in zip(steps, scores, answers_found, tokens)]
     answers = {"majority": vote([t.answer for t in trajectories])}
     if prm is not None:
         best = top_k([t.score for t in trajectories], 1)

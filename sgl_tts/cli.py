@@ -17,10 +17,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Compare single sample, majority vote, PRM best-of-N and PRM beam search on test problems."""
     import sgl_tts
     from sgl_tts import quality, task
+    from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    ns = quality.check_ns(_int_list(args.ns, "--ns"))
+    ns = quality.check_ns(quality.int_list(args.ns, "--ns"))
     if args.problems < 1:
         raise ValueError("--problems must be at least 1")
     prm_path = args.prm or shipped_model("prm")
@@ -41,7 +42,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plot = None if args.no_plot else str(quality.plot_accuracy(cmp, args.plot))
     result = {"generator": generator.get_model_name(), "generator_backend": type(generator).__name__,
               "prm": str(prm_path), **cmp.to_json(), "load_seconds": round(load_s, 3), "plot": plot,
-              "machine": quality.machine(), "date": time.strftime("%Y-%m-%d")}
+              "machine": describe(), "date": time.strftime("%Y-%m-%d")}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -60,16 +61,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"plot: {plot}")
     print(f"load {load_s:.1f}s, total {cmp.seconds:.1f}s on {result['machine']}")
     return 0
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag} is empty")
-    return values
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sgl_tts import task
+from sgl_tts.machine import describe
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
 
 
@@ -95,6 +96,17 @@ def _results(states) -> list:
 
 def _accuracy(problems: Sequence[task.Problem], answers: Sequence[str | None]) -> float:
     return sum(a == str(p.answer) for p, a in zip(problems, answers)) / max(1, len(problems))
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers from a command-line value, with an error naming ``flag``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
 
 
 def check_ns(ns: Sequence[int]) -> list[int]:
@@ -207,12 +219,6 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
     return path
 
 
-def machine() -> str:
-    from sgl_tts.machine import describe
-
-    return describe()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts quality``: the test-split measurement behind docs/TINY_MODELS.md."""
     from sgl_tts import LocalBackend
@@ -236,12 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     prm_backend = LocalBackend(args.prm or shipped_model("prm"), max_running=256, seed=args.seed)
     try:
         cmp = compare(gen, StepTagPRM(prm_backend), task.test_split()[:args.count],
-                      ns=[int(x) for x in args.ns.split(",")], beam_width=args.beam_width,
+                      ns=int_list(args.ns, "--ns"), beam_width=args.beam_width,
                       temperature=args.temperature, aggregation=args.aggregation, seed=args.seed)
     finally:
         gen.shutdown()
         prm_backend.shutdown()
-    record = {**cmp.to_json(), "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+    record = {**cmp.to_json(), "machine": describe(), "date": time.strftime("%Y-%m-%d"),
               "command": "sgl-tts quality " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

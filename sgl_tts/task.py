@@ -29,7 +29,11 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-STEP_SEPARATOR = "\n\n"
+from sgl_tts.search import STEP_DELIMITER, extract_answer, split_steps
+
+# The task's text conventions are the search primitives' defaults: steps separated by a blank line,
+# the answer in \boxed{...} (task.extract_answer / task.split_steps are those primitives).
+STEP_SEPARATOR = STEP_DELIMITER
 MAX_VALUE = 999
 
 
@@ -192,7 +196,6 @@ def write_jsonl(problems: Sequence[Problem], path: str | Path, prefix: str = "ar
 
 # ------------------------------------------------------------------------------------- checker
 _STEP = re.compile(r"^Step (\d+): (\d+)([+\-*])(\d+)=(-?\d+)$")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,16 +217,6 @@ class Grade:
     prefix_ok: tuple[bool, ...]
     answer: str | None
     answer_ok: bool
-
-
-def extract_answer(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` in ``text``."""
-    found = _BOXED.findall(text)
-    return found[-1].strip() if found else None
-
-
-def split_steps(text: str) -> list[str]:
-    return [s.strip() for s in text.strip().split(STEP_SEPARATOR) if s.strip()]
 
 
 def check_step(problem: Problem, index: int, text: str) -> bool:

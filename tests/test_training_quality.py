@@ -1,4 +1,4 @@
-"""Training data and quality metrics: slips, corruption, PRM labels and tag positions, AUC."""
+"""Training data and quality metrics: slips, corruption, PRM readout examples and tag positions, AUC."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sgl_tts import task
 from sgl_tts.quality import auc
 from sgl_tts.training import (
     corrupt,
-    prm_examples,
+    readout_examples,
     slipped_steps,
     tag_positions,
     write_task_tokenizer,
@@ -73,25 +73,24 @@ def test_slipped_steps_change_one_result_digit_and_carry_the_value_on():
     assert 0.20 < slipped / total < 0.26  # a few slips are skipped when they would leave [0, 999]
 
 
-def test_prm_examples_label_tags_with_the_checker_and_tokens_up_to_the_first_error(task_tokenizer):
-    tag = task_tokenizer.encode("\n\n")[0]
-    pool = [(p, p.solution()) for p in task.generate(5, seed=2)]
-    seen = []
-    for ids, pos, labels, is_tag in itertools.islice(prm_examples(task_tokenizer, pool, seed=0), 200):
-        assert len(pos) == len(labels) == len(is_tag) > 0 and pos == sorted(pos)
-        tag_labels = [lab for lab, t in zip(labels, is_tag) if t]
-        assert all(ids[p] == tag for p, t in zip(pos, is_tag) if t)
-        assert tag_labels == sorted(tag_labels, reverse=True)  # "correct so far" never comes back
-        token_labels = [lab for lab, t in zip(labels, is_tag) if not t]
-        # Tokens are labelled right up to the first wrong one, which is the only one labelled 0.
-        assert token_labels.count(0) <= 1 and (0 not in token_labels or token_labels[-1] == 0)
-        if 0 in token_labels:
-            first_bad_tag = tag_labels.index(0)
-            wrong = [p for p, lab, t in zip(pos, labels, is_tag) if not t and lab == 0][0]
-            tags = [p for p, t in zip(pos, is_tag) if t]
-            assert (tags[first_bad_tag - 1] if first_bad_tag else 0) < wrong < tags[first_bad_tag]
-        seen.append(tuple(tag_labels))
-    assert any(all(x) for x in seen) and any(not all(x) for x in seen)
+def test_readout_examples_mix_pool_references_and_corruptions_labelled_by_the_checker():
+    pool = [(p, p.solution().replace("=", "=1", 1)) for p in task.generate(5, seed=2)]  # first step wrong
+    pool_questions = {p.question for p, _ in pool}
+    kinds = {"pool": 0, "reference": 0, "corrupted": 0}
+    for problem, steps, labels in itertools.islice(readout_examples(pool, seed=0), 300):
+        assert labels == [int(v) for v in task.grade(problem, task.STEP_SEPARATOR.join(steps)).prefix_ok]
+        assert len(labels) == len(steps) and labels == sorted(labels, reverse=True)
+        if problem.question in pool_questions:
+            assert labels[0] == 0
+            kinds["pool"] += 1
+        elif all(labels):
+            assert steps == problem.step_texts()
+            kinds["reference"] += 1
+        else:
+            kinds["corrupted"] += 1
+    assert 120 < kinds["pool"] < 180 and 35 < kinds["reference"] < 85 and 60 < kinds["corrupted"] < 120
+    again = [(p.question, s) for p, s, _ in itertools.islice(readout_examples(pool, seed=0), 50)]
+    assert again == [(p.question, s) for p, s, _ in itertools.islice(readout_examples(pool, seed=0), 50)]
 
 
 def test_tag_positions_refuses_steps_that_break_the_tag_structure(task_tokenizer):
@@ -119,16 +118,18 @@ def test_train_tiny_runs_every_stage_and_resumes(tmp_path):
 
     from sgl_tts.training import TinyRecipe, train_tiny
 
-    recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, prm_steps=2, prm_batch=4,
-                        prm_refine_steps=1, pool_problems=2, pool_samples=1)
+    recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, readout_examples=30,
+                        pool_problems=2, pool_samples=1)
     train_tiny(tmp_path, recipe, progress=False)
-    assert {p.name for p in (tmp_path / "prm").glob(".*")} == {".stage1", ".refine0", ".refine1", ".done"}
-    assert AutoConfig.from_pretrained(tmp_path / "prm").num_hidden_layers == 5  # generator + 1 layer
     for stage in ("generator-base", "generator", "prm"):
         assert (tmp_path / stage / "model.safetensors").is_file()
         assert json.loads((tmp_path / stage / ".done").read_text())["generator_steps"] == 2
     assert len((tmp_path / "prm-pool.jsonl").read_text().splitlines()) == 2
-    assert AutoConfig.from_pretrained(tmp_path / "prm").tie_word_embeddings is True
+    cfg = AutoConfig.from_pretrained(tmp_path / "prm")
+    assert cfg.num_hidden_layers == 4 + 3 and cfg.tie_word_embeddings is False  # generator + 3 layers
+    done = json.loads((tmp_path / "prm" / ".done").read_text())
+    assert cfg.sgl_tts_token_check_prm["readout"] == done["readout"]  # the fitted readout is built in
+    assert done["readout_fit"]["examples"] == 30 and done["readout_fit"]["graded_steps"] > 30
     stamp = (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns
     train_tiny(tmp_path, recipe, progress=False)  # finished stages are skipped on a rerun
     assert (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns == stamp

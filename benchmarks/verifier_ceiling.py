@@ -9,12 +9,15 @@ Scorers:
   tag, summed (how surprised the generator is by what was written, all of it);
 - ``generator min log p``: the single most surprising token so far;
 - ``generator mean log p``: the sum divided by the number of tokens;
+- ``generator digit check``: the token-check PRM's share computed directly from its definition
+  (:mod:`sgl_tts.models.token_check_prm`): per solution token, for a written digit the sum over the
+  other digits of clamp(log p[other] - log p[written], 0, 1), else 0, averaged over the solution so
+  far without the step tags (scored negated: fewer unexpected digits is better);
 - ``PRM [last]``, ``PRM [min]``, ``PRM [prod]``: the step-tag PRM's P(+) at the tag, and its
   running min and product over the steps so far.
 
-The generator-based rows are a ceiling study, not a scorer the project ships: they show what a PRM
-built on the generator could reach if it accumulated the generator's surprise over the whole
-solution (see docs/TINY_MODELS.md).
+The generator-based rows are computed from the generator directly: what a PRM built on the generator
+can reach (the shipped PRM computes the digit-check row's quantity; see docs/TINY_MODELS.md).
 
     ./dev.sh run python benchmarks/verifier_ceiling.py --problems 100 --out docs/results/verifier_ceiling.json
 """
@@ -45,6 +48,13 @@ def running(values: list[float], how: str) -> list[float]:
     return [aggregate(values[:k], how) for k in range(1, len(values) + 1)]
 
 
+def _digit_check(logp: dict[int, float], written: int, digits: list[int]) -> float:
+    """Sum over the other digits of clamp(log p[other] - log p[written], 0, 1); 0 for a non-digit."""
+    if written not in digits:
+        return 0.0
+    return sum(min(1.0, max(0.0, logp[d] - logp[written])) for d in digits if d != written)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generator", default=str(shipped_model("generator")))
@@ -66,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = gen.tokenizer
     vocab = list(range(len(tok)))
     names = ["generator sum log p", "generator min log p", "generator mean log p",
-             "PRM [last]", "PRM [min]", "PRM [prod]"]
+             "generator digit check", "PRM [last]", "PRM [min]", "PRM [prod]"]
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    tag_id = tok.encode("\n\n")[0]
     scores: dict[str, list[float]] = {n: [] for n in names}
     labels: list[int] = []
     ns = sorted({n for n in (4, 16, args.samples) if n <= args.samples})
@@ -91,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                 per["generator sum log p"] = [sum(lp[:c]) for c in cut]
                 per["generator min log p"] = [min(lp[:c]) for c in cut]
                 per["generator mean log p"] = [sum(lp[:c]) / c for c in cut]
+                check = [0.0 if ids[i] == tag_id else _digit_check(rows[i - start], ids[i], digits)
+                         for i in range(start, tags[-1] + 1)]
+                counted = [int(ids[i] != tag_id) for i in range(start, tags[-1] + 1)]
+                per["generator digit check"] = [-sum(check[:c]) / sum(counted[:c]) for c in cut]
                 per["PRM [last]"] = list(ps)
                 per["PRM [min]"] = running(list(ps), "min")
                 per["PRM [prod]"] = running(list(ps), "prod")

@@ -18,6 +18,7 @@ from sgl_tts.search import aggregate, expand, top_k, vote
 
 from programs.beam_search import beam_search
 from programs.best_of_n import best_of_n
+from programs.dvts import dvts
 
 PROBLEMS = task.test_split()[:6]
 
@@ -132,6 +133,45 @@ def test_beam_search_rejects_bad_arguments(generator):
     with pytest.raises(ValueError, match="num_beams >= 1 and beam_width >= 1, got 0 and 4"):
         beam_search.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), num_beams=0,
                         backend=generator)
+
+
+def _replay_dvts(calls, beam_width, aggregation="last"):
+    """Check that every live subtree continues from its own best candidate of the depth before."""
+    for (_, cands, scores), (_, nxt, _) in zip(calls, calls[1:]):
+        expected = []
+        for start in range(0, len(cands), beam_width):
+            block = range(start, start + beam_width)
+            best = block[top_k([aggregate(scores[j], aggregation) for j in block], 1)[0]]
+            if "\\boxed" not in cands[best][-1]:
+                expected += [cands[best]] * beam_width
+        assert [c[:-1] for c in nxt] == expected
+
+
+def test_dvts_grows_each_subtree_from_its_own_best_candidate(generator):
+    for p in PROBLEMS[:3]:
+        prm = CheckerPRM(PROBLEMS)
+        r = dvts.run(question=p.question, prm=prm, num_beams=12, beam_width=4, backend=generator).ret_value
+        assert len(prm.calls[0][1]) == 12 and len(prm.calls) >= len(p.ops)
+        _replay_dvts(prm.calls, 4)
+        assert len(r.trajectories) == 3 and all(t.finished for t in r.trajectories)
+        # Each subtree's result is its last pick: a candidate of the call where it finished.
+        seen = [c for call in prm.calls for c in call[1]]
+        assert all(t.steps in seen for t in r.trajectories)
+        pick = top_k([t.score for t in r.trajectories], 1)[0]
+        assert r.answer == r.trajectories[pick].answer
+        assert r.answers["majority"] == vote([t.answer for t in r.trajectories])
+        assert r.tokens_generated >= sum(t.tokens for t in r.trajectories) > 0
+    again = dvts.run(question=PROBLEMS[0].question, prm=CheckerPRM(PROBLEMS), num_beams=12,
+                     beam_width=4, backend=generator).ret_value
+    first = dvts.run(question=PROBLEMS[0].question, prm=CheckerPRM(PROBLEMS), num_beams=12,
+                     beam_width=4, backend=generator).ret_value
+    assert [t.steps for t in again.trajectories] == [t.steps for t in first.trajectories]
+
+
+def test_dvts_rejects_bad_arguments(generator):
+    with pytest.raises(ValueError, match="num_beams >= beam_width, got num_beams=2 and beam_width=4"):
+        dvts.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), num_beams=2, beam_width=4,
+                 backend=generator)
 
 
 # ------------------------------------------------------------------------------ step-tag PRM

@@ -4,7 +4,8 @@ N beams (``num_beams``) sample one step each (``fork`` + ``gen`` with the step d
 scores every candidate; candidates that finished (an answer, or EOS) are set aside; the best N/M
 unfinished ones are kept and each is forked M (``beam_width``) times (fewer kept → more children each, so N
 candidates are always in flight); repeat until N trajectories finished, none is left, or
-``max_depth``. The pick is the finished trajectory with the best aggregated score (the best
+``max_depth``. ``branching="proportional"`` is dynamic branching: the kept beams share the N children
+in proportion to their aggregated scores instead of equally (a low-scored beam may get none). The pick is the finished trajectory with the best aggregated score (the best
 unfinished one if none finished). Ties always go to the earlier candidate.
 """
 
@@ -15,16 +16,20 @@ import time
 import sglang as sgl
 
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
-                            expand, extract_answer, gen_step, top_k, vote)
+                            expand, expand_proportional, extract_answer, gen_step, top_k, vote)
+
+BRANCHING = ("equal", "proportional")
 
 
 @sgl.function
 def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
                 step_tokens: int = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
-                seed: int = 0, delimiter: str = STEP_DELIMITER,
-                answer_pattern: str = BOXED) -> SearchResult:
+                seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
+                branching: str = "equal") -> SearchResult:
     if num_beams < 1 or beam_width < 1:
         raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
+    if branching not in BRANCHING:
+        raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
     t0 = time.perf_counter()
     s += question + delimiter
     group = s.fork(num_beams)
@@ -57,8 +62,14 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         if len(done) >= num_beams or not open_idx:
             break
         ranked = top_k([aggregate(scores[i], aggregation) for i in open_idx], keep)
+        if branching == "equal":
+            shares = expand(len(ranked), num_beams)
+        else:
+            shares = expand_proportional([aggregate(scores[open_idx[r]], aggregation) for r in ranked],
+                                         num_beams)
+        ranked, shares = [r for r, c in zip(ranked, shares) if c], [c for c in shares if c]
         beams = []
-        for r, children in zip(ranked, expand(len(ranked), num_beams)):
+        for r, children in zip(ranked, shares):
             st, path, _, used = cands[open_idx[r]]
             kids = st.fork(children)
             groups.append(kids)

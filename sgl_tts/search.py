@@ -51,6 +51,25 @@ def expand(count: int, total: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(count)]
 
 
+def expand_proportional(scores: Sequence[float], total: int) -> list[int]:
+    """Dynamic branching: how many children each beam gets so that ``total`` are made, proportional
+    to its score (negative scores count as 0). Largest remainders get the leftover children, ties to
+    the lower index; a beam may get none. All scores zero: an equal split as in :func:`expand`
+    (``expand_proportional([0.6, 0.3, 0.1], 8) == [5, 2, 1]``)."""
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    weights = [max(0.0, float(x)) for x in scores]
+    mass = sum(weights)
+    if not weights or mass == 0.0:
+        return expand(len(weights), total)
+    quotas = [w / mass * total for w in weights]
+    counts = [int(q) for q in quotas]
+    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[:total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def extract_answer(text: str, pattern: str = BOXED) -> str | None:
     """The last match of ``pattern``'s first group in ``text`` (default: ``\\boxed{...}``), stripped."""
     found = re.findall(pattern, text)
@@ -166,5 +185,5 @@ class SearchResult:
 
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
-           "aggregate", "derive_seed", "expand", "extract_answer", "gen_step", "is_final",
-           "split_steps", "top_k", "vote"]
+           "aggregate", "derive_seed", "expand", "expand_proportional", "extract_answer", "gen_step",
+           "is_final", "split_steps", "top_k", "vote"]

@@ -14,7 +14,7 @@ import pytest
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import PRMScorer, StepTagPRM
-from sgl_tts.search import aggregate, expand, top_k, vote
+from sgl_tts.search import aggregate, expand, expand_proportional, top_k, vote
 
 from programs.beam_search import beam_search
 from programs.best_of_n import best_of_n
@@ -91,14 +91,20 @@ def test_best_of_n_is_reproducible_batched_solo_and_under_subsampling(generator)
         assert [t.steps for t in a.trajectories] == [t.steps for t in b.trajectories[:4]]
 
 
-def _replay_beam_search(calls, num_beams, beam_width, aggregation="last"):
-    """Check every depth's kept beams against the scores of the depth before."""
+def _replay_beam_search(calls, num_beams, beam_width, aggregation="last", branching="equal"):
+    """Check every depth's kept beams (and their children counts) against the scores of the depth
+    before."""
     keep = max(1, num_beams // beam_width)
     for (_, cands, scores), (_, nxt, _) in zip(calls, calls[1:]):
         open_idx = [i for i, c in enumerate(cands) if "\\boxed" not in c[-1]]
         ranked = top_k([aggregate(scores[i], aggregation) for i in open_idx], keep)
+        if branching == "equal":
+            shares = expand(len(ranked), num_beams)
+        else:
+            shares = expand_proportional([aggregate(scores[open_idx[r]], aggregation) for r in ranked],
+                                         num_beams)
         expected = []
-        for r, children in zip(ranked, expand(len(ranked), num_beams)):
+        for r, children in zip(ranked, shares):
             expected += [cands[open_idx[r]]] * children
         assert [c[:-1] for c in nxt] == expected
 
@@ -115,6 +121,27 @@ def test_beam_search_keeps_the_top_scored_beams_at_every_depth(generator):
         pick = top_k([t.score for t in r.trajectories], 1)[0]
         assert r.answer == r.trajectories[pick].answer
         assert r.tokens_generated >= max(t.tokens for t in r.trajectories) > 0
+
+
+def test_dynamic_branching_gives_children_in_proportion_to_scores(generator):
+    uneven = 0
+    for p in PROBLEMS[:3]:
+        prm = CheckerPRM(PROBLEMS)
+        # beam_width 1 keeps every open beam, so wrong ones (oracle score 0) are kept too
+        r = beam_search.run(question=p.question, prm=prm, num_beams=8, beam_width=1,
+                            branching="proportional", backend=generator).ret_value
+        _replay_beam_search(prm.calls, 8, 1, branching="proportional")
+        assert all(len(c[1]) == 8 for c in prm.calls) and r.trajectories
+        # With the oracle's 0/1 scores a wrong kept beam gets no children: somewhere the split
+        # differs from the equal one (so the replay above did check dynamic branching).
+        for _, cands, scores in prm.calls[:-1]:
+            open_idx = [i for i, c in enumerate(cands) if "\\boxed" not in c[-1]]
+            kept = [scores[open_idx[r]][-1] for r in top_k([scores[i][-1] for i in open_idx], 8)]
+            uneven += expand_proportional(kept, 8) != expand(len(kept), 8)
+    assert uneven > 0
+    with pytest.raises(ValueError, match="unknown branching 'random'"):
+        beam_search.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), branching="random",
+                        backend=generator)
 
 
 def test_beam_search_with_an_oracle_prm_solves_what_sampling_can(generator):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_tts.search import (aggregate, derive_seed, expand, extract_answer, is_final, split_steps,
-                            top_k, vote)
+from sgl_tts.search import (aggregate, derive_seed, expand, expand_proportional, extract_answer,
+                            is_final, split_steps, top_k, vote)
 
 
 def test_aggregations():
@@ -32,6 +32,18 @@ def test_expand_splits_the_budget_best_first():
     assert expand(5, 3) == [1, 1, 1, 0, 0]
     assert expand(0, 16) == []
     assert sum(expand(7, 16)) == 16
+
+
+def test_expand_proportional_splits_the_budget_by_score():
+    assert expand_proportional([0.6, 0.3, 0.1], 8) == [5, 2, 1]
+    assert expand_proportional([1.0, 1.0, 0.0, 0.0], 8) == [4, 4, 0, 0]
+    assert expand_proportional([0.5, 0.5, 0.5], 4) == [2, 1, 1]     # leftover ties: lower index
+    assert expand_proportional([0.9, -3.0, 0.1], 10) == [9, 0, 1]  # negative counts as zero
+    assert expand_proportional([0.0, 0.0, 0.0], 8) == expand(3, 8)
+    assert expand_proportional([], 8) == [] and expand_proportional([0.2, 0.7], 0) == [0, 0]
+    assert sum(expand_proportional([0.13, 0.29, 0.58, 0.01], 16)) == 16
+    with pytest.raises(ValueError, match="total must be >= 0, got -1"):
+        expand_proportional([0.5], -1)
 
 
 def test_answers_and_votes():

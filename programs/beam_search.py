@@ -1,39 +1,46 @@
 """Step-wise beam search guided by a PRM (search-and-learn / FlashTTS style).
 
-N beams (``num_beams``) sample one step each (``fork`` + ``gen`` with the step delimiter as stop string); the PRM
-scores every candidate; candidates that finished (an answer, or EOS) are set aside; the best N/M
-unfinished ones are kept and each is forked M (``beam_width``) times (fewer kept → more children each, so N
-candidates are always in flight); repeat until N trajectories finished, none is left, or
-``max_depth``. ``branching="proportional"`` is dynamic branching: the kept beams share the N children
-in proportion to their aggregated scores instead of equally (a low-scored beam may get none). The pick is the finished trajectory with the best aggregated score (the best
+N beams (``num_beams``) sample one step each (``fork`` + ``gen`` with the step delimiter as stop
+string); the PRM scores every candidate; candidates that finished (an answer, or EOS) are set aside;
+the best N/M unfinished ones are kept and each is forked M (``beam_width``) times (fewer kept → more
+children each, so N candidates are always in flight); repeat until N trajectories finished, none is
+left, or ``max_depth``. The pick is the finished trajectory with the best aggregated score (the best
 unfinished one if none finished). Ties always go to the earlier candidate.
+
+Variants (seed 000 §3.1): ``branching="proportional"`` is dynamic branching: the kept beams share the
+N children in proportion to their aggregated scores instead of equally (a low-scored beam may get
+none). ``step_tokens`` may be a per-depth schedule, varying granularity (e.g. ``[64, 64, 64,
+2048]``): a step cut at its limit is scored as it stands and continued at the next depth.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
-                            expand, expand_proportional, extract_answer, gen_step, top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, continue_path,
+                            derive_seed, expand, expand_proportional, extract_answer, gen_step, step_limit,
+                            top_k, vote)
 
 BRANCHING = ("equal", "proportional")
 
 
 @sgl.function
 def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
-                step_tokens: int = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
+                step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
                 seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
                 branching: str = "equal") -> SearchResult:
     if num_beams < 1 or beam_width < 1:
         raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
     if branching not in BRANCHING:
         raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
+    step_limit(step_tokens, 0)  # a bad schedule fails before any generation
     t0 = time.perf_counter()
     s += question + delimiter
     group = s.fork(num_beams)
-    beams = [(st, [], 0) for st in group]       # (state, steps so far, their tokens)
+    beams = [(st, [], "", 0) for st in group]   # (state, closed steps, pending cut step, tokens)
     groups = [group]
     done: list[Trajectory] = []
     best_open: Trajectory | None = None
@@ -41,15 +48,15 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     keep = max(1, num_beams // beam_width)
     for depth in range(max_depth):
         seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
-        steps = gen_step([b[0] for b in beams], f"step{depth}", max_tokens=step_tokens,
-                         temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
+        steps = gen_step([b[0] for b in beams], f"step{depth}",
+                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
                          answer_pattern=answer_pattern)
         generated += sum(x.tokens for x in steps)
-        cands = [(st, prev + [x.text] if x.text else prev, x, used + x.tokens)
-                 for (st, prev, used), x in zip(beams, steps)]
-        scores = prm.score(question, [c[1] for c in cands])
+        cands = [(st, *continue_path(closed, pending, x), x, used + x.tokens)
+                 for (st, closed, pending, used), x in zip(beams, steps)]
+        scores = prm.score(question, [c[3] for c in cands])
         open_idx = []
-        for i, ((st, path, x, used), sc) in enumerate(zip(cands, scores)):
+        for i, ((st, _, _, path, x, used), sc) in enumerate(zip(cands, scores)):
             traj = Trajectory(path, sc, aggregate(sc, aggregation),
                               extract_answer(delimiter.join(path), answer_pattern),
                               used, x.final or not x.text)
@@ -70,12 +77,13 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         ranked, shares = [r for r, c in zip(ranked, shares) if c], [c for c in shares if c]
         beams = []
         for r, children in zip(ranked, shares):
-            st, path, _, used = cands[open_idx[r]]
+            st, closed, pending, _, _, used = cands[open_idx[r]]
             kids = st.fork(children)
             groups.append(kids)
             for kid in kids:
-                kid += delimiter
-                beams.append((kid, path, used))
+                if not pending:  # a cut step goes on where it stopped
+                    kid += delimiter
+                beams.append((kid, closed, pending, used))
         for g in groups[:-len(ranked)]:
             g.join()
         groups = groups[-len(ranked):]

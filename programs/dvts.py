@@ -5,7 +5,8 @@ its own best candidate.
 forks its current path M times, samples one step per fork (``gen`` with the step delimiter as stop
 string; all subtrees in flight together), the PRM scores every candidate in one call, and each
 subtree keeps only its own best candidate (ties to the earlier fork). A subtree ends when its pick
-is finished (an answer, or EOS); one still open at ``max_depth`` ends with its last pick. Unlike
+is finished (an answer, or EOS); one still open at ``max_depth`` ends with its last pick.
+``step_tokens`` may be a per-depth schedule, as in beam search (a cut step is continued). Unlike
 beam search no subtree can take over another's budget, which keeps the N/M final answers diverse.
 The pick is the best aggregated score among the subtrees' results (finished ones first).
 """
@@ -13,57 +14,64 @@ The pick is the best aggregated score among the subtrees' results (finished ones
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
-                            extract_answer, gen_step, top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, continue_path,
+                            derive_seed, extract_answer, gen_step, step_limit, top_k, vote)
 
 
 @sgl.function
 def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
-         step_tokens: int = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
-         seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED) -> SearchResult:
+         step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
+         aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
+         answer_pattern: str = BOXED) -> SearchResult:
     if beam_width < 1 or num_beams < beam_width:
         raise ValueError(f"DVTS needs beam_width >= 1 and num_beams >= beam_width, got num_beams="
                          f"{num_beams} and beam_width={beam_width}")
+    step_limit(step_tokens, 0)  # a bad schedule fails before any generation
     t0 = time.perf_counter()
     s += question + delimiter
     roots = s.fork(num_beams // beam_width)
-    live = [(i, st, [], 0) for i, st in enumerate(roots)]  # (subtree, state, steps so far, tokens)
+    live = [(i, st, [], "", 0) for i, st in enumerate(roots)]  # (subtree, state, closed, pending, tokens)
     results: dict[int, Trajectory] = {}
     groups = [roots]
     generated = 0
     for depth in range(max_depth):
         forks, kid_groups = [], []
-        for tree, st, path, used in live:
+        for tree, st, closed, pending, used in live:
             kids = st.fork(beam_width)
             kid_groups.append(kids)
-            forks += [(tree, kid, path, used) for kid in kids]
+            forks += [(tree, kid, closed, pending, used) for kid in kids]
         for g in groups:  # the parents' groups: their states live on in the forks
             g.join()
         groups = kid_groups
         seeds = [derive_seed("dvts", seed, question, f[0], depth, j % beam_width)
                  for j, f in enumerate(forks)]
-        steps = gen_step([f[1] for f in forks], f"step{depth}", max_tokens=step_tokens,
-                         temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
+        steps = gen_step([f[1] for f in forks], f"step{depth}",
+                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
                          answer_pattern=answer_pattern)
         generated += sum(x.tokens for x in steps)
-        paths = [path + [x.text] if x.text else path for (_, _, path, _), x in zip(forks, steps)]
+        grown = [continue_path(closed, pending, x)
+                 for (_, _, closed, pending, _), x in zip(forks, steps)]
+        paths = [g[2] for g in grown]
         scores = prm.score(question, paths)
         nxt = []
         for k in range(len(live)):
             block = range(k * beam_width, (k + 1) * beam_width)
             best = block[top_k([aggregate(scores[j], aggregation) for j in block], 1)[0]]
-            tree, kid, _, used = forks[best]
+            tree, kid, _, _, used = forks[best]
+            closed, pending, _ = grown[best]
             x = steps[best]
             finished = x.final or not x.text
             results[tree] = Trajectory(paths[best], scores[best], aggregate(scores[best], aggregation),
                                        extract_answer(delimiter.join(paths[best]), answer_pattern),
                                        used + x.tokens, finished)
             if not finished:
-                kid += delimiter
-                nxt.append((tree, kid, paths[best], used + x.tokens))
+                if not pending:  # a cut step goes on where it stopped
+                    kid += delimiter
+                nxt.append((tree, kid, closed, pending, used + x.tokens))
         live = nxt
         if not live:
             break

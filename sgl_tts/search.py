@@ -110,6 +110,35 @@ class Step:
     tokens: int
     final: bool
     finish_reason: Mapping[str, Any] | None = None
+    raw: str = ""  # the text as generated, unstripped (what a cut step is continued from)
+
+    @property
+    def cut(self) -> bool:
+        """The step hit its token limit before the delimiter: the next generation continues it."""
+        return not self.final and (self.finish_reason or {}).get("type") == "length"
+
+
+def step_limit(step_tokens: int | Sequence[int], depth: int) -> int:
+    """The token limit at ``depth`` of a per-depth schedule (varying granularity: e.g. ``[64, 64, 64,
+    2048]`` is 64 tokens for the first three steps, then 2048); an int is the same at every depth."""
+    limits = [step_tokens] if isinstance(step_tokens, int) else list(step_tokens)
+    if not limits or any(not isinstance(x, int) or x < 1 for x in limits):
+        raise ValueError(f"step token limits must be positive integers, got {step_tokens!r}")
+    return limits[min(depth, len(limits) - 1)]
+
+
+def continue_path(steps: Sequence[str], pending: str, step: Step) -> tuple[list[str], str, list[str]]:
+    """Add a generated step to a path: ``(closed steps, pending, path to score)``.
+
+    ``steps`` are the closed steps, ``pending`` the unstripped text of a step that was cut at its
+    token limit and goes on in this generation. A cut step stays pending (it is scored as it stands,
+    as the path's last step); a step that reached the delimiter (or ended the text) is closed.
+    """
+    text = pending + step.raw
+    if step.cut:
+        return list(steps), text, list(steps) + ([text.strip()] if text.strip() else [])
+    closed = list(steps) + ([text.strip()] if text.strip() else [])
+    return closed, "", closed
 
 
 def is_final(text: str, finish_reason: Mapping[str, Any] | None, pattern: str = BOXED) -> bool:
@@ -128,7 +157,8 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
     """Generate one step on every state (all in flight at once) and wait for them.
 
     Each state gets ``sgl_tts.gen(name, stop=delimiter, ...)``; the stop string is not kept in the
-    state's text (SGLang trims it), so a program appends ``delimiter`` before the next step.
+    state's text (SGLang trims it), so a program appends ``delimiter`` before the next step, unless
+    the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`continue_path`).
     """
     for i, st in enumerate(states):
         st += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, stop=delimiter,
@@ -140,7 +170,7 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
         meta = st.get_meta_info(name) or {}
         reason = meta.get("finish_reason")
         out.append(Step(text.strip(), int(meta.get("completion_tokens", 0)),
-                        is_final(text, reason, answer_pattern), reason))
+                        is_final(text, reason, answer_pattern), reason, text))
     return out
 
 
@@ -185,5 +215,5 @@ class SearchResult:
 
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
-           "aggregate", "derive_seed", "expand", "expand_proportional", "extract_answer", "gen_step",
-           "is_final", "split_steps", "top_k", "vote"]
+           "aggregate", "continue_path", "derive_seed", "expand", "expand_proportional",
+           "extract_answer", "gen_step", "is_final", "split_steps", "step_limit", "top_k", "vote"]

@@ -8,6 +8,7 @@ each beam-search depth's selection from the recorded calls.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -193,6 +194,29 @@ def test_dvts_grows_each_subtree_from_its_own_best_candidate(generator):
     first = dvts.run(question=PROBLEMS[0].question, prm=CheckerPRM(PROBLEMS), num_beams=12,
                      beam_width=4, backend=generator).ret_value
     assert [t.steps for t in again.trajectories] == [t.steps for t in first.trajectories]
+
+
+STEP_FORMAT = re.compile(r"Step \d+: \d+[-+*]\d+=\d+|The answer is \\boxed\{\d+\}")
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_varying_granularity_cuts_early_steps_and_continues_them(generator, program):
+    tok = generator.tokenizer
+    for p in PROBLEMS[:3]:
+        prm = CheckerPRM(PROBLEMS)
+        r = program.run(question=p.question, prm=prm, num_beams=8, beam_width=4, step_tokens=[3, 3, 64],
+                        backend=generator).ret_value
+        first, second = prm.calls[0][1], prm.calls[1][1]
+        # Depth 0 stops every step after 3 tokens ("Step", " ", "1"), scored as it stands.
+        assert all(len(c) == 1 and len(tok.encode(c[0])) <= 3 for c in first)
+        # Depth 1 goes on with the same step (no delimiter inserted after a cut).
+        assert all(len(c) == 1 and any(c[0].startswith(f[0]) for f in first) for c in second)
+        # What comes out is whole steps in the task's format.
+        assert r.trajectories and all(t.finished for t in r.trajectories)
+        assert all(STEP_FORMAT.fullmatch(st) for t in r.trajectories for st in t.steps)
+    with pytest.raises(ValueError, match="step token limits must be positive integers"):
+        program.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), step_tokens=[64, 0],
+                    backend=generator)
 
 
 def test_dvts_rejects_bad_arguments(generator):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_tts.search import (aggregate, derive_seed, expand, expand_proportional, extract_answer,
-                            is_final, split_steps, top_k, vote)
+from sgl_tts.search import (Step, aggregate, continue_path, derive_seed, expand, expand_proportional,
+                            extract_answer, is_final, split_steps, step_limit, top_k, vote)
 
 
 def test_aggregations():
@@ -44,6 +44,22 @@ def test_expand_proportional_splits_the_budget_by_score():
     assert sum(expand_proportional([0.13, 0.29, 0.58, 0.01], 16)) == 16
     with pytest.raises(ValueError, match="total must be >= 0, got -1"):
         expand_proportional([0.5], -1)
+
+
+def test_step_limit_schedules_and_continue_path_joins_cut_steps():
+    assert [step_limit([64, 64, 64, 2048], d) for d in range(6)] == [64, 64, 64, 2048, 2048, 2048]
+    assert step_limit(32, 9) == 32
+    for bad in ([], [64, 0], 0, [1.5]):
+        with pytest.raises(ValueError, match="step token limits must be positive integers"):
+            step_limit(bad, 0)
+    cut = {"type": "length", "length": 3}
+    closed, pending, path = continue_path(["Step 1: 1+2=3"], "", Step("Step 2:", 3, False, cut, "Step 2: "))
+    assert (closed, pending, path) == (["Step 1: 1+2=3"], "Step 2: ", ["Step 1: 1+2=3", "Step 2:"])
+    stop = {"type": "stop", "matched": "\n\n"}
+    closed, pending, path = continue_path(closed, pending, Step("3*4=12", 6, False, stop, "3*4=12"))
+    assert closed == path == ["Step 1: 1+2=3", "Step 2: 3*4=12"] and pending == ""
+    final = Step("The answer is \\boxed{12}", 9, True, cut, "The answer is \\boxed{12}")
+    assert not final.cut and continue_path(closed, "", final)[1] == ""
 
 
 def test_answers_and_votes():

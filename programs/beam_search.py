@@ -11,6 +11,8 @@ Variants (seed 000 §3.1): ``branching="proportional"`` is dynamic branching: th
 N children in proportion to their aggregated scores instead of equally (a low-scored beam may get
 none). ``step_tokens`` may be a per-depth schedule, varying granularity (e.g. ``[64, 64, 64,
 2048]``): a step cut at its limit is scored as it stands and continued at the next depth.
+``lookahead=k`` ranks the open candidates by the PRM score of a k-step greedy rollout from each
+(its tokens count as generated; the rollouts are not kept).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ BRANCHING = ("equal", "proportional")
 
 @sgl.function
 def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
-                step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8, aggregation: str = "last",
-                seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
-                branching: str = "equal") -> SearchResult:
+                step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
+                aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
+                branching: str = "equal", lookahead: int = 0) -> SearchResult:
     if num_beams < 1 or beam_width < 1:
         raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
     if branching not in BRANCHING:
         raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
     step_limit(step_tokens, 0)  # a bad schedule fails before any generation
     t0 = time.perf_counter()
     s += question + delimiter
@@ -48,8 +52,8 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     keep = max(1, num_beams // beam_width)
     for depth in range(max_depth):
         seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
-        steps = gen_step([b[0] for b in beams], f"step{depth}",
-                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
+        steps = gen_step([b[0] for b in beams], f"step{depth}", max_tokens=step_limit(step_tokens, depth),
+                         temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
                          answer_pattern=answer_pattern)
         generated += sum(x.tokens for x in steps)
         cands = [(st, *continue_path(closed, pending, x), x, used + x.tokens)
@@ -68,12 +72,16 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                     best_open = traj
         if len(done) >= num_beams or not open_idx:
             break
-        ranked = top_k([aggregate(scores[i], aggregation) for i in open_idx], keep)
+        values = [aggregate(scores[i], aggregation) for i in open_idx]
+        if lookahead:
+            values, tokens = _lookahead_values([cands[i] for i in open_idx], question, prm, lookahead,
+                                               depth, step_tokens, aggregation, delimiter, answer_pattern)
+            generated += tokens
+        ranked = top_k(values, keep)
         if branching == "equal":
             shares = expand(len(ranked), num_beams)
         else:
-            shares = expand_proportional([aggregate(scores[open_idx[r]], aggregation) for r in ranked],
-                                         num_beams)
+            shares = expand_proportional([values[r] for r in ranked], num_beams)
         ranked, shares = [r for r, c in zip(ranked, shares) if c], [c for c in shares if c]
         beams = []
         for r, children in zip(ranked, shares):
@@ -95,3 +103,36 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     answers = {"prm_best": answer, "majority": vote([t.answer for t in pool]),
                "prm_weighted": vote([t.answer for t in pool], [t.score for t in pool])}
     return SearchResult(answer, answers, pool, generated, time.perf_counter() - t0)
+
+
+def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
+                      step_tokens: int | Sequence[int], aggregation: str, delimiter: str,
+                      answer_pattern: str) -> tuple[list[float], int]:
+    """Lookahead (Snell et al.): roll every candidate ``lookahead`` steps further at temperature 0 on
+    a fork of its state, score the rolled-out paths in one PRM call, and value each candidate by its
+    rollout's aggregated score. The rollouts are discarded; returns the values and their tokens."""
+    roll = []
+    for st, closed, pending, *_ in cands:
+        fork = st.fork(1)
+        if not pending:
+            fork[0] += delimiter
+        roll.append({"group": fork, "state": fork[0], "closed": closed, "pending": pending, "done": False})
+    tokens = 0
+    for j in range(lookahead):
+        live = [r for r in roll if not r["done"]]
+        if not live:
+            break
+        outs = gen_step([r["state"] for r in live], f"lookahead{depth}_{j}",
+                        max_tokens=step_limit(step_tokens, depth + 1 + j), temperature=0.0,
+                        delimiter=delimiter, answer_pattern=answer_pattern)
+        tokens += sum(x.tokens for x in outs)
+        for r, x in zip(live, outs):
+            r["closed"], r["pending"], _ = continue_path(r["closed"], r["pending"], x)
+            r["done"] = x.final or not x.text
+            if not r["done"] and not r["pending"]:
+                r["state"] += delimiter
+    paths = [r["closed"] + ([r["pending"].strip()] if r["pending"].strip() else []) for r in roll]
+    scores = prm.score(question, paths)
+    for r in roll:
+        r["group"].join()
+    return [aggregate(sc, aggregation) for sc in scores], tokens

@@ -15,7 +15,7 @@ import pytest
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import PRMScorer, StepTagPRM
-from sgl_tts.search import aggregate, expand, expand_proportional, top_k, vote
+from sgl_tts.search import aggregate, derive_seed, expand, expand_proportional, top_k, vote
 
 from programs.beam_search import beam_search
 from programs.best_of_n import best_of_n
@@ -34,6 +34,17 @@ class CheckerPRM:
     def score(self, question, steps_batch):
         p = self.by_question[question]
         out = [[float(v) for v in task.grade(p, task.STEP_SEPARATOR.join(st)).prefix_ok]
+               for st in steps_batch]
+        self.calls.append((question, [list(s) for s in steps_batch], out))
+        return out
+
+
+class HashPRM(CheckerPRM):
+    """Scores every step prefix by a stable hash in [0, 1): unrelated to correctness, so a rollout's
+    score and its candidate's score rank candidates differently (what a lookahead test needs)."""
+
+    def score(self, question, steps_batch):
+        out = [[derive_seed(question, tuple(st[:k + 1])) / 2 ** 63 for k in range(len(st))]
                for st in steps_batch]
         self.calls.append((question, [list(s) for s in steps_batch], out))
         return out
@@ -142,6 +153,35 @@ def test_dynamic_branching_gives_children_in_proportion_to_scores(generator):
     assert uneven > 0
     with pytest.raises(ValueError, match="unknown branching 'random'"):
         beam_search.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), branching="random",
+                        backend=generator)
+
+
+def test_lookahead_ranks_candidates_by_their_rollouts(generator):
+    checked = differs = 0
+    for p in PROBLEMS[:3]:
+        prm = HashPRM(PROBLEMS)
+        r = beam_search.run(question=p.question, prm=prm, num_beams=8, beam_width=4, lookahead=2,
+                            backend=generator).ret_value
+        calls = prm.calls
+        k = 0
+        while k + 2 < len(calls):  # per depth: the candidates, then their rollouts
+            (_, cands, _), (_, rolled, roll_scores), (_, nxt, _) = calls[k], calls[k + 1], calls[k + 2]
+            open_c = [c for c in cands if "\\boxed" not in c[-1]]
+            assert len(rolled) == len(open_c)
+            for c, rc in zip(open_c, rolled):  # a rollout extends its candidate by up to 2 steps
+                assert rc[:len(c)] == c and len(c) <= len(rc) <= len(c) + 2
+            ranked = top_k([sc[-1] for sc in roll_scores], 2)
+            own = [sc[-1] for c, sc in zip(cands, calls[k][2]) if "\\boxed" not in c[-1]]
+            differs += top_k(own, 2) != ranked
+            expected = [open_c[i] for i, n in zip(ranked, expand(len(ranked), 8)) for _ in range(n)]
+            assert [c[:-1] for c in nxt] == expected
+            checked += 1
+            k += 2
+        assert r.trajectories
+        assert r.tokens_generated > sum(t.tokens for t in r.trajectories)  # rollouts cost tokens
+    assert checked >= 6 and differs > 0  # the rollouts changed the ranking somewhere
+    with pytest.raises(ValueError, match="lookahead must be >= 0, got -1"):
+        beam_search.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), lookahead=-1,
                         backend=generator)
 
 

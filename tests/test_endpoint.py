@@ -196,3 +196,70 @@ def test_fields_sent_to_a_stock_backend_are_reported(server):
         state = prog.run(backend=stock, use_thread=False)
         state.sync()
     assert all("rid" not in b for b in server.generate_bodies())
+
+
+class LogprobServer(RecordingServer):
+    """Answers ``/generate`` logprob requests the way SGLang 0.5.15 lays them out (read from its
+    ``logprob_result_processor``: entry k of ``input_token_ids_logprobs`` is the token at
+    ``logprob_start_len + k``, entry 0 is None, the distribution after the last token is dropped),
+    computing them with the real tiny PRM through transformers."""
+
+    def __init__(self, model_path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model_path = str(model_path)
+        super().__init__()
+        outer = self
+        handler = self.httpd.RequestHandlerClass
+
+        class Handler(handler):
+            def do_GET(self):
+                self._send({"model_path": outer.model_path, "is_generation": True})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.bodies.append(body)
+                self._send([outer.answer(ids, start, wanted) for ids, start, wanted in
+                            zip(body["input_ids"], body["logprob_start_len"], body["token_ids_logprob"])])
+
+        self.httpd.RequestHandlerClass = Handler
+
+    def answer(self, ids, start, wanted):
+        import torch
+
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        entries = [None] + [[[float(logp[q - 1, t]), t, None] for t in wanted]
+                            for q in range(start + 1, len(ids))]
+        return {"text": "", "meta_info": {"input_token_ids_logprobs": entries}}
+
+
+def test_step_tag_prm_reads_the_same_scores_through_an_sglang_endpoint():
+    from sgl_tts import LocalBackend, task
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM, tag_positions
+
+    srv = LogprobServer(shipped_model("prm"))
+    local = LocalBackend(shipped_model("prm"))
+    try:
+        endpoint = SGLangEndpoint(srv.url)
+        assert endpoint.tokenizer.name_or_path == str(shipped_model("prm"))
+        remote, here = StepTagPRM(endpoint, cache=False), StepTagPRM(local, cache=False)
+        for p in task.test_split()[:4]:
+            steps = [p.step_texts(), p.step_texts()[:2], [p.step_texts()[0].replace("=", "=1")]]
+            for got, want in zip(remote.score(p.question, steps), here.score(p.question, steps)):
+                assert got == pytest.approx(want, abs=1e-5)
+        body = srv.bodies[-1]
+        assert body["sampling_params"] == {"max_new_tokens": 0} and body["return_logprob"] == [True] * 3
+        plus, minus = endpoint.tokenizer.convert_tokens_to_ids(["+", "-"])
+        assert body["token_ids_logprob"] == [[plus, minus]] * 3
+        ids, tags = tag_positions(endpoint.tokenizer, p.question, steps[0])
+        assert body["input_ids"][0] == ids + [endpoint.tokenizer.pad_token_id]  # one pad after the last tag
+        assert body["logprob_start_len"][0] == tags[0]
+        with pytest.raises(ValueError, match=r"positions \[9\] out of range for a prompt of 3 tokens"):
+            endpoint.next_token_logprobs([[1, 2, 3]], [[9]], [plus])
+    finally:
+        local.shutdown()
+        srv.close()

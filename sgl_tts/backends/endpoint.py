@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 from sglang.global_config import global_config
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -23,7 +23,9 @@ class SGLangEndpoint(RuntimeEndpoint):
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: str | None = None,
-                 chat_template_name: str | None = None):
+                 chat_template_name: str | None = None, tokenizer_path: str | None = None):
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer = None
         try:
             super().__init__(base_url, api_key=api_key, verify=verify,
                              chat_template_name=chat_template_name)
@@ -77,6 +79,71 @@ class SGLangEndpoint(RuntimeEndpoint):
     def select(self, s, choices, temperature, choices_method=None):
         take_request_fields()  # fields are for generation calls only; never let them leak
         return super().select(s, choices, temperature, choices_method)
+
+    @property
+    def tokenizer(self):
+        """The served model's Hugging Face tokenizer (``tokenizer_path``, else the path the server
+        reports), loaded once; token positions for PRM reads are computed with it."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            info = getattr(self, "model_info", None) or {}
+            path = self.tokenizer_path or info.get("tokenizer_path") or info.get("model_path")
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"cannot load the tokenizer of the model served at {self.base_url} from {path!r} "
+                    f"({exc}); pass SGLangEndpoint(..., tokenizer_path=PATH)") from exc
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the server tokenizes a ``/generate`` prompt."""
+        return self.tokenizer.encode(text)
+
+    def next_token_logprobs(self, prompts: Sequence[str | Sequence[int]],
+                            positions: Sequence[Sequence[int]],
+                            token_ids: Sequence[int]) -> list[list[list[float]]]:
+        """log P(next token = t | prompt[: p + 1]) for every prompt, position p and id t, like
+        :meth:`LocalBackend.next_token_logprobs`, from one batched ``/generate`` with
+        ``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len`` and ``token_ids_logprob``.
+
+        SGLang 0.5.15 reports input logprobs per input token: entry k of ``input_token_ids_logprobs``
+        is the distribution of the token at ``logprob_start_len + k``, read at the position before it
+        (entry 0 is None), and the distribution after the last input token is dropped. So the
+        distribution after position p is entry ``p + 1 - logprob_start_len``, and one padding token
+        is appended to each prompt so that its last position is covered too.
+        """
+        if len(prompts) != len(positions):
+            raise ValueError("prompts and positions must have the same length")
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        batch, starts, wanted = [], [], []
+        for prompt, pos in zip(prompts, positions):
+            ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            pos = [p + len(ids) if p < 0 else p for p in pos]
+            if any(not 0 <= p < len(ids) for p in pos):
+                raise ValueError(f"positions {list(pos)} out of range for a prompt of {len(ids)} tokens")
+            batch.append(ids + [pad])
+            starts.append(min(pos) if pos else len(ids) - 1)
+            wanted.append(pos)
+        if not batch:
+            return []
+        ids_list = [int(t) for t in token_ids]
+        obj = self.post("/generate", {
+            "input_ids": batch, "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": [True] * len(batch), "logprob_start_len": starts,
+            "token_ids_logprob": [ids_list] * len(batch)})
+        results = obj if isinstance(obj, list) else [obj]
+        out = []
+        for res, start, pos in zip(results, starts, wanted):
+            entries = res["meta_info"]["input_token_ids_logprobs"]
+            rows = []
+            for p in pos:
+                got = {int(e[1]): float(e[0]) for e in entries[p + 1 - start]}
+                rows.append([got[t] for t in ids_list])
+            out.append(rows)
+        return out
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""

@@ -32,8 +32,8 @@ BRANCHING = ("equal", "proportional")
 @sgl.function
 def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
                 step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
-                aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
-                branching: str = "equal", lookahead: int = 0) -> SearchResult:
+                aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
+                answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0) -> SearchResult:
     if num_beams < 1 or beam_width < 1:
         raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
     if branching not in BRANCHING:
@@ -112,11 +112,12 @@ def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
     a fork of its state, score the rolled-out paths in one PRM call, and value each candidate by its
     rollout's aggregated score. The rollouts are discarded; returns the values and their tokens."""
     roll = []
-    for st, closed, pending, *_ in cands:
+    for st, closed, pending, path, *_ in cands:
         fork = st.fork(1)
         if not pending:
             fork[0] += delimiter
-        roll.append({"group": fork, "state": fork[0], "closed": closed, "pending": pending, "done": False})
+        roll.append({"group": fork, "state": fork[0], "closed": closed, "pending": pending, "path": path,
+                     "done": False})
     tokens = 0
     for j in range(lookahead):
         live = [r for r in roll if not r["done"]]
@@ -127,12 +128,11 @@ def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
                         delimiter=delimiter, answer_pattern=answer_pattern)
         tokens += sum(x.tokens for x in outs)
         for r, x in zip(live, outs):
-            r["closed"], r["pending"], _ = continue_path(r["closed"], r["pending"], x)
+            r["closed"], r["pending"], r["path"] = continue_path(r["closed"], r["pending"], x)
             r["done"] = x.final or not x.text
             if not r["done"] and not r["pending"]:
                 r["state"] += delimiter
-    paths = [r["closed"] + ([r["pending"].strip()] if r["pending"].strip() else []) for r in roll]
-    scores = prm.score(question, paths)
+    scores = prm.score(question, [r["path"] for r in roll])
     for r in roll:
         r["group"].join()
     return [aggregate(sc, aggregation) for sc in scores], tokens

@@ -50,8 +50,8 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
         seeds = [derive_seed("dvts", seed, question, f[0], depth, j % beam_width)
                  for j, f in enumerate(forks)]
         steps = gen_step([f[1] for f in forks], f"step{depth}",
-                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
-                         answer_pattern=answer_pattern)
+                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature,
+                         seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern)
         generated += sum(x.tokens for x in steps)
         grown = [continue_path(closed, pending, x)
                  for (_, _, closed, pending, _), x in zip(forks, steps)]

@@ -408,8 +408,8 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
         build_token_check_prm(gen, prm, readout=Readout())
         readout, fit = fit_prm_readout(prm, pool, recipe.readout_examples, recipe.seed, progress=progress)
         build_token_check_prm(gen, prm, readout=readout)
-        (prm / ".done").write_text(json.dumps({**dataclasses.asdict(recipe), "readout": dataclasses.asdict(readout),
-                                               "readout_fit": fit}))
+        marker = {**dataclasses.asdict(recipe), "readout": dataclasses.asdict(readout), "readout_fit": fit}
+        (prm / ".done").write_text(json.dumps(marker))
     timings["prm_s"] = time.perf_counter() - t
     return timings
 

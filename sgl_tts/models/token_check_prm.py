@@ -199,7 +199,8 @@ def build_token_check_prm(generator: str | Path, out: str | Path, *, readout: Re
                 gate[code[wi]] += _GATE
                 gate[const] += -_GATE + offset
                 sd[a + "mlp.up_proj.weight"][unit, const] = 1.0  # = u after the norm
-                sd[a + "mlp.down_proj.weight"][lay["check"], unit] = sign / (_MARGIN_GAIN * _MARGIN_WIDTH * u * u)
+                down = sign / (_MARGIN_GAIN * _MARGIN_WIDTH * u * u)  # up_proj gave u, the gate u
+                sd[a + "mlp.down_proj.weight"][lay["check"], unit] = down
                 unit += 1
 
     # Layer B: the share = mean of the per-token check over flagged, non-tag positions.

@@ -1,0 +1,185 @@
+"""Scripted stand-ins for a generator and a PRM, so you can unit-test your own searches exactly.
+
+A search is only as testable as its inputs are predictable. Here the generator's continuation is a
+pure function of ``(prefix, draw)`` and the PRM's step score a pure function of the step text, so a
+test knows every sample and every score in advance and can check a search's selections one by one.
+Both run through SGLang's real frontend: :class:`ScriptedBackend` is an SGLang ``BaseBackend``, so
+``fork``, ``gen`` (stop strings, ``max_tokens``), ``join``, ``run`` and ``run_batch`` are SGLang's own
+interpreter; :class:`ScriptedPRM` follows :class:`sgl_tts.prm.PRMScorer` and is called from inside the
+program like any scorer.
+
+Example::
+
+    import sglang as sgl
+    from sgl_tts.testing import ScriptedBackend, ScriptedPRM
+
+    def script(prefix: str, draw: int | None) -> str:
+        # what the "model" writes after `prefix`; `draw` is the request's sampling seed
+        depth = prefix.count("\\n\\n")
+        return "The answer is \\\\boxed{4}" if depth >= 3 else f"step {draw % 3}\\n\\n"
+
+    backend = ScriptedBackend(script)
+    prm = ScriptedPRM({"step 0": 0.2, "step 1": 0.9, "step 2": 0.5}, default=0.5)
+    result = my_search.run(question="2+2?", prm=prm, backend=backend).ret_value
+    assert prm.calls[0].steps_batch == ...   # every scoring call, in order
+
+Generation semantics (SGLang's, with one character per token): the script's text is what the model
+would write from the prefix until it stops on its own (end of sequence). Generation stops at the
+first stop string (removed from the text, ``finish_reason = {"type": "stop", "matched": stop}``), at
+``max_tokens`` characters (``{"type": "length", "length": max_tokens}``), or at the end of the
+script's text (``{"type": "stop", "matched": ScriptedBackend.EOS_TOKEN_ID}``, an end of sequence).
+``completion_tokens`` counts the characters generated, a matched stop string included, as SGLang
+counts its tokens. Sampling parameters (temperature, top-p, ...) do not change the text: the script
+decides. ``draw`` is the request's sampling seed (``sgl_tts.gen(..., seed=...)``; sgl-tts programs
+derive one per fork with :func:`sgl_tts.search.derive_seed`), or ``None`` when the request has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable, Mapping, Sequence
+
+from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.chat_template import get_chat_template
+from sglang.lang.ir import SglSamplingParams
+
+from sgl_tts.backends import UnsupportedFeatureError
+from sgl_tts.backends.request import take_request_fields
+
+Script = Callable[[str, "int | None"], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One generation request a :class:`ScriptedBackend` answered."""
+
+    prefix: str
+    draw: int | None
+    text: str
+    finish_reason: dict
+    max_tokens: int
+    stop: tuple[str, ...]
+
+
+class ScriptedBackend(BaseBackend):
+    """An SGLang frontend backend whose continuation of a prefix is ``script(prefix, draw)``.
+
+    Args:
+        script: ``(prefix, draw) -> text``; must be a pure function (the frontend runs forks on
+            several threads, in no fixed order).
+        name: what ``get_model_name`` reports.
+
+    Every answered request is kept in :attr:`draws` (in the order they were answered, which differs
+    between runs when forks run concurrently; compare sorted or by prefix).
+    """
+
+    EOS_TOKEN_ID = 0
+
+    def __init__(self, script: Script, *, name: str = "scripted"):
+        super().__init__()
+        if not callable(script):
+            raise TypeError(f"script must be a function (prefix, draw) -> text, got {script!r}")
+        self.script = script
+        self.name = name
+        self.chat_template = get_chat_template("default")
+        self.is_chat_model = False
+        self.draws: list[Draw] = []
+        self._lock = threading.Lock()
+
+    def get_model_name(self) -> str:
+        return self.name
+
+    def generate(self, s, sampling_params: SglSamplingParams):
+        fields = take_request_fields()
+        prefix = s.text_
+        full = self.script(prefix, fields.seed)
+        if not isinstance(full, str):
+            raise TypeError(f"the script returned {type(full).__name__}, not str, for prefix "
+                            f"{prefix[-40:]!r} and draw {fields.seed}")
+        limit = sampling_params.max_new_tokens
+        limit = 128 if limit is None else int(limit)
+        stop = sampling_params.stop
+        stop = tuple(x for x in ((stop,) if isinstance(stop, str) else (stop or ())) if x)
+        text, reason, generated = continuation(full, stop, limit, self.EOS_TOKEN_ID)
+        meta = {"id": fields.rid or f"scripted-{len(self.draws)}", "finish_reason": reason,
+                "prompt_tokens": len(prefix), "completion_tokens": generated, "cached_tokens": 0}
+        with self._lock:
+            self.draws.append(Draw(prefix, fields.seed, text, reason, limit, stop))
+        return text, meta
+
+    def generate_stream(self, s, sampling_params: SglSamplingParams):
+        yield self.generate(s, sampling_params)
+
+    def select(self, s, choices, temperature, choices_method=None):
+        raise UnsupportedFeatureError("select on a ScriptedBackend (script the choice as text)")
+
+    def concatenate_and_append(self, src_rids, dst_rid):
+        raise UnsupportedFeatureError("concatenate_and_append on a ScriptedBackend")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def continuation(full: str, stop: Sequence[str], max_tokens: int,
+                 eos_token_id: int = ScriptedBackend.EOS_TOKEN_ID) -> tuple[str, dict, int]:
+    """What a model that would write ``full`` returns under ``stop`` and ``max_tokens`` with one
+    character per token: ``(text, finish_reason, completion tokens)`` (see the module docstring)."""
+    for n in range(1, min(len(full), max_tokens) + 1):
+        out = full[:n]
+        for st in stop:
+            if out.endswith(st):
+                return out[:-len(st)], {"type": "stop", "matched": st}, n
+    if len(full) > max_tokens:
+        return full[:max_tokens], {"type": "length", "length": max_tokens}, max_tokens
+    return full, {"type": "stop", "matched": eos_token_id}, len(full)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreCall:
+    """One call of :meth:`ScriptedPRM.score`: its question, the trajectories and what they got."""
+
+    question: str
+    steps_batch: list[list[str]]
+    scores: list[list[float]]
+
+
+class ScriptedPRM:
+    """A PRM whose score of a step is a pure function of the step's text.
+
+    Args:
+        step_score: ``text -> score``, or a mapping from step text to score.
+        default: the score of a step the mapping does not hold (``None``: such a step is an error,
+            with the step in the message).
+
+    Every call is kept in :attr:`calls`, in call order (a program's scoring calls are sequential).
+    """
+
+    def __init__(self, step_score: Callable[[str], float] | Mapping[str, float], *,
+                 default: float | None = None):
+        if isinstance(step_score, Mapping):
+            table = dict(step_score)
+
+            def lookup(text: str) -> float:
+                if text in table:
+                    return table[text]
+                if default is None:
+                    raise KeyError(f"ScriptedPRM has no score for step {text!r} (and no default)")
+                return default
+            self.step_score: Callable[[str], float] = lookup
+        elif callable(step_score):
+            self.step_score = step_score
+        else:
+            raise TypeError("step_score must be a function or a mapping of step text to score")
+        self.calls: list[ScoreCall] = []
+        self._lock = threading.Lock()
+
+    def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
+        batch = [list(steps) for steps in steps_batch]
+        scores = [[float(self.step_score(st)) for st in steps] for steps in batch]
+        with self._lock:
+            self.calls.append(ScoreCall(question, batch, scores))
+        return [list(s) for s in scores]
+
+
+__all__ = ["Draw", "ScoreCall", "ScriptedBackend", "ScriptedPRM", "continuation"]

@@ -9,6 +9,14 @@ texts) one score in [0, 1] per step, batched. Scorers:
   backend today). A score cache keyed by (question, step prefix) means no step is scored twice (seed
   001 §4.3.2): when a beam grows by one step only the new tag is scored, and the backend reuses the
   KV of the already-scored prefix.
+- :class:`RewardHeadPRM` — a PRM with a value / classifier head (SGLang's ``*ForSequenceClassification``
+  and ``*ForRewardModel`` classes, served at ``/classify``): the head reads the last token, so step k
+  is scored on the input that ends with step k's tag, one input per step (the same cache means one
+  new input per beam per depth, and SGLang's radix cache reuses the shared prefix).
+
+Both read the same input text (:func:`prm_input`) and work through an SGLang server
+(:class:`~sgl_tts.backends.SGLangEndpoint`) or a local CPU model (:class:`~sgl_tts.backends.LocalBackend`
+for step tags, :class:`~sgl_tts.backends.classifier.LocalClassifier` for heads).
 """
 
 from __future__ import annotations
@@ -58,23 +66,12 @@ def tag_positions(tokenizer, question: str, steps: Sequence[str], *, tag: str = 
     return ids, pos
 
 
-class StepTagPRM:
-    """A causal-LM PRM that votes ``good``/``bad`` as the next token after each step tag.
+class CachedStepScorer:
+    """The score cache both scorers share: step k of a trajectory is stored under (question, steps
+    up to k), so a prefix scored once is never sent to the model again (seed 001 §4.3.2).
+    Subclasses implement :meth:`_score_new`."""
 
-    ``backend`` needs ``tokenizer`` and ``next_token_logprobs(prompts, positions, token_ids)``
-    (:class:`~sgl_tts.backends.local.LocalBackend`). A trajectory that cannot be tagged (a step
-    containing the tag) scores 0.0 at every step rather than failing the whole batch.
-    """
-
-    def __init__(self, backend, *, good: str = "+", bad: str = "-", tag: str = STEP_TAG,
-                 prompt: Callable[[str], str] = default_prompt, cache: bool = True):
-        self.backend = backend
-        tok = backend.tokenizer
-        self.tag, self.prompt = tag, prompt
-        ids = [tok.convert_tokens_to_ids(t) for t in (good, bad)]
-        if any(i is None or i == tok.unk_token_id for i in ids):
-            raise ValueError(f"label tokens {good!r}/{bad!r} are not single tokens of this tokenizer")
-        self.label_ids = ids
+    def __init__(self, cache: bool = True):
         self._cache: dict[tuple[str, tuple[str, ...]], float] | None = {} if cache else None
         self._lock = threading.Lock()
         self.scored_steps = 0   # steps actually sent to the model (cache misses)
@@ -82,32 +79,29 @@ class StepTagPRM:
 
     def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
         out: list[list[float] | None] = [None] * len(steps_batch)
-        prompts, positions, todo = [], [], []
+        todo: list[tuple[int, list[str], list[float]]] = []
         for i, steps in enumerate(steps_batch):
             steps = list(steps)
-            if not steps:
-                out[i] = []
-                continue
-            known = self._lookup(question, steps)
+            known = self._lookup(question, steps) if steps else []
             if len(known) == len(steps):
                 out[i] = known
-                continue
-            try:
-                ids, pos = tag_positions(self.backend.tokenizer, question, steps, tag=self.tag,
-                                         prompt=self.prompt)
-            except ValueError:
-                out[i] = [0.0] * len(steps)
-                continue
-            prompts.append(ids)
-            positions.append(pos[len(known):])
-            todo.append((i, steps, known))
-        if prompts:
-            rows = self.backend.next_token_logprobs(prompts, positions, self.label_ids)
-            for (i, steps, known), row in zip(todo, rows):
-                new = [1.0 / (1.0 + math.exp(b - a)) for a, b in row]
-                out[i] = known + new
-                self._store(question, steps, len(known), new)
+            else:
+                todo.append((i, steps, known))
+        if todo:
+            # identical trajectories in one batch (beams that sampled the same step) go once
+            unique: dict[tuple[tuple[str, ...], int], int] = {}
+            for _, steps, known in todo:
+                unique.setdefault((tuple(steps), len(known)), len(unique))
+            new = self._score_new(question, [(list(k[0]), k[1]) for k in unique])
+            for (steps_key, start), w in unique.items():
+                self._store(question, list(steps_key), start, new[w])
+            for i, steps, known in todo:
+                out[i] = known + list(new[unique[(tuple(steps), len(known))]])
         return out  # type: ignore[return-value]
+
+    def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
+        """Scores of steps ``start:`` of each ``(steps, start)``, one batch for all of them."""
+        raise NotImplementedError
 
     def _lookup(self, question: str, steps: list[str]) -> list[float]:
         if self._cache is None:
@@ -135,4 +129,95 @@ class StepTagPRM:
                 self._cache.clear()
 
 
-__all__ = ["PRMScorer", "STEP_TAG", "StepTagPRM", "default_prompt", "prm_input", "tag_positions"]
+class StepTagPRM(CachedStepScorer):
+    """A causal-LM PRM that votes ``good``/``bad`` as the next token after each step tag.
+
+    ``backend`` needs ``tokenizer`` and ``next_token_logprobs(prompts, positions, token_ids)``
+    (:class:`~sgl_tts.backends.local.LocalBackend`, :class:`~sgl_tts.backends.SGLangEndpoint`). A
+    trajectory that cannot be tagged (a step containing the tag) scores 0.0 at every step rather than
+    failing the whole batch.
+    """
+
+    def __init__(self, backend, *, good: str = "+", bad: str = "-", tag: str = STEP_TAG,
+                 prompt: Callable[[str], str] = default_prompt, cache: bool = True):
+        super().__init__(cache)
+        self.backend = backend
+        tok = backend.tokenizer
+        self.tag, self.prompt = tag, prompt
+        ids = [tok.convert_tokens_to_ids(t) for t in (good, bad)]
+        if any(i is None or i == tok.unk_token_id for i in ids):
+            raise ValueError(f"label tokens {good!r}/{bad!r} are not single tokens of this tokenizer")
+        self.label_ids = ids
+
+    def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in work]
+        prompts, positions, rows_for = [], [], []
+        for w, (steps, start) in enumerate(work):
+            try:
+                ids, pos = tag_positions(self.backend.tokenizer, question, steps, tag=self.tag,
+                                         prompt=self.prompt)
+            except ValueError:
+                out[w] = [0.0] * (len(steps) - start)
+                continue
+            prompts.append(ids)
+            positions.append(pos[start:])
+            rows_for.append(w)
+        if prompts:
+            rows = self.backend.next_token_logprobs(prompts, positions, self.label_ids)
+            for w, row in zip(rows_for, rows):
+                out[w] = [1.0 / (1.0 + math.exp(b - a)) for a, b in row]
+        return out
+
+
+def head_score(row: Sequence[float], positive_label: int = 1) -> float:
+    """A reward head's output at one position as a score in [0, 1]: one value is a logit
+    (sigmoid); several are class logits (softmax, the probability of ``positive_label``)."""
+    if len(row) == 1:
+        return 1.0 / (1.0 + math.exp(-float(row[0])))
+    if not 0 <= positive_label < len(row):
+        raise ValueError(f"positive_label {positive_label} is not one of the head's {len(row)} classes")
+    top = max(row)
+    exps = [math.exp(float(x) - top) for x in row]
+    return exps[positive_label] / sum(exps)
+
+
+class RewardHeadPRM(CachedStepScorer):
+    """A PRM with a value / classifier head, read at the last token of each step prefix.
+
+    ``backend`` needs ``tokenizer`` and ``classify(inputs) -> [head outputs]`` for token-id lists
+    (:class:`~sgl_tts.backends.SGLangEndpoint` via ``/classify``,
+    :class:`~sgl_tts.backends.classifier.LocalClassifier` on the CPU). Step k's input is the prompt
+    and steps 1..k, each followed by ``tag``; the head's output there becomes a score by
+    :func:`head_score`. An untaggable trajectory scores 0.0 at every step, as with step tags.
+    """
+
+    def __init__(self, backend, *, tag: str = STEP_TAG, prompt: Callable[[str], str] = default_prompt,
+                 positive_label: int = 1, cache: bool = True):
+        super().__init__(cache)
+        self.backend = backend
+        self.tag, self.prompt, self.positive_label = tag, prompt, positive_label
+
+    def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in work]
+        inputs, owner = [], []
+        for w, (steps, start) in enumerate(work):
+            try:
+                ids, pos = tag_positions(self.backend.tokenizer, question, steps, tag=self.tag,
+                                         prompt=self.prompt)
+            except ValueError:
+                out[w] = [0.0] * (len(steps) - start)
+                continue
+            for p in pos[start:]:
+                inputs.append(ids[:p + 1])
+                owner.append(w)
+        if inputs:
+            rows = self.backend.classify(inputs)
+            if len(rows) != len(inputs):
+                raise ValueError(f"the reward model answered {len(rows)} rows for {len(inputs)} inputs")
+            for w, row in zip(owner, rows):
+                out[w].append(head_score(row, self.positive_label))
+        return out
+
+
+__all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "default_prompt",
+           "head_score", "prm_input", "tag_positions"]

@@ -145,6 +145,28 @@ class SGLangEndpoint(RuntimeEndpoint):
             out.append(rows)
         return out
 
+    def classify(self, inputs: Sequence[str | Sequence[int]]) -> list[list[float]]:
+        """The served reward / classifier head's output at the last token of every input, one batched
+        ``/classify`` request (SGLang pools the last token and applies no softmax)."""
+        if not inputs:
+            return []
+        if all(isinstance(x, str) for x in inputs):
+            payload: dict[str, Any] = {"text": list(inputs)}
+        else:
+            payload = {"input_ids": [self.encode(x) if isinstance(x, str) else [int(t) for t in x]
+                                     for x in inputs]}
+        res = self.post("/classify", payload)
+        rows = res if isinstance(res, list) else [res]
+        try:
+            out = [[float(v) for v in (r["embedding"] if isinstance(r["embedding"], list)
+                                       else [r["embedding"]])] for r in rows]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{self.base_url}/classify answered without an embedding per input ({exc}); "
+                             f"is the server running a reward / classifier-head model?") from exc
+        if len(out) != len(inputs):
+            raise ValueError(f"{self.base_url}/classify answered {len(out)} rows for {len(inputs)} inputs")
+        return out
+
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""
         res = http_request(self.base_url + path, json=payload, api_key=self.api_key, verify=self.verify)

@@ -63,7 +63,7 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         for i, ((st, _, _, path, x, used), sc) in enumerate(zip(cands, scores)):
             traj = Trajectory(path, sc, aggregate(sc, aggregation),
                               extract_answer(delimiter.join(path), answer_pattern),
-                              used, x.final or not x.text)
+                              used, x.final or not x.text, time.perf_counter() - t0)
             if traj.finished:
                 done.append(traj)
             else:

@@ -32,14 +32,17 @@ def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: st
     for i, f in enumerate(forks):
         f += sgl_tts.gen("solution", max_tokens=max_tokens, temperature=sampling_temperature,
                          seed=derive_seed("best_of_n", seed, question, i))
-    texts = [f["solution"] for f in forks]
+    texts, done_at = [], []
+    for f in forks:  # read in order: a sample's time is when it and every earlier one had finished
+        texts.append(f["solution"])
+        done_at.append(time.perf_counter() - t0)
     tokens = [int((f.get_meta_info("solution") or {}).get("completion_tokens", 0)) for f in forks]
     forks.join()
     steps = [split_steps(t, delimiter) for t in texts]
     scores = prm.score(question, steps) if prm is not None else [[] for _ in steps]
     answers_found = [extract_answer(t, answer_pattern) for t in texts]
-    trajectories = [Trajectory(st, sc, aggregate(sc, aggregation), a, k, a is not None)
-                    for st, sc, a, k in zip(steps, scores, answers_found, tokens)]
+    trajectories = [Trajectory(st, sc, aggregate(sc, aggregation), a, k, a is not None, t)
+                    for st, sc, a, k, t in zip(steps, scores, answers_found, tokens, done_at)]
     answers = {"majority": vote([t.answer for t in trajectories])}
     if prm is not None:
         best = top_k([t.score for t in trajectories], 1)

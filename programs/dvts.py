@@ -67,7 +67,7 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
             finished = x.final or not x.text
             results[tree] = Trajectory(paths[best], scores[best], aggregate(scores[best], aggregation),
                                        extract_answer(delimiter.join(paths[best]), answer_pattern),
-                                       used + x.tokens, finished)
+                                       used + x.tokens, finished, time.perf_counter() - t0)
             if not finished:
                 if not pending:  # a cut step goes on where it stopped
                     kid += delimiter

@@ -176,7 +176,11 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
 
 @dataclasses.dataclass
 class Trajectory:
-    """A finished (or, when the search ran out of depth, unfinished) candidate solution."""
+    """A finished (or, when the search ran out of depth, unfinished) candidate solution.
+
+    ``seconds`` is when it was complete, counted from the start of its program run (its beam
+    completion time: precise goodput, seed 000 §6.1, divides mean ``tokens`` by mean ``seconds``).
+    """
 
     steps: list[str]
     step_scores: list[float]
@@ -184,6 +188,7 @@ class Trajectory:
     answer: str | None
     tokens: int
     finished: bool
+    seconds: float = 0.0
 
     @property
     def text(self) -> str:

@@ -165,15 +165,23 @@ class StepTagPRM(CachedStepScorer):
         if prompts:
             rows = self.backend.next_token_logprobs(prompts, positions, self.label_ids)
             for w, row in zip(rows_for, rows):
-                out[w] = [1.0 / (1.0 + math.exp(b - a)) for a, b in row]
+                out[w] = [sigmoid(a - b) for a, b in row]
         return out
+
+
+def sigmoid(x: float) -> float:
+    """1 / (1 + e^-x) without overflow for large |x| (a PRM can be very sure)."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def head_score(row: Sequence[float], positive_label: int = 1) -> float:
     """A reward head's output at one position as a score in [0, 1]: one value is a logit
     (sigmoid); several are class logits (softmax, the probability of ``positive_label``)."""
     if len(row) == 1:
-        return 1.0 / (1.0 + math.exp(-float(row[0])))
+        return sigmoid(float(row[0]))
     if not 0 <= positive_label < len(row):
         raise ValueError(f"positive_label {positive_label} is not one of the head's {len(row)} classes")
     top = max(row)
@@ -220,4 +228,4 @@ class RewardHeadPRM(CachedStepScorer):
 
 
 __all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "default_prompt",
-           "head_score", "prm_input", "tag_positions"]
+           "head_score", "prm_input", "sigmoid", "tag_positions"]

@@ -81,6 +81,8 @@ def _delegated(command: str):
     """Subcommands with their own argument parsers (listed in ``--help``, dispatched in ``main``)."""
     if command == "train-tiny":
         from sgl_tts.training import main as delegate
+    elif command == "run":
+        from sgl_tts.experiment import main as delegate
     else:
         from sgl_tts.quality import main as delegate
     return delegate
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="versions of sgl-tts, sglang, torch, transformers")
     i.set_defaults(func=cmd_info)
+    sub.add_parser("run", add_help=False,
+                   help="run a TTS program over a JSONL dataset: resumable JSONL results, accuracy / "
+                        "pass@N / accuracy vs N / goodput summary (see its --help)")
     sub.add_parser("train-tiny", add_help=False,
                    help="train the tiny generator + PRM for the arithmetic task (see its --help)")
     sub.add_parser("quality", add_help=False,
@@ -116,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train-tiny", "quality"):
+    if argv and argv[0] in ("train-tiny", "quality", "run"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -1,0 +1,738 @@
+"""``sgl-tts run``: one TTS program over a JSONL dataset, resumable, with a summary and plots.
+
+One :class:`RunConfig` holds every setting; it loads from YAML (``--config run.yaml``) and any field
+is overridden from the command line (``--beam-width 8``), search-and-learn style: defaults < YAML <
+flags. Problems are JSONL lines ``{"question": str, "answer": optional, "id": optional}``; without
+``--problems`` the embedded tiny task's test split is used. Problems run with ``in_flight`` of them in
+flight at once (:func:`sgl_tts.runner.run_continuously`), and each finished problem is appended to
+the output JSONL as one line the moment it finishes (flushed and synced), so a killed run loses at
+most the problems in flight: run the same command again and it skips every problem already written.
+
+The summary is computed from the output file (so a resumed run summarises all its problems):
+accuracy of the top-1 majority vote, the PRM-weighted vote and the best PRM score; pass@N (some
+trajectory right); accuracy at every N' = 2^k <= N from the same run by subsampling (the first N'
+trajectories: for best-of-N exactly what a run with N' samples gives, because sample i's seed depends
+on i only; for tree searches an estimate); precise goodput (seed 000 §6.1: mean tokens per
+trajectory / mean trajectory completion time); per-problem completion latency; tokens generated vs
+kept in the returned trajectories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, top_k, vote
+
+logger = logging.getLogger(__name__)
+
+PROGRAMS = ("beam_search", "dvts", "best_of_n", "self_consistency")
+PRM_KINDS = ("step_tag", "reward_head")
+RULES = ("majority", "prm_weighted", "prm_best")
+
+
+class RunError(Exception):
+    """A bad input or a failed run: its message is one line naming the problem and the fix."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Every setting of ``sgl-tts run`` (YAML keys and ``--flags`` have these names, ``_`` or ``-``).
+
+    Attributes:
+        problems: JSONL dataset; ``None``: the embedded tiny task's test split.
+        output: results JSONL, one line per finished problem (appended to on a rerun).
+        limit: run only the first ``limit`` problems.
+        program: ``beam_search``, ``dvts``, ``best_of_n`` or ``self_consistency`` (majority vote,
+            no PRM).
+        n: the budget N: beams (beam search, DVTS) or samples (best-of-N).
+        beam_width: M, children per kept beam (beam search) or per subtree (DVTS).
+        max_depth: most steps of a tree search.
+        step_tokens: token limit of a step; several values are a per-depth schedule.
+        max_tokens: token limit of a whole best-of-N sample.
+        temperature: sampling temperature.
+        aggregation: step scores to one score: ``last``, ``min``, ``prod`` or ``mean``.
+        branching: beam search children per beam: ``equal`` or ``proportional`` (dynamic branching).
+        lookahead: beam search lookahead rollout steps (0: none).
+        seed: sampling seed of the run (each sample's seed derives from it).
+        delimiter: step delimiter.
+        answer_pattern: regex whose first group is the answer.
+        generator: generator model folder or SGLang server URL; ``None``: the embedded default.
+        runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
+        prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
+            PRM (best-of-N then ranks nothing and picks the majority).
+        prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
+            reward head read at the end of each step prefix).
+        prm_tokenizer: tokenizer folder of a PRM served by URL (default: the server's model path).
+        prm_good: label token of a good step (step-tag PRMs); prm_bad: of a bad step.
+        prm_tag: the step tag a step-tag PRM reads after each step.
+        in_flight: problems in flight at once.
+        plot: save accuracy-vs-N and goodput figures to this PNG (``None``: no plot).
+        progress: show a progress bar.
+    """
+
+    problems: str | None = None
+    output: str = "sgl-tts-run.jsonl"
+    limit: int | None = None
+    program: str = "beam_search"
+    n: int = 16
+    beam_width: int = 4
+    max_depth: int = 40
+    step_tokens: list[int] = dataclasses.field(default_factory=lambda: [64])
+    max_tokens: int = 256
+    temperature: float = 0.8
+    aggregation: str = "last"
+    branching: str = "equal"
+    lookahead: int = 0
+    seed: int = 0
+    delimiter: str = STEP_DELIMITER
+    answer_pattern: str = BOXED
+    generator: str | None = None
+    runtime: str = "auto"
+    prm: str | None = None
+    prm_kind: str = "step_tag"
+    prm_tokenizer: str | None = None
+    prm_good: str = "+"
+    prm_bad: str = "-"
+    prm_tag: str = STEP_DELIMITER
+    in_flight: int = 8
+    plot: str | None = None
+    progress: bool = True
+
+    # Settings that do not change any result (a run may resume under different values of these). The
+    # dataset's path is one: a resumed run checks each written problem's question instead.
+    NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
+        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime")
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
+                     ) -> "RunConfig":
+        """Defaults, then the YAML file's keys, then ``overrides`` (already typed)."""
+        values: dict[str, Any] = {}
+        if yaml_path is not None:
+            values.update(load_yaml(yaml_path))
+        values.update(overrides or {})
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise RunError(msg)
+
+        if self.program not in PROGRAMS:
+            bad(f"unknown program {self.program!r}; choose one of {', '.join(PROGRAMS)}")
+        for name in ("n", "beam_width", "max_depth", "max_tokens", "in_flight"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.limit is not None and self.limit < 1:
+            bad(f"limit must be a positive integer, got {self.limit}")
+        if not self.step_tokens or any(not isinstance(x, int) or x < 1 for x in self.step_tokens):
+            bad(f"step_tokens must be positive integers, got {self.step_tokens!r}")
+        if self.aggregation not in AGGREGATIONS:
+            bad(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+        if self.branching not in ("equal", "proportional"):
+            bad(f"unknown branching {self.branching!r}; choose equal or proportional")
+        if self.lookahead < 0:
+            bad(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if self.prm_kind not in PRM_KINDS:
+            bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}")
+        if self.program == "dvts" and self.n < self.beam_width:
+            bad(f"dvts needs n >= beam_width, got n={self.n} and beam_width={self.beam_width}")
+        if self.program in ("beam_search", "dvts") and self.uses_prm is False:
+            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)")
+        if self.runtime not in ("auto", "server", "cuda", "cpu"):
+            bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu")
+
+    @property
+    def uses_prm(self) -> bool:
+        return self.program != "self_consistency" and (self.prm is None or self.prm.lower() != "none")
+
+    def run_key(self) -> str:
+        """A short hash of every setting that changes results (a resumed run must match it)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+    def program_arguments(self, question: str, prm) -> dict[str, Any]:
+        """The keyword arguments of the chosen program for one question."""
+        common = dict(question=question, sampling_temperature=self.temperature, seed=self.seed,
+                      delimiter=self.delimiter, answer_pattern=self.answer_pattern)
+        steps: int | list[int] = self.step_tokens[0] if len(self.step_tokens) == 1 else list(self.step_tokens)
+        if self.program in ("best_of_n", "self_consistency"):
+            return dict(common, num_samples=self.n, prm=prm if self.uses_prm else None,
+                        aggregation=self.aggregation, max_tokens=self.max_tokens)
+        tree = dict(common, prm=prm, num_beams=self.n, beam_width=self.beam_width,
+                    max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation)
+        if self.program == "beam_search":
+            tree.update(branching=self.branching, lookahead=self.lookahead)
+        return tree
+
+
+def program_function(name: str):
+    """The ``@sgl.function`` behind a program name."""
+    if name in ("best_of_n", "self_consistency"):
+        from programs.best_of_n import best_of_n
+        return best_of_n
+    if name == "beam_search":
+        from programs.beam_search import beam_search
+        return beam_search
+    from programs.dvts import dvts
+    return dvts
+
+
+# ------------------------------------------------------------------------------------- config I/O
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's settings, checked against :class:`RunConfig`'s fields."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise RunError(f"config file {p} not found; pass --config PATH to a YAML file of RunConfig keys")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RunError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise RunError(f"config file {p} must be a mapping of settings, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(RunConfig)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise RunError(f"config file {p}: unknown setting {key!r}; known settings: "
+                           f"{', '.join(known)}")
+        try:
+            out[name] = _coerce(known[name], value)
+        except (TypeError, ValueError) as exc:
+            raise RunError(f"config file {p}: {key}: {exc}") from None
+    return out
+
+
+def _field_kind(field: dataclasses.Field) -> str:
+    hint = typing.get_type_hints(RunConfig)[field.name]
+    if hint is bool:
+        return "bool"
+    if hint in (int, int | None):
+        return "int"
+    if hint is float:
+        return "float"
+    if hint == list[int]:
+        return "ints"
+    return "str"
+
+
+def _coerce(field: dataclasses.Field, value: Any) -> Any:
+    """A YAML or command-line value as the field's type (``"none"`` for optional fields is None)."""
+    kind = _field_kind(field)
+    optional = field.default is None
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "~")):
+        if not optional:
+            raise ValueError("cannot be empty")
+        return None
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1"):
+            return True
+        if str(value).lower() in ("false", "no", "0"):
+            return False
+        raise ValueError(f"expected true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {value!r}") from None
+    if kind == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    if kind == "ints":
+        items = value if isinstance(value, list) else str(value).split(",")
+        try:
+            return [int(x) for x in items if str(x).strip()]
+        except ValueError:
+            raise ValueError(f"expected integers (a list, or comma-separated), got {value!r}") from None
+    return str(value)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` plus one ``--flag`` per :class:`RunConfig` field (only given flags override)."""
+    parser.add_argument("--config", default=None, help="YAML file of settings (flags override it)")
+    docs = _field_docs()
+    for f in dataclasses.fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_kind(f)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})".strip()
+        if kind == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_text.replace("%", "%%"))
+
+
+def _field_docs() -> dict[str, str]:
+    """Each field's line from the Attributes section of RunConfig's docstring."""
+    docs, current = {}, None
+    for line in (RunConfig.__doc__ or "").splitlines():
+        s = line.strip()
+        head = s.split(":", 1)
+        if len(head) == 2 and head[0] in {f.name for f in dataclasses.fields(RunConfig)}:
+            current = head[0]
+            docs[current] = head[1].strip()
+        elif current and s:
+            docs[current] += " " + s
+    return docs
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The config from ``--config`` and the flags given on the command line."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    overrides = {}
+    for name, value in vars(args).items():
+        if name in fields:
+            try:
+                overrides[name] = _coerce(fields[name], value)
+            except (TypeError, ValueError) as exc:
+                raise RunError(f"--{name.replace('_', '-')}: {exc}") from None
+    return RunConfig.from_sources(args.config, overrides)
+
+
+# -------------------------------------------------------------------------------------- problems
+@dataclasses.dataclass(frozen=True)
+class ProblemRecord:
+    index: int
+    id: str
+    question: str
+    answer: str | None
+
+
+def read_problems(path: str | os.PathLike | None, limit: int | None = None) -> list[ProblemRecord]:
+    """The dataset's problems, every line checked before any is run."""
+    if path is None:
+        from sgl_tts import task
+        problems = task.test_split()
+        records = [ProblemRecord(i, f"arith-test-{i}", p.question, str(p.answer))
+                   for i, p in enumerate(problems)]
+        return records[:limit] if limit else records
+    p = Path(path)
+    fix = 'each line must be a JSON object {"question": "...", "answer": "..." (optional)}'
+    if not p.is_file():
+        raise RunError(f"problems file {p} not found; pass --problems PATH to a JSONL file ({fix})")
+    out: list[ProblemRecord] = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RunError(f"{p} line {lineno}: not valid JSON ({exc.msg}); {fix}") from None
+            if not isinstance(rec, dict):
+                raise RunError(f"{p} line {lineno}: expected a JSON object, got "
+                               f"{type(rec).__name__}; {fix}")
+            if "question" not in rec:
+                raise RunError(f"{p} line {lineno}: no \"question\" field; {fix}")
+            q = rec["question"]
+            if not isinstance(q, str) or not q.strip():
+                raise RunError(f"{p} line {lineno}: \"question\" must be a non-empty string; {fix}")
+            answer = rec.get("answer")
+            pid = str(rec.get("id", len(out)))
+            out.append(ProblemRecord(len(out), pid, q, None if answer is None else str(answer).strip()))
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise RunError(f"{p} has no problems; {fix}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- output
+def subsample_sizes(n: int) -> list[int]:
+    """Every 2^k <= n, then n itself."""
+    sizes, k = [], 1
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def answers_at(result: SearchResult, size: int) -> dict[str, str | None]:
+    """Best-of-N's selection rules (majority, PRM-weighted vote, best PRM score; ties to the earlier
+    trajectory) applied to the first ``size`` trajectories of a result."""
+    trajs = result.trajectories[:size]
+    if not trajs:
+        return {rule: None for rule in RULES}
+    answers = [t.answer for t in trajs]
+    scores = [t.score for t in trajs]
+    return {"majority": vote(answers), "prm_weighted": vote(answers, scores),
+            "prm_best": trajs[top_k(scores, 1)[0]].answer}
+
+
+def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, prm_used: bool
+                  ) -> dict[str, Any]:
+    """One output line: the problem, the program's answers, every trajectory and the costs."""
+    rules = RULES if prm_used else ("majority",)
+    answers = {r: result.answers.get(r) for r in rules}
+    # at N itself: the program's own answers; below N: the first N' trajectories (best-of-N's rules)
+    sub = {str(k): {r: a for r, a in (answers if k == cfg.n else answers_at(result, k)).items()
+                    if r in rules} for k in subsample_sizes(cfg.n)}
+    rec: dict[str, Any] = {
+        "index": problem.index, "id": problem.id, "question": problem.question,
+        "reference": problem.answer, "answer": result.answer, "answers": answers,
+        "subsampled": sub, "run_key": cfg.run_key(),
+        "tokens_generated": result.tokens_generated, "tokens_kept": result.tokens_kept,
+        "seconds": round(result.seconds, 4),
+        "trajectories": [{"steps": t.steps, "step_scores": [round(x, 6) for x in t.step_scores],
+                          "score": round(t.score, 6), "answer": t.answer, "tokens": t.tokens,
+                          "finished": t.finished, "seconds": round(t.seconds, 4)}
+                         for t in result.trajectories],
+    }
+    if problem.answer is not None:
+        rec["correct"] = {r: a == problem.answer for r, a in answers.items()}
+        rec["pass"] = any(t.answer == problem.answer for t in result.trajectories)
+    return rec
+
+
+def read_results(path: Path, run_key: str, problems: Sequence[ProblemRecord]) -> dict[int, dict]:
+    """Finished problems already in ``path``: a torn last line (a crash mid-write) is cut off; a file
+    written by a different config or dataset is an error rather than mixed into."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    good_end = data.rfind(b"\n") + 1
+    if good_end < len(data):
+        logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path,
+                       len(data) - good_end)
+        with path.open("r+b") as fh:
+            fh.truncate(good_end)
+    by_index = {p.index: p for p in problems}
+    done: dict[int, dict] = {}
+    for lineno, line in enumerate(data[:good_end].decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise RunError(f"{path} line {lineno} is not valid JSON: it is not an sgl-tts run output; "
+                           f"choose another --output") from None
+        if rec.get("run_key") != run_key:
+            raise RunError(f"{path} holds results of different settings (run key {rec.get('run_key')}, "
+                           f"these settings {run_key}); use another --output or delete the file")
+        p = by_index.get(rec.get("index"))
+        if p is None or p.question != rec.get("question"):
+            if p is None and rec.get("index", -1) >= len(problems):
+                continue  # beyond --limit: kept in the file, left out of this summary
+            raise RunError(f"{path} line {lineno} is for a different problem set (problem "
+                           f"{rec.get('index')} differs); use another --output or delete the file")
+        done[p.index] = rec
+    return done
+
+
+def append_line(fh, record: dict) -> None:
+    fh.write(json.dumps(record) + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+# --------------------------------------------------------------------------------------- summary
+@dataclasses.dataclass
+class Summary:
+    problems: int
+    graded: int
+    accuracy: dict[str, float]
+    pass_at_n: float | None
+    accuracy_at: dict[str, dict[str, float]]
+    goodput_tokens_per_s: float
+    mean_tokens_per_trajectory: float
+    mean_trajectory_seconds: float
+    latency_seconds: dict[str, float]
+    tokens_generated: int
+    tokens_kept: int
+    n: int
+
+    def table(self) -> str:
+        lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
+        if self.graded:
+            rules = list(self.accuracy)
+            lines.append("| selection | " + " | ".join(f"N={k}" for k in self.accuracy_at) + " |")
+            lines.append("| --- |" + " ---: |" * len(self.accuracy_at))
+            for r in rules:
+                lines.append(f"| {r} | " + " | ".join(f"{100 * v[r]:.1f}%"
+                                                        for v in self.accuracy_at.values()) + " |")
+            lines.append(f"pass@{self.n}: {100 * (self.pass_at_n or 0):.1f}%")
+        lat = self.latency_seconds
+        lines.append(f"precise goodput: {self.goodput_tokens_per_s:.1f} tokens/s "
+                     f"({self.mean_tokens_per_trajectory:.1f} tokens per trajectory / "
+                     f"{self.mean_trajectory_seconds:.2f} s mean trajectory completion)")
+        lines.append(f"completion latency per problem: mean {lat['mean']:.2f} s, p50 {lat['p50']:.2f} s, "
+                     f"p90 {lat['p90']:.2f} s, max {lat['max']:.2f} s")
+        kept = self.tokens_kept / self.tokens_generated if self.tokens_generated else 0.0
+        lines.append(f"tokens generated {self.tokens_generated}, kept in returned trajectories "
+                     f"{self.tokens_kept} ({100 * kept:.0f}%)")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[dict], n: int) -> Summary:
+    """The run's summary from its output records (see the module docstring)."""
+    graded = [r for r in records if r.get("reference") is not None]
+    rules = list(records[0]["answers"]) if records else list(RULES)
+    accuracy = {rule: sum(r["correct"][rule] for r in graded) / len(graded) if graded else 0.0
+                for rule in rules}
+    accuracy_at = {}
+    for size in subsample_sizes(n):
+        accuracy_at[str(size)] = {
+            rule: (sum(r["subsampled"][str(size)][rule] == r["reference"] for r in graded) / len(graded)
+                   if graded else 0.0) for rule in rules}
+    trajs = [t for r in records for t in r["trajectories"]]
+    mean_tokens = statistics.fmean(t["tokens"] for t in trajs) if trajs else 0.0
+    mean_secs = statistics.fmean(t["seconds"] for t in trajs) if trajs else 0.0
+    lat = [r["seconds"] for r in records]
+    return Summary(
+        problems=len(records), graded=len(graded), accuracy=accuracy,
+        pass_at_n=(sum(r["pass"] for r in graded) / len(graded)) if graded else None,
+        accuracy_at=accuracy_at, goodput_tokens_per_s=mean_tokens / mean_secs if mean_secs else 0.0,
+        mean_tokens_per_trajectory=mean_tokens, mean_trajectory_seconds=mean_secs,
+        latency_seconds={"mean": statistics.fmean(lat) if lat else 0.0, "p50": _quantile(lat, 0.5),
+                         "p90": _quantile(lat, 0.9), "max": max(lat, default=0.0)},
+        tokens_generated=sum(r["tokens_generated"] for r in records),
+        tokens_kept=sum(r["tokens_kept"] for r in records), n=n)
+
+
+def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathLike, title: str) -> Path:
+    """Two panels: accuracy vs N (each selection rule, subsampled) and per-problem precise goodput
+    against completion latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (acc, gp) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sizes = [int(k) for k in summary.accuracy_at]
+    for rule in summary.accuracy:
+        acc.plot(sizes, [100 * summary.accuracy_at[str(k)][rule] for k in sizes], marker="o", label=rule)
+    if summary.pass_at_n is not None:
+        acc.plot([sizes[-1]], [100 * summary.pass_at_n], marker="*", ls="", color="k",
+                 label=f"pass@{summary.n}")
+    acc.set_xscale("log", base=2)
+    acc.set_ylim(0, 102)
+    acc.set_xlabel("N (subsampled from one run)")
+    acc.set_ylabel("accuracy (%)")
+    acc.grid(alpha=0.3)
+    acc.legend()
+    acc.set_title(f"accuracy vs N ({summary.graded} graded problems)")
+    xs, ys = [], []
+    for r in records:
+        ts = r["trajectories"]
+        secs = statistics.fmean(t["seconds"] for t in ts) if ts else 0.0
+        if secs > 0:
+            xs.append(r["seconds"])
+            ys.append(statistics.fmean(t["tokens"] for t in ts) / secs)
+    gp.scatter(xs, ys, s=12, alpha=0.6)
+    gp.axhline(summary.goodput_tokens_per_s, color="C1", ls="--",
+               label=f"run: {summary.goodput_tokens_per_s:.1f} tokens/s")
+    gp.set_xlabel("problem completion latency (s)")
+    gp.set_ylabel("precise goodput (tokens/s)")
+    gp.grid(alpha=0.3)
+    gp.legend()
+    gp.set_title("precise goodput per problem")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- run
+def open_prm(cfg: RunConfig):
+    """The PRM scorer the config names (``None`` when the run uses none)."""
+    if not cfg.uses_prm:
+        return None, None
+    from sgl_tts.prm import RewardHeadPRM, StepTagPRM
+
+    target = cfg.prm
+    if target is None:
+        from sgl_tts.models import shipped_model
+        target = shipped_model("prm")
+        if target is None:
+            raise RunError("no PRM: this source tree ships no trained PRM; pass --prm PATH or URL "
+                           "(or --prm none for self-consistency)")
+    target = str(target)
+    if target.startswith(("http://", "https://")):
+        from sgl_tts.backends import SGLangEndpoint
+        backend = SGLangEndpoint(target.rstrip("/"), tokenizer_path=cfg.prm_tokenizer)
+    elif cfg.prm_kind == "reward_head":
+        from sgl_tts.backends.classifier import LocalClassifier
+        backend = LocalClassifier(target)
+    else:
+        from sgl_tts.backends import LocalBackend
+        backend = LocalBackend(target, seed=cfg.seed)
+    try:
+        if cfg.prm_kind == "reward_head":
+            prm = RewardHeadPRM(backend, tag=cfg.prm_tag)
+        else:
+            prm = StepTagPRM(backend, good=cfg.prm_good, bad=cfg.prm_bad, tag=cfg.prm_tag)
+    except Exception:
+        backend.shutdown()
+        raise
+    return prm, backend
+
+
+def check_prm(prm, question: str, where: str) -> None:
+    """Score one short step before the run, so a broken PRM fails once, clearly, up front."""
+    try:
+        got = prm.score(question, [["1"]])
+        if len(got) != 1 or len(got[0]) != 1:
+            raise ValueError(f"expected one score for one step, got {got!r}")
+    except Exception as exc:
+        raise RunError(f"the PRM ({where}) failed to score a test step: {exc}; check --prm, "
+                       f"--prm-kind and that its server is up") from exc
+
+
+def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple[Summary, list[dict]]:
+    """Run ``cfg`` and return its summary and every record in the output (old and new).
+
+    ``generator``/``prm`` may be given (e.g. a :class:`sgl_tts.testing.ScriptedBackend`); otherwise
+    they are opened from the config and closed at the end.
+    """
+    from sgl_tts.runner import run_continuously
+
+    problems = read_problems(cfg.problems, cfg.limit)
+    out_path = Path(cfg.output)
+    done = read_results(out_path, cfg.run_key(), problems)
+    todo = [p for p in problems if p.index not in done]
+    if done:
+        print(f"resuming {out_path}: {len(done)} of {len(problems)} problems already done", file=stream)
+    owned = []
+    try:
+        if todo and generator is None:
+            import sgl_tts
+            generator = sgl_tts.connect(cfg.generator, runtime=cfg.runtime)
+            owned.append(generator)
+        if todo and prm is None and cfg.uses_prm:
+            prm, prm_backend = open_prm(cfg)
+            owned.append(prm_backend)
+        if todo and cfg.uses_prm:
+            check_prm(prm, todo[0].question, cfg.prm or "the shipped PRM")
+        program = program_function(cfg.program)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        failure = None
+        with out_path.open("a", encoding="utf-8") as fh:
+            stop = False
+
+            def argument_sets() -> Iterator[dict[str, Any]]:
+                for p in todo:
+                    if stop:
+                        return
+                    yield cfg.program_arguments(p.question, prm)
+
+            outcomes = run_continuously(program, argument_sets(), backend=generator,
+                                        in_flight=cfg.in_flight, total=len(todo),
+                                        progress=cfg.progress and bool(todo))
+            for i, outcome in outcomes:
+                problem = todo[i]
+                err = outcome if isinstance(outcome, BaseException) else outcome.error()
+                if err is not None:
+                    logger.error("problem %s failed: %r", problem.id, err)
+                    if failure is None:
+                        failure = (problem, err)
+                    stop = True  # no new problems; the ones in flight still finish and are written
+                    continue
+                rec = result_record(problem, outcome.ret_value, cfg, cfg.uses_prm)
+                append_line(fh, rec)
+                done[problem.index] = rec
+        if failure is not None:
+            problem, err = failure
+            raise RunError(f"problem {problem.id} (line {problem.index + 1}) failed: "
+                           f"{type(err).__name__}: {err}; {len(done)} of {len(problems)} problems are "
+                           f"in {out_path}; fix the cause and rerun the same command to resume")
+    finally:
+        for be in owned:
+            if be is not None:
+                be.shutdown()
+    records = [done[p.index] for p in problems if p.index in done]
+    return summarize(records, cfg.n), records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts run``."""
+    ap = argparse.ArgumentParser(
+        prog="sgl-tts run", description="Run a TTS program over a JSONL dataset (resumable), then "
+        "summarise accuracy, pass@N, accuracy vs N, goodput and latency.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(ap)
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
+    t0 = time.perf_counter()
+    try:
+        cfg = config_from_args(args)
+        summary, records = run(cfg)
+    except RunError as exc:
+        print(f"sgl-tts run: error: {exc}", file=sys.stderr)
+        return 1
+    except (ConnectionError, FileNotFoundError, ValueError) as exc:
+        print(f"sgl-tts run: error: {exc}", file=sys.stderr)
+        return 1
+    from sgl_tts.machine import describe
+
+    plot = None
+    if cfg.plot:
+        title = f"{cfg.program}, N={cfg.n}" + (f", M={cfg.beam_width}" if cfg.program in ("beam_search", "dvts") else "")
+        plot = str(plot_summary(summary, records, cfg.plot, title))
+    info = {"config": dataclasses.asdict(cfg), "summary": summary.to_json(), "output": cfg.output,
+            "plot": plot, "seconds": round(time.perf_counter() - t0, 2), "machine": describe(),
+            "date": time.strftime("%Y-%m-%d")}
+    summary_path = Path(cfg.output).with_suffix(".summary.json")
+    summary_path.write_text(json.dumps(info, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"sgl-tts run: {cfg.program} N={cfg.n} on {cfg.problems or 'the embedded test split'}"
+          f" -> {cfg.output}")
+    print(summary.table())
+    if plot:
+        print(f"plot: {plot}")
+    print(f"summary: {summary_path}; {info['seconds']:.1f} s on {info['machine']}")
+    return 0
+
+
+__all__ = ["PROGRAMS", "ProblemRecord", "RunConfig", "RunError", "Summary", "add_config_arguments",
+           "answers_at", "config_from_args", "load_yaml", "main", "plot_summary", "read_problems",
+           "read_results", "result_record", "run", "subsample_sizes", "summarize"]

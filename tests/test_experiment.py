@@ -1,0 +1,325 @@
+"""``sgl-tts run``: config from YAML + flags, the dataset checks, resumable JSONL output, the summary.
+
+Most runs use :mod:`sgl_tts.testing`'s scripted generator and PRM (exact expectations, no model);
+the end-to-end ones use the shipped tiny models on the CPU backend, including a real kill mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sgl_tts import experiment
+from sgl_tts.experiment import RunConfig, RunError, read_problems, run, summarize
+from sgl_tts.search import derive_seed
+from sgl_tts.testing import ScriptedBackend, ScriptedPRM
+
+from programs.best_of_n import best_of_n
+
+D = "\n\n"
+
+
+def solution(prefix: str, draw: int | None) -> str:
+    """A scripted whole solution: two steps and an answer that depends on the draw."""
+    h = derive_seed(prefix, draw)
+    return D.join(["s1", f"s{h % 3}", f"The answer is \\boxed{{{h % 4}}}"])
+
+
+def step(prefix: str, draw: int | None) -> str:
+    """A scripted step-wise solution for tree searches: answers after three steps."""
+    h = derive_seed(prefix, draw)
+    if prefix.count(D) >= 3:
+        return f"The answer is \\boxed{{{h % 4}}}"
+    return f"s{h % 3}" + D
+
+
+PRM_TABLE = {"s0": 0.2, "s1": 0.6, "s2": 0.9, "The answer is \\boxed{0}": 0.1,
+             "The answer is \\boxed{1}": 0.8, "The answer is \\boxed{2}": 0.5,
+             "The answer is \\boxed{3}": 0.8}
+
+
+def dataset(tmp_path, count=6, answers=True) -> Path:
+    path = tmp_path / "problems.jsonl"
+    with path.open("w") as fh:
+        for i in range(count):
+            rec = {"id": f"p{i}", "question": f"Question {i}?"}
+            if answers:
+                rec["answer"] = str(i % 4)
+            fh.write(json.dumps(rec) + "\n")
+    return path
+
+
+def cfg_for(tmp_path, **kw) -> RunConfig:
+    base = dict(problems=str(dataset(tmp_path)), output=str(tmp_path / "out.jsonl"), program="best_of_n",
+                n=8, progress=False, in_flight=3)
+    base.update(kw)
+    cfg = RunConfig(**base)
+    cfg.validate()
+    return cfg
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+# --------------------------------------------------------------------------------------- config
+def test_yaml_then_flags_override_defaults(tmp_path):
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"program": "dvts", "n": 12, "beam-width": 3,
+                                    "step_tokens": [16, 64], "prm": "/models/a", "temperature": 0.5}))
+    ap = experiment.argparse.ArgumentParser()
+    experiment.add_config_arguments(ap)
+    args = ap.parse_args(["--config", str(conf), "--n", "6", "--step-tokens", "8,8,32",
+                          "--prm", "/models/prm", "--no-progress"])
+    cfg = experiment.config_from_args(args)
+    assert (cfg.program, cfg.n, cfg.beam_width, cfg.step_tokens, cfg.prm, cfg.temperature, cfg.progress) == \
+        ("dvts", 6, 3, [8, 8, 32], "/models/prm", 0.5, False)
+    assert cfg.max_depth == RunConfig.max_depth  # untouched default
+    args = ap.parse_args(["--config", str(conf)])
+    from_yaml = experiment.config_from_args(args)
+    assert (from_yaml.n, from_yaml.step_tokens, from_yaml.prm) == (12, [16, 64], "/models/a")
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"beam_widht": 4}, "unknown setting 'beam_widht'; known settings: problems, output"),
+    ({"n": "many"}, "n: expected an integer, got 'many'"),
+    ({"n": 2.5}, "n: expected an integer, got 2.5"),
+    ({"progress": "maybe"}, "progress: expected true or false, got 'maybe'"),
+    ({"program": "mcts"}, "unknown program 'mcts'; choose one of beam_search, dvts, best_of_n, self_consistency"),
+    ({"program": "beam_search", "prm": "none"}, "beam_search needs a PRM; drop prm: none"),
+    ({"n": 0}, "n must be a positive integer, got 0"),
+    ({"aggregation": "max"}, "unknown aggregation 'max'; choose one of last, min, prod, mean"),
+    ({"program": "dvts", "n": 2, "beam_width": 4}, "dvts needs n >= beam_width, got n=2 and beam_width=4"),
+])
+def test_bad_settings_name_the_setting(tmp_path, content, message):
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump(content))
+    with pytest.raises(RunError) as err:
+        RunConfig.from_sources(str(conf))
+    assert message in str(err.value)
+
+
+def test_settings_that_change_results_change_the_run_key(tmp_path):
+    a = cfg_for(tmp_path)
+    assert a.run_key() == cfg_for(tmp_path, in_flight=1, output="elsewhere.jsonl", plot="x.png").run_key()
+    assert a.run_key() != cfg_for(tmp_path, n=4).run_key()
+    assert a.run_key() != cfg_for(tmp_path, seed=1).run_key()
+
+
+# -------------------------------------------------------------------------------------- dataset
+@pytest.mark.parametrize("text, message", [
+    ('{"question": "a"}\n{"answer": 3}\n', 'line 2: no "question" field; each line must be a JSON object'),
+    ('{"question": "a"}\nnot json\n', "line 2: not valid JSON (Expecting value)"),
+    ('["a"]\n', "line 1: expected a JSON object, got list"),
+    ('{"question": ""}\n', 'line 1: "question" must be a non-empty string'),
+    ("\n\n", "has no problems; each line must be a JSON object"),
+])
+def test_bad_datasets_give_one_clear_line(tmp_path, text, message, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    out = tmp_path / "out.jsonl"
+    assert experiment.main(["--problems", str(path), "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("sgl-tts run: error: ")
+    assert message in err
+    assert not out.exists()  # nothing was started
+
+
+def test_a_missing_dataset_names_the_flag(tmp_path, capsys):
+    assert experiment.main(["--problems", str(tmp_path / "nope.jsonl")]) == 1
+    assert "problems file " + str(tmp_path / "nope.jsonl") + " not found; pass --problems PATH" in \
+        capsys.readouterr().err
+
+
+def test_an_unreachable_generator_server_says_how_to_start_one(tmp_path, capsys):
+    problems = dataset(tmp_path)
+    assert experiment.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
+                            "--generator", "http://127.0.0.1:9", "--prm", "none",
+                            "--program", "self_consistency"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach an SGLang server at http://127.0.0.1:9" in err
+    assert "python -m sglang.launch_server" in err
+
+
+def test_a_prm_that_fails_is_caught_before_the_run(tmp_path):
+    class BrokenPRM:
+        def score(self, question, steps_batch):
+            raise RuntimeError("CUDA out of memory")
+
+    cfg = cfg_for(tmp_path, prm="http://prm-host:30001")
+    with pytest.raises(RunError, match="the PRM \\(http://prm-host:30001\\) failed to score a test step: "
+                                       "CUDA out of memory; check --prm, --prm-kind and that its server is up"):
+        run(cfg, generator=ScriptedBackend(solution), prm=BrokenPRM())
+    assert not Path(cfg.output).exists() or Path(cfg.output).read_text() == ""
+
+
+def test_a_missing_prm_folder_is_named(tmp_path, capsys):
+    problems = dataset(tmp_path)
+    assert experiment.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
+                            "--prm", str(tmp_path / "no-prm"), "--n", "2"]) == 1
+    assert f"no model at {tmp_path / 'no-prm'}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ output and resume
+def test_each_problem_is_one_line_and_a_failure_keeps_the_rest(tmp_path):
+    """A PRM that breaks on problem 3 stops the run with the problem named; every problem finished
+    before is on disk, and the rerun (PRM fixed) does only the rest."""
+    cfg = cfg_for(tmp_path, in_flight=1)
+
+    class FlakyPRM(ScriptedPRM):
+        broken = True
+
+        def score(self, question, steps_batch):
+            if self.broken and question == "Question 3?":
+                raise RuntimeError("PRM server went away")
+            return super().score(question, steps_batch)
+
+    prm = FlakyPRM(PRM_TABLE, default=0.0)
+    with pytest.raises(RunError, match="problem p3 \\(line 4\\) failed: RuntimeError: PRM server went away; "
+                                       "4 of 6 problems are in .*out.jsonl; fix the cause and rerun"):
+        run(cfg, generator=ScriptedBackend(solution), prm=prm)
+    # p4 had started before p3's failure came back (one problem in flight): it finished and was kept
+    assert [r["id"] for r in lines(cfg.output)] == ["p0", "p1", "p2", "p4"]
+    prm.broken = False
+    summary, records = run(cfg, generator=ScriptedBackend(solution), prm=prm)
+    got = lines(cfg.output)
+    assert sorted(r["index"] for r in got) == list(range(6))      # no duplicate, none lost
+    assert [r["index"] for r in records] == list(range(6)) and summary.problems == 6
+
+
+def test_a_torn_last_line_is_dropped_and_other_settings_are_refused(tmp_path, caplog):
+    cfg = cfg_for(tmp_path, limit=2)
+    run(cfg, generator=ScriptedBackend(solution), prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    with open(cfg.output, "a") as fh:
+        fh.write('{"index": 2, "id": "p2", "quest')             # killed mid-write
+    cfg = cfg_for(tmp_path)
+    summary, _ = run(cfg, generator=ScriptedBackend(solution), prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    assert "dropping a torn last line" in caplog.text
+    assert sorted(r["index"] for r in lines(cfg.output)) == list(range(6)) and summary.problems == 6
+    with pytest.raises(RunError, match="holds results of different settings .* use another --output"):
+        run(cfg_for(tmp_path, n=4), generator=ScriptedBackend(solution), prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"question": f"Other {i}?"}) + "\n" for i in range(6)))
+    with pytest.raises(RunError, match="is for a different problem set"):
+        run(cfg_for(tmp_path, problems=str(other)), generator=ScriptedBackend(solution),
+            prm=ScriptedPRM(PRM_TABLE, default=0.0))
+
+
+# ------------------------------------------------------------------------------------- summary
+def test_subsampled_accuracy_is_what_a_smaller_best_of_n_run_gives(tmp_path):
+    cfg = cfg_for(tmp_path, n=8)
+    backend = ScriptedBackend(solution)
+    _, records = run(cfg, generator=backend, prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    for rec in records:
+        for size in (1, 2, 4, 8):
+            smaller = best_of_n.run(question=rec["question"], num_samples=size, prm=ScriptedPRM(PRM_TABLE, default=0.0),
+                                    backend=backend).ret_value
+            assert rec["subsampled"][str(size)] == smaller.answers, (rec["id"], size)
+
+
+def test_summary_numbers_from_records():
+    def traj(answer, tokens, seconds):
+        return {"steps": [], "step_scores": [], "score": 0.5, "answer": answer, "tokens": tokens,
+                "finished": True, "seconds": seconds}
+
+    records = [
+        {"reference": "1", "answers": {"majority": "1", "prm_weighted": "2", "prm_best": "1"},
+         "correct": {"majority": True, "prm_weighted": False, "prm_best": True}, "pass": True,
+         "subsampled": {"1": {"majority": "2", "prm_weighted": "2", "prm_best": "1"},
+                        "2": {"majority": "1", "prm_weighted": "2", "prm_best": "1"}},
+         "trajectories": [traj("1", 10, 1.0), traj("2", 30, 3.0)], "seconds": 3.5,
+         "tokens_generated": 50, "tokens_kept": 40},
+        {"reference": "5", "answers": {"majority": "4", "prm_weighted": "5", "prm_best": "4"},
+         "correct": {"majority": False, "prm_weighted": True, "prm_best": False}, "pass": True,
+         "subsampled": {"1": {"majority": "4", "prm_weighted": "4", "prm_best": "4"},
+                        "2": {"majority": "4", "prm_weighted": "5", "prm_best": "4"}},
+         "trajectories": [traj("4", 20, 2.0), traj("5", 20, 2.0)], "seconds": 1.5,
+         "tokens_generated": 40, "tokens_kept": 40},
+        {"reference": None, "answers": {"majority": "7", "prm_weighted": "7", "prm_best": "7"},
+         "subsampled": {"1": {"majority": "7", "prm_weighted": "7", "prm_best": "7"},
+                        "2": {"majority": "7", "prm_weighted": "7", "prm_best": "7"}},
+         "trajectories": [traj("7", 40, 4.0)], "seconds": 4.5, "tokens_generated": 40, "tokens_kept": 40},
+    ]
+    s = summarize(records, n=2)
+    assert (s.problems, s.graded, s.pass_at_n) == (3, 2, 1.0)
+    assert s.accuracy == {"majority": 0.5, "prm_weighted": 0.5, "prm_best": 0.5}
+    assert s.accuracy_at == {"1": {"majority": 0.0, "prm_weighted": 0.0, "prm_best": 0.5},
+                             "2": {"majority": 0.5, "prm_weighted": 0.5, "prm_best": 0.5}}
+    # precise goodput: mean tokens per trajectory (24) / mean trajectory completion time (2.4 s)
+    assert s.mean_tokens_per_trajectory == 24 and s.mean_trajectory_seconds == pytest.approx(2.4)
+    assert s.goodput_tokens_per_s == pytest.approx(10.0)
+    assert s.latency_seconds == {"mean": pytest.approx(19 / 6), "p50": 3.5, "p90": pytest.approx(4.3),
+                                 "max": 4.5}
+    assert (s.tokens_generated, s.tokens_kept) == (130, 120)
+    assert experiment.subsample_sizes(12) == [1, 2, 4, 8, 12] and experiment.subsample_sizes(1) == [1]
+
+
+# --------------------------------------------------------------------------- tiny models, CPU
+@pytest.mark.parametrize("program", ["best_of_n", "self_consistency", "beam_search", "dvts"])
+def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, capsys):
+    problems = tmp_path / "problems.jsonl"
+    from sgl_tts import task
+    task.write_jsonl(task.test_split()[:3], problems)
+    out = tmp_path / "out.jsonl"
+    plot = tmp_path / "plot.png"
+    argv = ["--problems", str(problems), "--output", str(out), "--program", program, "--n", "4",
+            "--beam-width", "2", "--plot", str(plot), "--no-progress", "--json"]
+    assert experiment.main(argv) == 0
+    info = json.loads(capsys.readouterr().out)
+    recs = lines(out)
+    assert sorted(r["index"] for r in recs) == [0, 1, 2]
+    assert all(r["trajectories"] and r["tokens_generated"] > 0 for r in recs)
+    s = info["summary"]
+    rules = ["majority"] if program == "self_consistency" else ["majority", "prm_weighted", "prm_best"]
+    assert list(s["accuracy"]) == rules
+    for rule in rules:
+        assert s["accuracy"][rule] == sum(r["correct"][rule] for r in recs) / 3
+        assert s["accuracy_at"]["4"][rule] == s["accuracy"][rule]
+    assert s["accuracy"]["majority"] >= 2 / 3  # the tiny generator solves these with 4 samples
+    assert plot.stat().st_size > 10_000 and Path(info["plot"]) == plot
+    assert json.loads(out.with_suffix(".summary.json").read_text())["summary"] == s
+    # Rerun: everything is done already; nothing is added.
+    assert experiment.main(argv) == 0
+    assert len(lines(out)) == 3
+
+
+def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
+    """A real `sgl-tts run` process on the tiny models is killed (SIGKILL) once some problems are
+    written; the same command then finishes the rest: every problem exactly once, each line the
+    same as an uninterrupted run's."""
+    from sgl_tts import task
+    problems = tmp_path / "problems.jsonl"
+    task.write_jsonl(task.test_split()[:10], problems)
+    out = tmp_path / "out.jsonl"
+
+    def command(output):
+        return [sys.executable, "-m", "sgl_tts.cli", "run", "--problems", str(problems), "--output",
+                str(output), "--program", "best_of_n", "--n", "4", "--in-flight", "1", "--no-progress"]
+
+    cmd = command(out)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = len(lines(out))
+    assert 3 <= before < 10, before
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming {out}: {before} of 10 problems already done" in done.stdout
+    resumed = lines(out)
+    assert sorted(r["index"] for r in resumed) == list(range(10))
+    straight = tmp_path / "straight.jsonl"
+    subprocess.run(command(straight), env=env, check=True, capture_output=True, timeout=600)
+    key = lambda r: (r["index"], r["answers"], [t["steps"] for t in r["trajectories"]])  # noqa: E731
+    assert sorted(map(key, resumed)) == sorted(map(key, lines(straight)))

@@ -90,7 +90,8 @@ def test_cli_dispatches_training_and_quality_commands(capsys):
 
     from sgl_tts.cli import main
 
-    for command, flag in (("train-tiny", "--generator-steps"), ("quality", "--generator")):
+    for command, flag in (("train-tiny", "--generator-steps"), ("quality", "--generator"),
+                          ("run", "--beam-width")):
         with pytest.raises(SystemExit) as info:
             main([command, "--help"])
         assert info.value.code == 0

@@ -129,6 +129,23 @@ class CachedStepScorer:
                 self._cache.clear()
 
 
+def tag_work(tokenizer, question: str, work: list[tuple[list[str], int]], *, tag: str,
+             prompt: Callable[[str], str]) -> tuple[list[list[float]], list[tuple[int, list[int], list[int]]]]:
+    """Token ids and the tag positions still to score for each ``(steps, start)`` of a scorer's
+    work: ``(out, [(work index, ids, positions from start)])``. A trajectory that cannot be tagged
+    (a step holding the tag) gets 0.0 for every step in ``out`` rather than failing the batch."""
+    out: list[list[float]] = [[] for _ in work]
+    tagged = []
+    for w, (steps, start) in enumerate(work):
+        try:
+            ids, pos = tag_positions(tokenizer, question, steps, tag=tag, prompt=prompt)
+        except ValueError:
+            out[w] = [0.0] * (len(steps) - start)
+            continue
+        tagged.append((w, ids, pos[start:]))
+    return out, tagged
+
+
 class StepTagPRM(CachedStepScorer):
     """A causal-LM PRM that votes ``good``/``bad`` as the next token after each step tag.
 
@@ -150,21 +167,11 @@ class StepTagPRM(CachedStepScorer):
         self.label_ids = ids
 
     def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in work]
-        prompts, positions, rows_for = [], [], []
-        for w, (steps, start) in enumerate(work):
-            try:
-                ids, pos = tag_positions(self.backend.tokenizer, question, steps, tag=self.tag,
-                                         prompt=self.prompt)
-            except ValueError:
-                out[w] = [0.0] * (len(steps) - start)
-                continue
-            prompts.append(ids)
-            positions.append(pos[start:])
-            rows_for.append(w)
-        if prompts:
-            rows = self.backend.next_token_logprobs(prompts, positions, self.label_ids)
-            for w, row in zip(rows_for, rows):
+        out, tagged = tag_work(self.backend.tokenizer, question, work, tag=self.tag, prompt=self.prompt)
+        if tagged:
+            rows = self.backend.next_token_logprobs([t[1] for t in tagged], [t[2] for t in tagged],
+                                                    self.label_ids)
+            for (w, _, _), row in zip(tagged, rows):
                 out[w] = [sigmoid(a - b) for a, b in row]
         return out
 
@@ -206,16 +213,10 @@ class RewardHeadPRM(CachedStepScorer):
         self.tag, self.prompt, self.positive_label = tag, prompt, positive_label
 
     def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in work]
+        out, tagged = tag_work(self.backend.tokenizer, question, work, tag=self.tag, prompt=self.prompt)
         inputs, owner = [], []
-        for w, (steps, start) in enumerate(work):
-            try:
-                ids, pos = tag_positions(self.backend.tokenizer, question, steps, tag=self.tag,
-                                         prompt=self.prompt)
-            except ValueError:
-                out[w] = [0.0] * (len(steps) - start)
-                continue
-            for p in pos[start:]:
+        for w, ids, positions in tagged:
+            for p in positions:  # step k's input ends with its tag: the head reads the last token
                 inputs.append(ids[:p + 1])
                 owner.append(w)
         if inputs:
@@ -228,4 +229,4 @@ class RewardHeadPRM(CachedStepScorer):
 
 
 __all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "default_prompt",
-           "head_score", "prm_input", "sigmoid", "tag_positions"]
+           "head_score", "prm_input", "sigmoid", "tag_positions", "tag_work"]

@@ -465,6 +465,7 @@ class Summary:
     tokens_generated: int
     tokens_kept: int
     n: int
+    exact_subsampling: bool = True  # best-of-N: the first N' samples are a run at N'
 
     def table(self) -> str:
         lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
@@ -476,6 +477,9 @@ class Summary:
                 lines.append(f"| {r} | " + " | ".join(f"{100 * v[r]:.1f}%"
                                                         for v in self.accuracy_at.values()) + " |")
             lines.append(f"pass@{self.n}: {100 * (self.pass_at_n or 0):.1f}%")
+            if not self.exact_subsampling:
+                lines.append(f"(N < {self.n}: the first trajectories of the N={self.n} tree search, "
+                             f"which share ancestors; not what a search with fewer beams would give)")
         lat = self.latency_seconds
         lines.append(f"precise goodput: {self.goodput_tokens_per_s:.1f} tokens/s "
                      f"({self.mean_tokens_per_trajectory:.1f} tokens per trajectory / "
@@ -484,7 +488,8 @@ class Summary:
                      f"p90 {lat['p90']:.2f} s, max {lat['max']:.2f} s")
         kept = self.tokens_kept / self.tokens_generated if self.tokens_generated else 0.0
         lines.append(f"tokens generated {self.tokens_generated}, kept in returned trajectories "
-                     f"{self.tokens_kept} ({100 * kept:.0f}%)")
+                     f"{self.tokens_kept} ({100 * kept:.0f}%; a shared ancestor counts once per "
+                     f"trajectory)")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -501,7 +506,7 @@ def _quantile(xs: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(records: Sequence[dict], n: int) -> Summary:
+def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Summary:
     """The run's summary from its output records (see the module docstring)."""
     graded = [r for r in records if r.get("reference") is not None]
     rules = list(records[0]["answers"]) if records else list(RULES)
@@ -524,7 +529,8 @@ def summarize(records: Sequence[dict], n: int) -> Summary:
         latency_seconds={"mean": statistics.fmean(lat) if lat else 0.0, "p50": _quantile(lat, 0.5),
                          "p90": _quantile(lat, 0.9), "max": max(lat, default=0.0)},
         tokens_generated=sum(r["tokens_generated"] for r in records),
-        tokens_kept=sum(r["tokens_kept"] for r in records), n=n)
+        tokens_kept=sum(r["tokens_kept"] for r in records), n=n,
+        exact_subsampling=program in ("best_of_n", "self_consistency"))
 
 
 def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathLike, title: str) -> Path:
@@ -546,7 +552,8 @@ def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathL
                  label=f"pass@{summary.n}")
     acc.set_xscale("log", base=2)
     acc.set_ylim(0, 102)
-    acc.set_xlabel("N (subsampled from one run)")
+    acc.set_xlabel("N (first N samples of one run)" if summary.exact_subsampling else
+                   f"N (first N trajectories of one N={summary.n} tree search: not a search at N)")
     acc.set_ylabel("accuracy (%)")
     acc.grid(alpha=0.3)
     acc.legend()
@@ -681,7 +688,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
             if be is not None:
                 be.shutdown()
     records = [done[p.index] for p in problems if p.index in done]
-    return summarize(records, cfg.n), records
+    return summarize(records, cfg.n, cfg.program), records
 
 
 def main(argv: Sequence[str] | None = None) -> int:

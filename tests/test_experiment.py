@@ -260,6 +260,8 @@ def test_summary_numbers_from_records():
                                  "max": 4.5}
     assert (s.tokens_generated, s.tokens_kept) == (130, 120)
     assert experiment.subsample_sizes(12) == [1, 2, 4, 8, 12] and experiment.subsample_sizes(1) == [1]
+    assert "N < 2: the first trajectories" not in s.table()
+    assert "N < 2: the first trajectories of the N=2 tree search" in summarize(records, 2, "dvts").table()
 
 
 # --------------------------------------------------------------------------- tiny models, CPU

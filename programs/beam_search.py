@@ -22,9 +22,9 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, continue_path,
-                            derive_seed, expand, expand_proportional, extract_answer, gen_step, step_limit,
-                            top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
+                            continue_path, derive_seed, expand, expand_proportional, extract_answer, gen_step,
+                            new_group, step_limit, top_k, vote)
 
 BRANCHING = ("equal", "proportional")
 
@@ -33,7 +33,8 @@ BRANCHING = ("equal", "proportional")
 def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
                 step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
                 aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-                answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0) -> SearchResult:
+                answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0,
+                search_group: str | None = None) -> SearchResult:
     if num_beams < 1 or beam_width < 1:
         raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
     if branching not in BRANCHING:
@@ -45,6 +46,8 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     s += question + delimiter
     group = s.fork(num_beams)
     beams = [(st, [], "", 0) for st in group]   # (state, closed steps, pending cut step, tokens)
+    tag = search_group or new_group()             # the search's id in every request (scheduler plugin)
+    parents = [-1] * num_beams                    # each beam's parent index at the previous depth
     groups = [group]
     done: list[Trajectory] = []
     best_open: Trajectory | None = None
@@ -54,7 +57,8 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
         steps = gen_step([b[0] for b in beams], f"step{depth}", max_tokens=step_limit(step_tokens, depth),
                          temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
-                         answer_pattern=answer_pattern)
+                         answer_pattern=answer_pattern,
+                         tags=[SearchTag(tag, depth, parents[i], i) for i in range(len(beams))])
         generated += sum(x.tokens for x in steps)
         cands = [(st, *continue_path(closed, pending, x), x, used + x.tokens)
                  for (st, closed, pending, used), x in zip(beams, steps)]
@@ -75,7 +79,8 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         values = [aggregate(scores[i], aggregation) for i in open_idx]
         if lookahead:
             values, tokens = _lookahead_values([cands[i] for i in open_idx], question, prm, lookahead,
-                                               depth, step_tokens, aggregation, delimiter, answer_pattern)
+                                               depth, step_tokens, aggregation, delimiter, answer_pattern,
+                                               [SearchTag(tag, depth + 1, i, i) for i in open_idx])
             generated += tokens
         ranked = top_k(values, keep)
         if branching == "equal":
@@ -83,9 +88,10 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
         else:
             shares = expand_proportional([values[r] for r in ranked], num_beams)
         ranked, shares = [r for r, c in zip(ranked, shares) if c], [c for c in shares if c]
-        beams = []
+        beams, parents = [], []
         for r, children in zip(ranked, shares):
             st, closed, pending, _, _, used = cands[open_idx[r]]
+            parents += [open_idx[r]] * children
             kids = st.fork(children)
             groups.append(kids)
             for kid in kids:
@@ -107,17 +113,17 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
 
 def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
                       step_tokens: int | Sequence[int], aggregation: str, delimiter: str,
-                      answer_pattern: str) -> tuple[list[float], int]:
+                      answer_pattern: str, tags: Sequence[SearchTag]) -> tuple[list[float], int]:
     """Lookahead (Snell et al.): roll every candidate ``lookahead`` steps further at temperature 0 on
     a fork of its state, score the rolled-out paths in one PRM call, and value each candidate by its
     rollout's aggregated score. The rollouts are discarded; returns the values and their tokens."""
     roll = []
-    for st, closed, pending, path, *_ in cands:
+    for (st, closed, pending, path, *_), tag in zip(cands, tags):
         fork = st.fork(1)
         if not pending:
             fork[0] += delimiter
         roll.append({"group": fork, "state": fork[0], "closed": closed, "pending": pending, "path": path,
-                     "done": False})
+                     "done": False, "tag": tag})
     tokens = 0
     for j in range(lookahead):
         live = [r for r in roll if not r["done"]]
@@ -125,7 +131,8 @@ def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
             break
         outs = gen_step([r["state"] for r in live], f"lookahead{depth}_{j}",
                         max_tokens=step_limit(step_tokens, depth + 1 + j), temperature=0.0,
-                        delimiter=delimiter, answer_pattern=answer_pattern)
+                        delimiter=delimiter, answer_pattern=answer_pattern,
+                        tags=[r["tag"] for r in live], attempt=f"lookahead{j}")
         tokens += sum(x.tokens for x in outs)
         for r, x in zip(live, outs):
             r["closed"], r["pending"], r["path"] = continue_path(r["closed"], r["pending"], x)

@@ -14,24 +14,29 @@ PRM is given, ``majority`` otherwise.
 from __future__ import annotations
 
 import time
+import uuid
 
 import sglang as sgl
 
 import sgl_tts
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, derive_seed,
-                            extract_answer, split_steps, top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
+                            derive_seed, extract_answer, new_group, split_steps, top_k, vote)
 
 
 @sgl.function
 def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: str = "last",
               max_tokens: int = 256, sampling_temperature: float = 0.8, seed: int = 0,
-              delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED) -> SearchResult:
+              delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
+              search_group: str | None = None) -> SearchResult:
     t0 = time.perf_counter()
     s += question + delimiter
     forks = s.fork(num_samples)
+    group = search_group or new_group()  # the search's id in every request (scheduler plugin)
     for i, f in enumerate(forks):
+        tag = SearchTag(group, 0, -1, i)
         f += sgl_tts.gen("solution", max_tokens=max_tokens, temperature=sampling_temperature,
-                         seed=derive_seed("best_of_n", seed, question, i))
+                         seed=derive_seed("best_of_n", seed, question, i), custom_params=tag.custom_params(),
+                         rid=f"{tag.rid()}/{uuid.uuid4().hex[:8]}")
     texts, done_at = [], []
     for f in forks:  # read in order: a sample's time is when it and every earlier one had finished
         texts.append(f["solution"])

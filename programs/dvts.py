@@ -18,15 +18,16 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, aggregate, continue_path,
-                            derive_seed, extract_answer, gen_step, step_limit, top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
+                            continue_path, derive_seed, extract_answer, gen_step, new_group, step_limit, top_k,
+                            vote)
 
 
 @sgl.function
 def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
          step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
          aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-         answer_pattern: str = BOXED) -> SearchResult:
+         answer_pattern: str = BOXED, search_group: str | None = None) -> SearchResult:
     if beam_width < 1 or num_beams < beam_width:
         raise ValueError(f"DVTS needs beam_width >= 1 and num_beams >= beam_width, got num_beams="
                          f"{num_beams} and beam_width={beam_width}")
@@ -35,6 +36,7 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
     s += question + delimiter
     roots = s.fork(num_beams // beam_width)
     live = [(i, st, [], "", 0) for i, st in enumerate(roots)]  # (subtree, state, closed, pending, tokens)
+    tag = search_group or new_group()  # the search's id in every request (scheduler plugin)
     results: dict[int, Trajectory] = {}
     groups = [roots]
     generated = 0
@@ -51,7 +53,9 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
                  for j, f in enumerate(forks)]
         steps = gen_step([f[1] for f in forks], f"step{depth}",
                          max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature,
-                         seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern)
+                         seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern,
+                         tags=[SearchTag(tag, depth, f[0] if depth else -1, f[0] * beam_width + j % beam_width)
+                               for j, f in enumerate(forks)])
         generated += sum(x.tokens for x in steps)
         grown = [continue_path(closed, pending, x)
                  for (_, _, closed, pending, _), x in zip(forks, steps)]

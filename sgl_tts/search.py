@@ -14,9 +14,11 @@ import dataclasses
 import hashlib
 import math
 import re
+import uuid
 from typing import Any, Callable, Mapping, Sequence
 
 import sgl_tts
+from sgl_tts.tts_request import SearchTag, new_group
 
 STEP_DELIMITER = "\n\n"
 BOXED = r"\\boxed\{([^{}]*)\}"
@@ -153,17 +155,24 @@ def is_final(text: str, finish_reason: Mapping[str, Any] | None, pattern: str = 
 def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: float,
              seeds: Sequence[int] | None = None, delimiter: str = STEP_DELIMITER,
              answer_pattern: str = BOXED, custom_params: Sequence[Mapping[str, Any]] | None = None,
-             ) -> list[Step]:
+             tags: Sequence[SearchTag] | None = None, attempt: str = "") -> list[Step]:
     """Generate one step on every state (all in flight at once) and wait for them.
 
     Each state gets ``sgl_tts.gen(name, stop=delimiter, ...)``; the stop string is not kept in the
     state's text (SGLang trims it), so a program appends ``delimiter`` before the next step, unless
-    the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`continue_path`).
+    the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`continue_path`). ``tags`` put
+    each request's place in the search (:class:`~sgl_tts.tts_request.SearchTag`) into its
+    ``custom_params`` and ``rid`` (``attempt`` distinguishes repeated requests at one place), which the
+    sgl-tts scheduler plugin orders by; stock servers ignore them.
     """
     for i, st in enumerate(states):
+        params = dict(custom_params[i]) if custom_params is not None else None
+        rid = None
+        if tags is not None:
+            params = {**(params or {}), **tags[i].custom_params()}
+            rid = f"{tags[i].rid(attempt)}/{uuid.uuid4().hex[:8]}"
         st += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, stop=delimiter,
-                          seed=None if seeds is None else seeds[i],
-                          custom_params=None if custom_params is None else custom_params[i])
+                          seed=None if seeds is None else seeds[i], custom_params=params, rid=rid)
     out = []
     for st in states:
         text = st[name]
@@ -221,4 +230,4 @@ class SearchResult:
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
            "aggregate", "continue_path", "derive_seed", "expand", "expand_proportional",
-           "extract_answer", "gen_step", "is_final", "split_steps", "step_limit", "top_k", "vote"]
+           "extract_answer", "gen_step", "is_final", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]

@@ -60,6 +60,8 @@ class Draw:
     finish_reason: dict
     max_tokens: int
     stop: tuple[str, ...]
+    rid: str | None = None
+    custom_params: dict | None = None
 
 
 class ScriptedBackend(BaseBackend):
@@ -105,7 +107,8 @@ class ScriptedBackend(BaseBackend):
         meta = {"id": fields.rid or f"scripted-{len(self.draws)}", "finish_reason": reason,
                 "prompt_tokens": len(prefix), "completion_tokens": generated, "cached_tokens": 0}
         with self._lock:
-            self.draws.append(Draw(prefix, fields.seed, text, reason, limit, stop))
+            self.draws.append(Draw(prefix, fields.seed, text, reason, limit, stop, fields.rid,
+                                   dict(fields.custom_params) if fields.custom_params else None))
         return text, meta
 
     def generate_stream(self, s, sampling_params: SglSamplingParams):

@@ -333,3 +333,33 @@ def test_scripted_prm_reports_a_step_it_has_no_score_for():
     with pytest.raises(KeyError, match="no score for step 'b'"):
         prm.score("Q", [["a", "b"]])
     assert ScriptedPRM({"a": 0.5}, default=0.1).score("Q", [["a", "b"]]) == [[0.5, 0.1]]
+
+
+@pytest.mark.parametrize("program, kwargs", [
+    (beam_search, dict(num_beams=5, beam_width=2, max_depth=6)),
+    (beam_search, dict(num_beams=6, beam_width=3, max_depth=6, lookahead=1)),
+    (dvts, dict(num_beams=6, beam_width=2, max_depth=6)),
+], ids=["beam_search", "beam_search_lookahead", "dvts"])
+def test_every_request_carries_its_place_in_the_search(program, kwargs):
+    """Each generation request names its search group, depth, parent and beam (custom_params) and
+    has a unique rid under tts/<group>/: the metadata the scheduler plugin orders by. The parent is
+    checked against the text: a depth-d request continues its parent's depth-(d-1) request."""
+    backend = ScriptedBackend(branchy)
+    program.run(question=QUESTIONS[0], prm=ScriptedPRM(prm_score), backend=backend,
+                search_group="g42", **kwargs)
+    draws = backend.draws
+    assert all(d.custom_params["tts_group"] == "g42" and d.rid.startswith("tts/g42/") for d in draws)
+    assert len({d.rid for d in draws}) == len(draws)
+    steps = {(d.custom_params["tts_depth"], d.custom_params["tts_beam"]): d for d in draws
+             if "lookahead" not in d.rid}
+    for (depth, beam), d in steps.items():
+        parent = d.custom_params["tts_parent"]
+        if depth == 0:
+            assert parent == -1 and d.prefix == QUESTIONS[0] + D
+            continue
+        if program is dvts:  # DVTS names its subtree as the parent
+            assert parent == beam // kwargs["beam_width"]
+            continue
+        up = steps[(depth - 1, parent)]
+        assert d.prefix.startswith(up.prefix + up.text), (depth, beam)
+    assert all(d.custom_params["tts_class"] == "normal" for d in draws)

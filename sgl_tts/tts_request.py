@@ -1,0 +1,74 @@
+"""Search metadata a TTS program attaches to each generation request (read by the scheduler plugin).
+
+A program tags every request with its search group, its depth (search iteration), the index of its
+parent beam at the previous depth, its own beam index and its class, through SGLang's
+``sampling_params.custom_params`` (``sgl_tts.gen(..., custom_params=...)``); the request's ``rid``
+and ``priority`` travel beside it. The sgl-tts scheduler plugin (``--tts-policy prefix-aware``)
+orders a search's requests by these fields: siblings together, parents in their previous order.
+Stock SGLang ignores the fields, so tagged programs run unchanged on any server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any, Mapping
+
+#: request classes: boosted requests go first, speculative ones only into free slots
+CLASSES = ("normal", "speculative", "boosted")
+KEYS = ("tts_group", "tts_depth", "tts_parent", "tts_beam", "tts_class")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchTag:
+    """Where a request sits in a search.
+
+    Attributes:
+        group: the search's id (one program run); a group abort addresses it.
+        depth: the search iteration (step index) the request generates.
+        parent: the parent beam's index at ``depth - 1`` (its position in the previous iteration;
+            ``-1`` at the root).
+        beam: this request's beam index at ``depth``.
+        cls: ``normal``, ``speculative`` or ``boosted``.
+    """
+
+    group: str
+    depth: int = 0
+    parent: int = -1
+    beam: int = 0
+    cls: str = "normal"
+
+    def __post_init__(self):
+        if self.cls not in CLASSES:
+            raise ValueError(f"unknown request class {self.cls!r}; choose one of {', '.join(CLASSES)}")
+        if not self.group or "/" in self.group:
+            raise ValueError(f"a search group must be a non-empty id without '/', got {self.group!r}")
+
+    def custom_params(self) -> dict[str, Any]:
+        return {"tts_group": self.group, "tts_depth": self.depth, "tts_parent": self.parent,
+                "tts_beam": self.beam, "tts_class": self.cls}
+
+    def rid(self, attempt: str = "") -> str:
+        """A request id that starts with the group (``tts/<group>/<depth>/<beam>``), unique per
+        request; ``attempt`` distinguishes repeated requests at the same place (e.g. rollouts)."""
+        return f"tts/{self.group}/{self.depth}/{self.beam}" + (f"/{attempt}" if attempt else "")
+
+    @classmethod
+    def from_custom_params(cls, params: Mapping[str, Any] | None) -> "SearchTag | None":
+        """The tag in a request's ``custom_params``, or ``None`` for an untagged request."""
+        if not params or "tts_group" not in params:
+            return None
+        try:
+            return cls(str(params["tts_group"]), int(params.get("tts_depth", 0)),
+                       int(params.get("tts_parent", -1)), int(params.get("tts_beam", 0)),
+                       str(params.get("tts_class", "normal")))
+        except (TypeError, ValueError):
+            return None
+
+
+def new_group() -> str:
+    """A fresh search group id."""
+    return uuid.uuid4().hex[:12]
+
+
+__all__ = ["CLASSES", "KEYS", "SearchTag", "new_group"]

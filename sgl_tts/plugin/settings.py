@@ -1,0 +1,106 @@
+"""The plugin's server flags: the "test-time scaling" group of ``python -m sglang.launch_server``.
+
+Values reach every scheduler process twice over: as attributes of the pickled ``ServerArgs`` and as
+``SGL_TTS_*`` environment variables that spawned children inherit (an in-process ``sglang.Engine``,
+which takes no plugin keywords, is configured through the same variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Mapping
+
+POLICIES = ("off", "prefix-aware")
+
+
+@dataclasses.dataclass(frozen=True)
+class TTSSettings:
+    """The plugin's settings (all off by default: the server then behaves exactly as stock SGLang).
+
+    Attributes:
+        policy: ``off`` or ``prefix-aware`` (order the waiting queue: siblings together, parents in a
+            stable order, greedy longest shared prefix, request classes; any queue length).
+        dedup_tokens: with ``prefix-aware``, when consecutive waiting requests share at least this
+            many tokens that are not cached yet, only the first prefills them this round.
+    """
+
+    policy: str = "off"
+    dedup_tokens: int = 32
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"--tts-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.dedup_tokens, int) or self.dedup_tokens < 1:
+            raise ValueError(f"--tts-dedup-tokens must be a positive integer, got {self.dedup_tokens!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.policy != "off"
+
+    def env(self) -> dict[str, str]:
+        return {"SGL_TTS_POLICY": self.policy, "SGL_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TTSSettings":
+        env = os.environ if environ is None else environ
+        try:
+            dedup = int(env.get("SGL_TTS_DEDUP_TOKENS", cls.dedup_tokens))
+        except ValueError:
+            raise ValueError(f"SGL_TTS_DEDUP_TOKENS must be an integer, got "
+                             f"{env.get('SGL_TTS_DEDUP_TOKENS')!r}") from None
+        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup)
+
+    @classmethod
+    def of(cls, server_args: Any) -> "TTSSettings":
+        """The settings a scheduler runs with: ``ServerArgs`` attributes, else the environment."""
+        if hasattr(server_args, "tts_policy"):
+            return cls(server_args.tts_policy, server_args.tts_dedup_tokens)
+        return cls.from_env()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the "test-time scaling (sgl-tts)" flag group."""
+    if any(a.dest == "tts_policy" for a in parser._actions):
+        return  # already added (a parser built twice in one process)
+    group = parser.add_argument_group(
+        "test-time scaling (sgl-tts)",
+        "Scheduling for tree-search programs (best-of-N, beam search, DVTS, MCTS) whose requests "
+        "carry sgl-tts search metadata; see sgl-tts docs/SCHEDULER_PLUGIN.md.")
+    group.add_argument("--tts-policy", choices=POLICIES, default=os.environ.get("SGL_TTS_POLICY", "off"),
+                       help="off: stock SGLang scheduling. prefix-aware: admit siblings of one parent "
+                            "together, keep parents in a stable order across iterations, greedily "
+                            "maximise the prefix shared with the previous admission, boosted requests "
+                            "first and speculative ones only into free slots; any queue length.")
+    group.add_argument("--tts-dedup-tokens", type=_positive_int,
+                       default=int(os.environ.get("SGL_TTS_DEDUP_TOKENS", "32")),
+                       help="with --tts-policy prefix-aware: requests sharing at least this many "
+                            "uncached tokens with the request before them wait one round, so the "
+                            "shared prefix is prefilled once (default 32)")
+
+
+def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
+    """Validate the parsed flags against the rest of the server's settings, store them on
+    ``server_args`` and mirror them into the environment for child processes."""
+    settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32))
+    if settings.active and getattr(server_args, "disable_radix_cache", False):
+        raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
+                         "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
+    server_args.tts_policy = settings.policy
+    server_args.tts_dedup_tokens = settings.dedup_tokens
+    os.environ.update(settings.env())
+    return settings
+
+
+__all__ = ["POLICIES", "TTSSettings", "add_arguments", "apply"]

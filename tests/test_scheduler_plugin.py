@@ -1,0 +1,325 @@
+"""The sgl-tts SGLang scheduler plugin on SGLang 0.5.15's own objects (CPU): registration, flags,
+the prefix-aware order of ``SchedulePolicy.calc_priority``, deferral through ``PrefillAdder``,
+request classes, and stock behaviour when the plugin is not enabled."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+from array import array
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from sglang.srt.plugins import load_plugins
+
+load_plugins()  # as launch_server and every scheduler process do: the plugin's hooks are applied
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs, prepare_server_args, set_global_server_args_for_scheduler  # noqa: E402,E501
+
+from sgl_tts.plugin import policy as tts_policy  # noqa: E402
+from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
+from sgl_tts.tts_request import SearchTag  # noqa: E402
+
+set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
+
+
+# ------------------------------------------------------------------------------------- fixtures
+class Cache:
+    """SGLang's RadixCache with real CPU pools (what a scheduler's tree cache is)."""
+
+    def __init__(self, size=200_000):
+        self.allocator = TokenToKVPoolAllocator(size=size, dtype=torch.float16, device="cpu",
+                                                kvcache=None, need_sort=False)
+        pool = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
+                                               token_to_kv_pool_allocator=self.allocator, page_size=1))
+
+    def insert(self, tokens):
+        ids = array("q", tokens)
+        kv = self.allocator.alloc(len(ids))
+        res = self.tree.insert(InsertParams(key=RadixKey(ids), value=kv))
+        if res.prefix_len:
+            self.allocator.free(kv[:res.prefix_len])
+
+
+def make_req(rid, tokens, tag: SearchTag | None = None, output=(), max_new=8):
+    req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
+              sampling_params=SamplingParams(max_new_tokens=max_new,
+                                             custom_params=tag.custom_params() if tag else None))
+    req.output_ids.extend(output)
+    return req
+
+
+def policy_for(cache, name="lpm", settings=TTSSettings("prefix-aware", 32)):
+    pol = SchedulePolicy(name, cache.tree, False, False, False)
+    tts_policy.enable(pol, settings)
+    return pol
+
+
+def lcp(a, b):
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def seq(req):
+    return list(req.origin_input_ids) + list(req.output_ids)
+
+
+# ---------------------------------------------------------------------------------- registration
+def test_the_plugin_is_an_sglang_entry_point_and_its_hooks_are_applied():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("sgl-tts") == "sgl_tts.plugin:register"
+    assert hasattr(SchedulePolicy.calc_priority, "__wrapped__")
+    assert hasattr(PrefillAdder.add_one_req, "__wrapped__")
+
+
+def _launch(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_launch_server_help_lists_and_validates_the_flags():
+    out = _launch("--help")
+    assert out.returncode == 0
+    assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware}" in out.stdout
+    bad = _launch("--model-path", "x", "--tts-policy", "lpm")
+    assert bad.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad.stderr
+    bad = _launch("--model-path", "x", "--tts-dedup-tokens", "0")
+    assert bad.returncode == 2 and "argument --tts-dedup-tokens: expected a positive integer, got 0" in bad.stderr
+    # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag
+    other = _launch("--help", env={"SGLANG_PLUGINS": "smg-zmq"})
+    assert other.returncode == 0 and "--tts-policy" not in other.stdout
+
+
+def test_flag_values_reach_server_args_and_the_environment(monkeypatch):
+    monkeypatch.delenv("SGL_TTS_POLICY", raising=False)
+    sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-dedup-tokens", "8"])
+    assert (sa.tts_policy, sa.tts_dedup_tokens) == ("prefix-aware", 8)
+    assert os.environ["SGL_TTS_POLICY"] == "prefix-aware" and os.environ["SGL_TTS_DEDUP_TOKENS"] == "8"
+    assert TTSSettings.of(sa) == TTSSettings("prefix-aware", 8)
+    assert TTSSettings.of(ServerArgs(model_path="dummy")) == TTSSettings("prefix-aware", 8)  # via env
+    with pytest.raises(ValueError, match="needs the radix cache: drop --disable-radix-cache"):
+        prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--disable-radix-cache"])
+    sa = prepare_server_args(["--model-path", "dummy"])
+    assert sa.tts_policy == "prefix-aware"  # the environment default (an in-process Engine's way in)
+    monkeypatch.setenv("SGL_TTS_POLICY", "off")
+    assert prepare_server_args(["--model-path", "dummy"]).tts_policy == "off"
+
+
+# ------------------------------------------------------------------------ stock behaviour kept
+@pytest.mark.parametrize("name", ["lpm", "fcfs", "dfs-weight", "lof"])
+def test_without_the_flag_sglang_orders_exactly_as_stock(name):
+    """The hooks are applied, but a policy the plugin is not enabled on gives the unhooked
+    function's order (and prefix matches) on the same queue."""
+    rng = random.Random(3)
+    for trial in range(5):
+        cache = Cache()
+        base = [rng.randrange(50) for _ in range(40)]
+        cache.insert(base + [1, 2, 3])
+        specs = [(f"r{i}", base[:rng.randrange(0, 40)] + [rng.randrange(50) for _ in range(rng.randrange(1, 50))],
+                  rng.randrange(1, 64)) for i in range(rng.choice([5, 40, 130]))]
+        hooked = [make_req(r, t, max_new=m) for r, t, m in specs]
+        plain = [make_req(r, t, max_new=m) for r, t, m in specs]
+        pol = SchedulePolicy(name, cache.tree, False, False, False)
+        tts_policy.enable(pol, TTSSettings("off"))
+        pol.calc_priority(hooked)
+        SchedulePolicy.calc_priority.__wrapped__(SchedulePolicy(name, cache.tree, False, False, False), plain)
+        assert [r.rid for r in hooked] == [r.rid for r in plain]
+        assert [len(r.prefix_indices) for r in hooked] == [len(r.prefix_indices) for r in plain]
+
+
+# ----------------------------------------------------------------------------- prefix-aware order
+def simulate_beam_search(rng, n_parents, width, depth_count, retract_rate=0.2):
+    """Queues of a beam search as a scheduler sees them, iteration by iteration: each kept parent's
+    children (shuffled arrival), plus retracted requests of the iteration before (with output)."""
+    prompt = [rng.randrange(1000) for _ in range(50)]
+    # first-generation parents differ from their first token on
+    parents = [(i, prompt + [2000 + i] + [rng.randrange(1000) for _ in range(9)]) for i in range(n_parents)]
+    for depth in range(depth_count):
+        queue = []
+        for beam, (p_idx, p_tokens) in enumerate((p for p in parents for _ in range(width))):
+            tokens = p_tokens + [rng.randrange(1000) for _ in range(rng.randrange(5, 30))]
+            queue.append((SearchTag("g", depth, p_idx, beam), tokens))
+        yield depth, queue
+        kept = rng.sample(range(len(queue)), n_parents)
+        parents = [(queue[k][0].beam, queue[k][1]) for k in sorted(kept)]
+
+
+def check_order(order, by_rid):
+    """Siblings contiguous, and each pick is the request sharing the longest prefix with the one
+    before, ties to the smallest (group, depth, parent, beam): the stable parent order."""
+    parents = [by_rid[r.rid].parent for r in order]
+    runs = [p for p, _ in itertools.groupby(parents)]
+    assert len(runs) == len(set(runs)), "siblings split"
+    key = lambda r: (by_rid[r.rid].depth, by_rid[r.rid].parent, by_rid[r.rid].beam)  # noqa: E731
+    rest = list(order)
+    prev = None
+    for r in order:
+        best = max(lcp(seq(prev), seq(x)) for x in rest) if prev is not None else 0
+        tied = [x for x in rest if prev is None or lcp(seq(prev), seq(x)) == best]
+        assert r is min(tied, key=key), "not the greedy pick with the stable tie-break"
+        rest.remove(r)
+        prev = r
+    return runs
+
+
+def test_siblings_together_parents_stable_greedy_over_iterations_with_retractions():
+    rng = random.Random(11)
+    cache = Cache()
+    pol = policy_for(cache)
+    for depth, queue in simulate_beam_search(rng, n_parents=6, width=4, depth_count=5):
+        reqs = [make_req(f"tts/g/{t.depth}/{t.beam}", tok, t) for t, tok in queue]
+        by_rid = {r.rid: t for r, (t, _) in zip(reqs, queue)}
+        rng.shuffle(reqs)                                     # arrival order is random
+        pol.calc_priority(reqs)
+        runs = check_order(reqs, by_rid)
+        if depth == 0:
+            assert runs == list(range(6))  # parents with distinct tokens: exactly their order
+        # a retraction puts some requests back with output tokens: they return to their place
+        back = rng.sample(reqs, 5)
+        for r in back:
+            r.output_ids.extend([7, 7, 7])
+        again = back + [r for r in reqs if r not in back]
+        pol.calc_priority(again)
+        assert [r.rid for r in again] == [r.rid for r in reqs]
+
+
+def test_a_queue_of_2000_requests_is_ordered_not_dropped_to_fcfs():
+    rng = random.Random(5)
+    cache = Cache()
+    pol = policy_for(cache)
+    _, queue = next(simulate_beam_search(rng, n_parents=125, width=16, depth_count=1))
+    reqs = [make_req(f"r{t.beam}", tok, t) for t, tok in queue]
+    by_rid = {r.rid: t for r, (t, _) in zip(reqs, queue)}
+    rng.shuffle(reqs)
+    pol.calc_priority(reqs)
+    assert len(reqs) == 2000
+    parents = [by_rid[r.rid].parent for r in reqs]
+    runs = [p for p, _ in itertools.groupby(parents)]
+    assert runs == list(range(125))          # siblings together, parents in order (lpm: FCFS here)
+    for _, run in itertools.groupby(reqs, key=lambda r: by_rid[r.rid].parent):
+        run = list(run)
+        check_order(run, by_rid)             # greedy within each family
+    # the shared uncached prompt: one request prefills it, the other 1999 wait a round
+    assert sum(getattr(r, tts_policy.DEFERRED) for r in reqs) == 1999
+
+
+def test_greedy_order_is_swap_optimal_on_random_trees():
+    """Seed 000 Appendix A: on random prefix trees no single swap of two requests increases the sum
+    of prefixes shared by consecutive requests, and each pick shares the longest prefix available."""
+    rng = random.Random(2)
+    for trial in range(40):
+        paths = [[1, 2, 3]]
+        for _ in range(rng.randrange(2, 10)):
+            paths.append(rng.choice(paths) + [rng.randrange(3) for _ in range(rng.randrange(0, 4))])
+        reqs = [make_req(f"x{i}", p, SearchTag("g", 0, rng.randrange(3), i)) for i, p in enumerate(paths[1:])]
+        pol = policy_for(Cache())
+        pol.calc_priority(reqs)
+        score = lambda o: sum(lcp(seq(a), seq(b)) for a, b in zip(o, o[1:]))  # noqa: E731
+        base = score(reqs)
+        for i, j in itertools.combinations(range(len(reqs)), 2):
+            swapped = list(reqs)
+            swapped[i], swapped[j] = swapped[j], swapped[i]
+            assert score(swapped) <= base
+        rest, prev = list(reqs), None
+        for r in reqs:
+            if prev is not None:
+                assert lcp(seq(prev), seq(r)) == max(lcp(seq(prev), seq(x)) for x in rest)
+            rest.remove(r)
+            prev = r
+
+
+def test_the_first_pick_continues_the_latest_admission():
+    cache = Cache()
+    pol = policy_for(cache)
+    a = make_req("a", [1] * 40 + [2] * 10, SearchTag("g", 1, 0, 0))
+    b = make_req("b", [5] * 40 + [6] * 10, SearchTag("g", 1, 1, 1))
+    running = ScheduleBatch(reqs=[make_req("run", [5] * 40 + [6] * 5)])
+    queue = [a, b]
+    pol.calc_priority(queue, running)
+    assert [r.rid for r in queue] == ["b", "a"]  # shares 45 tokens with the running request
+    queue = [b, a]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["a", "b"]  # no anchor: parent order
+
+
+# ----------------------------------------------------------------------------- dedup and classes
+def adder_for(cache, running=None, rem=100_000):
+    return PrefillAdder(page_size=1, tree_cache=cache.tree, token_to_kv_pool_allocator=cache.allocator,
+                        running_batch=running or ScheduleBatch(reqs=[]), new_token_ratio=0.5,
+                        rem_input_tokens=rem, rem_chunk_tokens=None)
+
+
+def admit(cache, queue, rem=100_000):
+    """SGLang's admission loop as the scheduler runs it: in queue order until a non-CONTINUE."""
+    adder = adder_for(cache, rem=rem)
+    for req in queue:
+        req.init_next_round_input(cache.tree)
+        if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != AddReqResult.CONTINUE:
+            break
+    for r in adder.can_run_list:
+        cache.tree.dec_lock_ref(r.last_node)
+    return [r.rid for r in adder.can_run_list]
+
+
+def test_one_sibling_prefills_an_uncached_shared_prefix_the_others_wait_one_round():
+    cache = Cache()
+    pol = policy_for(cache)
+    prompt = list(range(100, 160))            # 60 uncached tokens shared by 4 siblings
+    sibs = [make_req(f"s{i}", prompt + [i], SearchTag("g", 0, -1, i)) for i in range(4)]
+    other = make_req("o", list(range(500, 520)), SearchTag("h", 0, -1, 0))
+    queue = sibs[::-1] + [other]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["s0", "o", "s1", "s2", "s3"]   # deferred ones last
+    assert admit(cache, queue) == ["s0", "o"]
+    cache.insert(prompt + [0])                # s0's prefill put the prompt into the radix cache
+    rest = [r for r in queue if r.rid not in ("s0", "o")]
+    pol.calc_priority(rest)
+    assert admit(cache, rest) == ["s1", "s2", "s3"]
+    # a short shared prefix (< dedup tokens) is not worth a round
+    short = [make_req(f"t{i}", list(range(900, 910)) + [i], SearchTag("k", 0, -1, i)) for i in range(3)]
+    pol.calc_priority(short)
+    assert admit(cache, short) == ["t0", "t1", "t2"]
+
+
+def test_boosted_first_speculative_only_into_free_slots():
+    cache = Cache()
+    pol = policy_for(cache)
+
+    def req(rid, cls, beam, n=30):
+        return make_req(rid, [beam * 1000 + k for k in range(n)], SearchTag("g", 0, -1, beam, cls))
+
+    queue = [req("spec0", "speculative", 0), req("norm1", "normal", 1), req("boost2", "boosted", 2),
+             req("norm3", "normal", 3), req("spec4", "speculative", 4)]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["boost2", "norm1", "norm3", "spec0", "spec4"]
+    assert admit(cache, list(queue)) == ["boost2", "norm1", "norm3", "spec0", "spec4"]  # room for all
+    for r in queue:
+        r.prefix_indices = torch.empty((0,), dtype=torch.int64)
+    # a budget for three requests: the speculative ones get nothing while normal work waits
+    assert admit(cache, list(queue), rem=3 * 30 + 1) == ["boost2", "norm1", "norm3"]
+
+
+def test_untagged_requests_keep_arrival_order_between_searches():
+    cache = Cache()
+    pol = policy_for(cache)
+    u1 = make_req("u1", [9] * 10)
+    t = [make_req(f"t{i}", [1] * 10 + [i], SearchTag("g", 0, -1, i)) for i in range(2)]
+    u2 = make_req("u2", [8] * 10)
+    queue = [u1, t[1], u2, t[0]]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["u1", "t0", "t1", "u2"]

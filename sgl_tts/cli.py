@@ -77,6 +77,29 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scheduler_stats(args: argparse.Namespace) -> int:
+    """Summarise the scheduler plugin's metric files (``--tts-metrics-file``)."""
+    from sgl_tts.plugin.metrics import read_records, summarize
+
+    summary = summarize(read_records(args.files))
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    hit = summary["prefix_hit_rate"]
+    occ = summary["kv_occupancy"]
+    bs = summary["batch_size"]
+    print(f"batches {summary['batches']}: size mean {bs['mean']:.1f}, p50 {bs['p50']}, max {bs['max']}")
+    if occ["mean"] is not None:
+        print(f"KV occupancy: mean {100 * occ['mean']:.0f}%, max {100 * occ['max']:.0f}%")
+    print(f"prefill batches {summary['prefill_batches']}, requests admitted {summary['admitted']}, "
+          f"deferred {summary['deferred']}")
+    print("prefix-cache hit rate: " + ("n/a" if hit is None else f"{100 * hit:.1f}%")
+          + f" ({summary['cached_tokens']} cached / {summary['computed_tokens']} computed prompt tokens)")
+    print(f"evicted tokens {summary['evicted_tokens']}; recomputed blocks (evicted, then needed "
+          f"again) {summary['recomputed_blocks']}")
+    return 0
+
+
 def _delegated(command: str):
     """Subcommands with their own argument parsers (listed in ``--help``, dispatched in ``main``)."""
     if command == "train-tiny":
@@ -107,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-plot", action="store_true", help="do not save the plot")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     d.set_defaults(func=cmd_demo)
+    st = sub.add_parser("scheduler-stats", help="summarise the scheduler plugin's metric files "
+                                                "(python -m sglang.launch_server --tts-metrics-file PATH)")
+    st.add_argument("files", nargs="+", help="metric files (PATH.<pid>, one per scheduler process)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.set_defaults(func=cmd_scheduler_stats)
     i = sub.add_parser("info", help="versions of sgl-tts, sglang, torch, transformers")
     i.set_defaults(func=cmd_info)
     sub.add_parser("run", add_help=False,

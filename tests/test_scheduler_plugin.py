@@ -5,6 +5,7 @@ request classes, and stock behaviour when the plugin is not enabled."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import subprocess
@@ -96,6 +97,7 @@ def test_launch_server_help_lists_and_validates_the_flags():
     out = _launch("--help")
     assert out.returncode == 0
     assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware}" in out.stdout
+    assert "--tts-dedup-tokens" in out.stdout and "--tts-metrics-file PATH" in out.stdout
     bad = _launch("--model-path", "x", "--tts-policy", "lpm")
     assert bad.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad.stderr
     bad = _launch("--model-path", "x", "--tts-dedup-tokens", "0")
@@ -107,16 +109,20 @@ def test_launch_server_help_lists_and_validates_the_flags():
 
 def test_flag_values_reach_server_args_and_the_environment(monkeypatch):
     monkeypatch.delenv("SGL_TTS_POLICY", raising=False)
-    sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-dedup-tokens", "8"])
-    assert (sa.tts_policy, sa.tts_dedup_tokens) == ("prefix-aware", 8)
+    monkeypatch.delenv("SGL_TTS_METRICS_FILE", raising=False)
+    sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-dedup-tokens", "8",
+                              "--tts-metrics-file", "/tmp/tts-metrics"])
+    assert (sa.tts_policy, sa.tts_dedup_tokens, sa.tts_metrics_file) == ("prefix-aware", 8, "/tmp/tts-metrics")
+    assert os.environ["SGL_TTS_METRICS_FILE"] == "/tmp/tts-metrics"
     assert os.environ["SGL_TTS_POLICY"] == "prefix-aware" and os.environ["SGL_TTS_DEDUP_TOKENS"] == "8"
-    assert TTSSettings.of(sa) == TTSSettings("prefix-aware", 8)
-    assert TTSSettings.of(ServerArgs(model_path="dummy")) == TTSSettings("prefix-aware", 8)  # via env
+    assert TTSSettings.of(sa) == TTSSettings("prefix-aware", 8, "/tmp/tts-metrics")
+    assert TTSSettings.of(ServerArgs(model_path="dummy")) == TTSSettings("prefix-aware", 8, "/tmp/tts-metrics")
     with pytest.raises(ValueError, match="needs the radix cache: drop --disable-radix-cache"):
         prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--disable-radix-cache"])
     sa = prepare_server_args(["--model-path", "dummy"])
     assert sa.tts_policy == "prefix-aware"  # the environment default (an in-process Engine's way in)
     monkeypatch.setenv("SGL_TTS_POLICY", "off")
+    monkeypatch.setenv("SGL_TTS_METRICS_FILE", "")
     assert prepare_server_args(["--model-path", "dummy"]).tts_policy == "off"
 
 
@@ -323,3 +329,59 @@ def test_untagged_requests_keep_arrival_order_between_searches():
     queue = [u1, t[1], u2, t[0]]
     pol.calc_priority(queue)
     assert [r.rid for r in queue] == ["u1", "t0", "t1", "u2"]
+
+
+# ---------------------------------------------------------------------------------- observability
+def test_metrics_count_hits_evictions_and_recomputed_blocks(tmp_path):
+    """Seed 001 Alg. 1 on SGLang's radix cache: a prefix computed, evicted, then needed again is
+    counted as recomputed blocks; cached prefixes count as hits; evictions come from the real
+    RadixCache.evict through the plugin's hook."""
+    from sgl_tts.plugin.metrics import SchedulerMetrics, read_records, summarize
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = Cache()
+    metrics = SchedulerMetrics(tmp_path / "m.jsonl", block_tokens=16, flush_seconds=0)
+    cache.tree.sgl_tts_metrics = metrics
+    prompt = list(range(1000, 1064))                      # 64 tokens = 4 blocks
+
+    def admit_and_record(reqs):
+        adder = adder_for(cache)
+        for r in reqs:
+            r.init_next_round_input(cache.tree)
+            assert adder.add_one_req(r, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+        rec = metrics.on_prefill(adder.can_run_list, waiting=0, running=0)
+        for r in adder.can_run_list:
+            cache.tree.dec_lock_ref(r.last_node)
+        return rec
+
+    first = admit_and_record([make_req("a", prompt + [1])])
+    assert (first["cached_tokens"], first["computed_tokens"], first["recomputed_blocks"]) == (0, 65, 0)
+    cache.insert(prompt + [1])                            # its prefill is now in the cache
+    hit = admit_and_record([make_req("b", prompt + [2])])
+    assert (hit["cached_tokens"], hit["computed_tokens"], hit["recomputed_blocks"]) == (64, 1, 0)
+    evicted = cache.tree.evict(EvictParams(num_tokens=10_000))
+    assert evicted.num_tokens_evicted == 65 and metrics.totals["evicted_tokens"] == 65
+    again = admit_and_record([make_req("c", prompt + [3])])
+    assert (again["cached_tokens"], again["computed_tokens"], again["recomputed_blocks"]) == (0, 65, 4)
+    metrics.on_batch("DECODE", 3, occupancy=0.25)
+    metrics.flush()
+    s = summarize(read_records([tmp_path / "m.jsonl"]))
+    assert s["prefix_hit_rate"] == pytest.approx(64 / (64 + 131)) and s["recomputed_blocks"] == 4
+    assert (s["evicted_tokens"], s["admitted"], s["batches"], s["batch_size"]["max"]) == (65, 3, 1, 3)
+    assert s["kv_occupancy"]["max"] == 0.25
+
+
+def test_scheduler_stats_command_summarises_metric_files(tmp_path, capsys):
+    from sgl_tts.cli import main
+    from sgl_tts.plugin.metrics import SchedulerMetrics
+
+    m = SchedulerMetrics(tmp_path / "m.1", flush_seconds=0)
+    m.on_batch("DECODE", 8, occupancy=0.5)
+    m.on_evict(100)
+    m.flush()
+    (tmp_path / "m.1").open("a").write('{"event": "batch", "bat')   # torn by a killed server
+    assert main(["scheduler-stats", str(tmp_path / "m.1"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batches"] == 1 and out["evicted_tokens"] == 100 and out["batch_size"]["mean"] == 8
+    assert main(["scheduler-stats", str(tmp_path / "missing")]) == 1
+    assert "no metrics file" in capsys.readouterr().err

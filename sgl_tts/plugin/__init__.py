@@ -7,7 +7,9 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``ServerArgs.from_cli_args`` (after): validation, values onto ``ServerArgs`` + the environment;
 - ``Scheduler.__init__`` (after): the prefix-aware policy attached to the scheduler's policy;
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
-  policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang.
+  policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
+- ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
+  (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given.
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
 out of it and none of this loads.
@@ -25,6 +27,9 @@ TARGETS = {
     "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "calc_priority": "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
     "add_one_req": "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+    "prefill": "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+    "next_batch": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+    "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
 }
 
 
@@ -50,6 +55,50 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     if enable(scheduler.policy, settings) is not None:
         logger.info("sgl-tts: scheduler policy %s (dedup %d tokens)", settings.policy,
                     settings.dedup_tokens)
+    scheduler.sgl_tts_metrics = None
+    if settings.metrics_file or getattr(server_args, "enable_metrics", False):
+        import os
+
+        from sgl_tts.plugin.metrics import SchedulerMetrics
+
+        path = f"{settings.metrics_file}.{os.getpid()}" if settings.metrics_file else None
+        metrics = SchedulerMetrics(path, prometheus=bool(getattr(server_args, "enable_metrics", False)))
+        scheduler.sgl_tts_metrics = metrics
+        scheduler.tree_cache.sgl_tts_metrics = metrics
+        logger.info("sgl-tts: scheduler metrics to %s", path or "Prometheus")
+    return result
+
+
+def occupancy(allocator) -> float | None:
+    size = getattr(allocator, "size", None)
+    if not size:
+        return None
+    return 1.0 - allocator.available_size() / size
+
+
+def _after_prefill(batch, scheduler, *args, **kwargs):
+    metrics = getattr(scheduler, "sgl_tts_metrics", None)
+    if metrics is not None and batch is not None:
+        state = getattr(scheduler.policy, "sgl_tts", None)
+        metrics.on_prefill(batch.reqs, waiting=len(scheduler.waiting_queue),
+                           running=len(scheduler.running_batch.reqs),
+                           deferred=state.last_deferred if state is not None else 0,
+                           occupancy=occupancy(scheduler.token_to_kv_pool_allocator))
+    return batch
+
+
+def _after_next_batch(batch, scheduler, *args, **kwargs):
+    metrics = getattr(scheduler, "sgl_tts_metrics", None)
+    if metrics is not None and batch is not None:
+        metrics.on_batch(getattr(batch.forward_mode, "name", str(batch.forward_mode)), len(batch.reqs),
+                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator))
+    return batch
+
+
+def _after_evict(result, cache, *args, **kwargs):
+    metrics = getattr(cache, "sgl_tts_metrics", None)
+    if metrics is not None and result is not None:
+        metrics.on_evict(int(getattr(result, "num_tokens_evicted", 0)))
     return result
 
 
@@ -64,6 +113,9 @@ def register() -> None:
     HookRegistry.register(TARGETS["scheduler_init"], _scheduler_init, HookType.AFTER)
     HookRegistry.register(TARGETS["calc_priority"], policy.calc_priority, HookType.AROUND)
     HookRegistry.register(TARGETS["add_one_req"], policy.add_one_req, HookType.AROUND)
+    HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
+    HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
+    HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
 
 
 __all__ = ["TARGETS", "register"]

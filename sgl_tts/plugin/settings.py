@@ -24,10 +24,13 @@ class TTSSettings:
             stable order, greedy longest shared prefix, request classes; any queue length).
         dedup_tokens: with ``prefix-aware``, when consecutive waiting requests share at least this
             many tokens that are not cached yet, only the first prefills them this round.
+        metrics_file: write scheduler metrics (JSONL) to ``<metrics_file>.<pid>`` per scheduler
+            process (works with either policy: compare stock and prefix-aware runs).
     """
 
     policy: str = "off"
     dedup_tokens: int = 32
+    metrics_file: str | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -40,7 +43,10 @@ class TTSSettings:
         return self.policy != "off"
 
     def env(self) -> dict[str, str]:
-        return {"SGL_TTS_POLICY": self.policy, "SGL_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
+        env = {"SGL_TTS_POLICY": self.policy, "SGL_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
+        if self.metrics_file:
+            env["SGL_TTS_METRICS_FILE"] = self.metrics_file
+        return env
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TTSSettings":
@@ -50,13 +56,14 @@ class TTSSettings:
         except ValueError:
             raise ValueError(f"SGL_TTS_DEDUP_TOKENS must be an integer, got "
                              f"{env.get('SGL_TTS_DEDUP_TOKENS')!r}") from None
-        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup)
+        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup, env.get("SGL_TTS_METRICS_FILE") or None)
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
         """The settings a scheduler runs with: ``ServerArgs`` attributes, else the environment."""
         if hasattr(server_args, "tts_policy"):
-            return cls(server_args.tts_policy, server_args.tts_dedup_tokens)
+            return cls(server_args.tts_policy, server_args.tts_dedup_tokens,
+                       getattr(server_args, "tts_metrics_file", None))
         return cls.from_env()
 
 
@@ -88,17 +95,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --tts-policy prefix-aware: requests sharing at least this many "
                             "uncached tokens with the request before them wait one round, so the "
                             "shared prefix is prefilled once (default 32)")
+    group.add_argument("--tts-metrics-file", default=os.environ.get("SGL_TTS_METRICS_FILE") or None,
+                       metavar="PATH",
+                       help="write scheduler metrics (batch sizes, KV occupancy, prefill tokens per "
+                            "request, prefix-cache hits, evictions, recomputed blocks) as JSONL to "
+                            "PATH.<pid>, one file per scheduler process; summarise with `sgl-tts "
+                            "scheduler-stats PATH.*`. With --enable-metrics the counters are also "
+                            "sgl_tts_* Prometheus metrics")
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     """Validate the parsed flags against the rest of the server's settings, store them on
     ``server_args`` and mirror them into the environment for child processes."""
-    settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32))
+    settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32),
+                           getattr(args, "tts_metrics_file", None))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
     server_args.tts_policy = settings.policy
     server_args.tts_dedup_tokens = settings.dedup_tokens
+    server_args.tts_metrics_file = settings.metrics_file
     os.environ.update(settings.env())
     return settings
 

@@ -1,0 +1,203 @@
+"""Scheduler observability (seed 001 ch. 6): batch sizes, KV occupancy, prefill tokens per request,
+prefix-cache hit rate, evictions and thrashing, per scheduler process.
+
+:class:`SchedulerMetrics` is fed by the plugin's hooks (``Scheduler.get_new_batch_prefill``,
+``Scheduler.get_next_batch_to_run``, ``RadixCache.evict``) and writes one JSONL record per event to
+``--tts-metrics-file`` (``<path>.<pid>`` per scheduler process, buffered, flushed at least every
+second); with SGLang's ``--enable-metrics`` the same counters are Prometheus metrics (``sgl_tts_*``)
+on the server's ``/metrics``. ``sgl-tts scheduler-stats FILE...`` summarises the records.
+
+Thrashing follows seed 001 Alg. 1 on prefix blocks: a request's input is cut into ``block_tokens``
+blocks, each identified by a hash of the whole prefix up to its end. When a request is admitted, its
+blocks already in the radix cache are marked seen; each block it must compute that was seen before
+(computed earlier, gone now: evicted, or computed by a concurrent request) is a recomputed block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from sgl_tts.plugin.ordering import as_bytes
+
+MAX_SEEN = 2_000_000   # block hashes remembered (oldest forgotten first)
+
+
+class SchedulerMetrics:
+    """Counters and an event log of one scheduler process."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, block_tokens: int = 16,
+                 prometheus: bool = False, flush_seconds: float = 1.0):
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.path = Path(path) if path else None
+        self.flush_seconds = flush_seconds
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._buffer: list[str] = []
+        self._last_flush = time.monotonic()
+        self._lock = threading.Lock()
+        self.totals = {"iterations": 0, "prefill_batches": 0, "admitted": 0, "cached_tokens": 0,
+                       "computed_tokens": 0, "evicted_tokens": 0, "recomputed_blocks": 0,
+                       "deferred": 0}
+        self._prom = _prometheus() if prometheus else None
+
+    # ----------------------------------------------------------------------------- events
+    def on_prefill(self, reqs: Sequence[Any], *, waiting: int, running: int, deferred: int = 0,
+                   occupancy: float | None = None) -> dict:
+        """A prefill batch was formed from ``reqs`` (SGLang ``Req`` after admission: their
+        ``prefix_indices`` are the cached part, ``extend_range`` the part to compute)."""
+        per_req, recomputed = [], 0
+        cached_total = computed_total = 0
+        for req in reqs:
+            cached = len(req.prefix_indices)
+            span = getattr(req, "extend_range", None)   # SGLang 0.5.15: Range(start, end) to compute
+            computed = (span.end - span.start) if span is not None else int(getattr(req, "extend_input_len", 0))
+            tokens = list(req.origin_input_ids) + list(req.output_ids)
+            recomputed += self._blocks(tokens[:cached + computed], cached)
+            per_req.append({"rid": str(req.rid), "cached": cached, "computed": computed})
+            cached_total += cached
+            computed_total += computed
+        t = self.totals
+        t["prefill_batches"] += 1
+        t["admitted"] += len(reqs)
+        t["cached_tokens"] += cached_total
+        t["computed_tokens"] += computed_total
+        t["recomputed_blocks"] += recomputed
+        t["deferred"] += deferred
+        record = {"event": "prefill", "time": time.time(), "admitted": len(reqs), "waiting": waiting,
+                  "running": running, "deferred": deferred, "cached_tokens": cached_total,
+                  "computed_tokens": computed_total, "recomputed_blocks": recomputed,
+                  "occupancy": occupancy, "requests": per_req}
+        if self._prom:
+            p = self._prom
+            p["cached"].inc(cached_total)
+            p["computed"].inc(computed_total)
+            p["recomputed"].inc(recomputed)
+            p["deferred"].inc(deferred)
+            p["waiting"].set(waiting)
+        self._write(record)
+        return record
+
+    def on_batch(self, mode: str, batch_size: int, *, occupancy: float | None = None) -> None:
+        """A batch ran (``mode``: SGLang's forward mode name)."""
+        self.totals["iterations"] += 1
+        if self._prom:
+            self._prom["batch"].observe(batch_size)
+            if occupancy is not None:
+                self._prom["occupancy"].set(occupancy)
+        self._write({"event": "batch", "time": time.time(), "mode": mode, "batch_size": batch_size,
+                     "occupancy": occupancy})
+
+    def on_evict(self, tokens: int) -> None:
+        self.totals["evicted_tokens"] += tokens
+        if self._prom:
+            self._prom["evicted"].inc(tokens)
+        self._write({"event": "evict", "time": time.time(), "tokens": tokens})
+
+    # ---------------------------------------------------------------------------- helpers
+    def _blocks(self, tokens: list[int], cached: int) -> int:
+        """Mark the whole blocks of ``tokens`` seen; count the computed ones seen before."""
+        data = as_bytes(tokens)
+        b = self.block_tokens * 8
+        recomputed = 0
+        with self._lock:
+            for end in range(b, len(data) + 1, b):
+                h = hash(data[:end])
+                if end // 8 > cached and h in self._seen:
+                    recomputed += 1
+                self._seen[h] = None
+                self._seen.move_to_end(h)
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
+        return recomputed
+
+    def _write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            self._buffer.append(json.dumps(record))
+            if time.monotonic() - self._last_flush >= self.flush_seconds or len(self._buffer) >= 512:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._buffer and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write("\n".join(self._buffer) + "\n")
+            self._buffer.clear()
+        self._last_flush = time.monotonic()
+
+
+def _prometheus() -> dict:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    return {
+        "cached": Counter("sgl_tts_prefill_cached_tokens", "prompt tokens served from the prefix cache"),
+        "computed": Counter("sgl_tts_prefill_computed_tokens", "prompt tokens prefilled"),
+        "recomputed": Counter("sgl_tts_recomputed_blocks", "prefix blocks computed again (thrashing)"),
+        "deferred": Counter("sgl_tts_deferred_requests", "admissions deferred so one sibling prefills"),
+        "evicted": Counter("sgl_tts_evicted_tokens", "tokens evicted from the radix cache"),
+        "waiting": Gauge("sgl_tts_waiting_requests", "waiting queue length at the last prefill",
+                         multiprocess_mode="livesum"),
+        "occupancy": Gauge("sgl_tts_kv_occupancy", "fraction of KV slots in use",
+                           multiprocess_mode="livemax"),
+        "batch": Histogram("sgl_tts_batch_size", "requests per forward batch",
+                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+    }
+
+
+# ------------------------------------------------------------------------------------- summary
+def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
+    out = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise FileNotFoundError(f"no metrics file {path}; start the server with "
+                                    f"--tts-metrics-file PATH (each scheduler writes PATH.<pid>)")
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line torn by a killed server
+    return out
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """What the records say: batch sizes, occupancy, prefix hit rate, evictions, thrashing."""
+    batches = [r for r in records if r.get("event") == "batch"]
+    prefills = [r for r in records if r.get("event") == "prefill"]
+    sizes = [r["batch_size"] for r in batches]
+    occ = [r["occupancy"] for r in records if r.get("occupancy") is not None]
+    cached = sum(r["cached_tokens"] for r in prefills)
+    computed = sum(r["computed_tokens"] for r in prefills)
+    per_req = [q["cached"] + q["computed"] for r in prefills for q in r.get("requests", [])]
+    return {
+        "batches": len(batches),
+        "batch_size": {"mean": statistics.fmean(sizes) if sizes else 0.0,
+                       "p50": statistics.median(sizes) if sizes else 0, "max": max(sizes, default=0)},
+        "kv_occupancy": {"mean": statistics.fmean(occ) if occ else None, "max": max(occ, default=None)},
+        "prefill_batches": len(prefills),
+        "admitted": sum(r["admitted"] for r in prefills),
+        "deferred": sum(r.get("deferred", 0) for r in prefills),
+        "prefix_hit_rate": cached / (cached + computed) if cached + computed else None,
+        "cached_tokens": cached, "computed_tokens": computed,
+        "prompt_tokens_per_admission": {"mean": statistics.fmean(per_req) if per_req else 0.0,
+                                        "max": max(per_req, default=0)},
+        "evicted_tokens": sum(r["tokens"] for r in records if r.get("event") == "evict"),
+        "recomputed_blocks": sum(r["recomputed_blocks"] for r in prefills),
+    }
+
+
+__all__ = ["SchedulerMetrics", "read_records", "summarize"]

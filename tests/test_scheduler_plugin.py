@@ -4,6 +4,7 @@ request classes, and stock behaviour when the plugin is not enabled."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -385,3 +386,54 @@ def test_scheduler_stats_command_summarises_metric_files(tmp_path, capsys):
     assert out["batches"] == 1 and out["evicted_tokens"] == 100 and out["batch_size"]["mean"] == 8
     assert main(["scheduler-stats", str(tmp_path / "missing")]) == 1
     assert "no metrics file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- group abort
+def test_a_group_prefix_abort_reaches_the_scheduler_once_per_live_request_of_that_group():
+    """SGLang's real TokenizerManager (CPU, tiny model) with the plugin's hook: aborting
+    ``tts/g1/`` sends one AbortReq per live request of g1 over the real ZMQ socket to the
+    scheduler side, none for g10 or untagged requests; other aborts behave as stock."""
+    import zmq
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.server_args import PortArgs
+
+    from sgl_tts.models import shipped_model
+    from sgl_tts.plugin.abort import group_prefix
+
+    sa = ServerArgs(model_path=str(shipped_model("generator")), device="cpu")
+    pa = PortArgs.init_new(sa)
+    tm = TokenizerManager(sa, pa)
+    ctx = zmq.Context()
+    sched = ctx.socket(zmq.PULL)
+    sched.connect(pa.scheduler_input_ipc_name)
+    sched.setsockopt(zmq.RCVTIMEO, 2000)
+    live = ["tts/g1/0/0/a", "tts/g1/1/3/b", "tts/g10/0/0/c", "plain-request"]
+    for rid in live:
+        tm.rid_to_state[rid] = object()   # only the keys matter to abort_request
+
+    def received():
+        out = []
+        while True:
+            try:
+                out.append(sock_recv(sched))
+            except zmq.Again:
+                return out
+    async def in_the_server_loop(*rids):  # the tokenizer manager's sockets live in its event loop
+        for rid in rids:
+            tm.abort_request(rid)
+        await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(in_the_server_loop(group_prefix("g1")))
+        got = received()
+        assert sorted(m.rid for m in got) == ["tts/g1/0/0/a", "tts/g1/1/3/b"]
+        assert not any(m.abort_all for m in got)
+        # no live request of g2: nothing; a plain live rid: stock; an unknown rid: dropped (stock)
+        asyncio.run(in_the_server_loop("tts/g2/", "plain-request", "unknown"))
+        assert [m.rid for m in received()] == ["plain-request"]
+    finally:
+        sched.close(0)
+        ctx.term()
+    with pytest.raises(ValueError, match="non-empty id without '/'"):
+        group_prefix("a/b")

@@ -167,6 +167,15 @@ class SGLangEndpoint(RuntimeEndpoint):
             raise ValueError(f"{self.base_url}/classify answered {len(out)} rows for {len(inputs)} inputs")
         return out
 
+    def abort_group(self, group: str) -> None:
+        """Abort every queued and running request of a search group (its requests' rids start with
+        ``tts/<group>/``; needs the sgl-tts plugin on the server, see docs/SCHEDULER_PLUGIN.md)."""
+        from sgl_tts.plugin.abort import group_prefix
+
+        res = http_request(self.base_url + "/abort_request", json={"rid": group_prefix(group)},
+                           api_key=self.api_key, verify=self.verify)
+        self._assert_success(res)
+
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""
         res = http_request(self.base_url + path, json=payload, api_key=self.api_key, verify=self.verify)

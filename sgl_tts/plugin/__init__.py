@@ -9,7 +9,9 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
 - ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
-  (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given.
+  (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given;
+- ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
+  live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
 out of it and none of this loads.
@@ -30,6 +32,7 @@ TARGETS = {
     "prefill": "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
     "next_batch": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
+    "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
 }
 
 
@@ -106,7 +109,7 @@ def register() -> None:
     """Register the hooks (SGLang applies them after every plugin has registered)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_tts.plugin import policy
+    from sgl_tts.plugin import abort, policy
 
     HookRegistry.register(TARGETS["add_cli_args"], _add_cli_args, HookType.AFTER)
     HookRegistry.register(TARGETS["from_cli_args"], _from_cli_args, HookType.AFTER)
@@ -116,6 +119,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
     HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
     HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
+    HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)
 
 
 __all__ = ["TARGETS", "register"]

@@ -34,7 +34,9 @@ from sgl_tts.plugin import policy as tts_policy  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.tts_request import SearchTag  # noqa: E402
 
-set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
+# page_size and attention_backend as a CPU scheduler would resolve them ("dummy" skips that step)
+SERVER_ARGS = ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native")
+set_global_server_args_for_scheduler(SERVER_ARGS)
 
 
 # ------------------------------------------------------------------------------------- fixtures
@@ -59,7 +61,8 @@ class Cache:
 def make_req(rid, tokens, tag: SearchTag | None = None, output=(), max_new=8):
     req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
               sampling_params=SamplingParams(max_new_tokens=max_new,
-                                             custom_params=tag.custom_params() if tag else None))
+                                             custom_params=tag.custom_params() if tag else None),
+              vocab_size=284)  # the tiny models' vocabulary (SGLang checks sampled ids against it)
     req.output_ids.extend(output)
     return req
 
@@ -437,3 +440,97 @@ def test_a_group_prefix_abort_reaches_the_scheduler_once_per_live_request_of_tha
         ctx.term()
     with pytest.raises(ValueError, match="non-empty id without '/'"):
         group_prefix("a/b")
+
+
+# ------------------------------------------------------------------ speculative retraction/preemption
+def decode_state(kv_size, waves):
+    """A real decode-time ScheduleBatch on CPU pools, built the way the scheduler builds it:
+    admission (prefix match + lock + extend range), prepare_for_extend, one sampled token and
+    cache_unfinished_req per request, merge into the running batch, decode steps. ``waves`` is a
+    list of (requests, decode steps after the wave)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sgl_tts.models import shipped_model
+
+    config = ModelConfig(model_path=str(shipped_model("generator")))
+    pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(kv_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
+                                      token_to_kv_pool_allocator=allocator, page_size=1))
+    running = None
+    step = 0
+
+    def decode(batch):
+        nonlocal step
+        batch.prepare_for_decode()
+        for r in batch.reqs:
+            r.output_ids.append(150 + step % 100)
+            r.update_finish_state()
+        batch.input_ids = torch.tensor([r.output_ids[-1] for r in batch.reqs], dtype=torch.int64)
+        step += 1
+
+    for reqs, steps in waves:
+        for r in reqs:
+            r.sampling_params.normalize(None)
+            r.init_next_round_input(tree)
+            tree.inc_lock_ref(r.last_node)
+            r.set_extend_range(len(r.prefix_indices), len(r.full_untruncated_fill_ids))
+        batch = ScheduleBatch.init_new(reqs, pool, allocator, tree, config, enable_overlap=False,
+                                       spec_algorithm=SpeculativeAlgorithm.NONE)
+        batch.prepare_for_extend()
+        for r in batch.reqs:
+            r.output_ids.append(100)
+            r.update_finish_state()
+            maybe_cache_unfinished_req(r, tree)
+        batch.input_ids = torch.tensor([100] * len(batch.reqs), dtype=torch.int64)
+        batch.filter_batch()
+        if running is None:
+            running = batch
+        else:
+            running.merge_batch(batch)
+        for _ in range(steps):
+            decode(running)
+    while running.check_decode_mem():
+        decode(running)
+    return running, tree, allocator
+
+
+def retraction_case(with_plugin):
+    def req(rid, seed, n, cls):
+        return make_req(rid, [(seed * 31 + 7 * i) % 270 + 1 for i in range(n)],
+                        SearchTag("g", 0, -1, seed, cls), max_new=60)
+
+    spec, first, late = req("spec", 1, 12, "speculative"), req("norm", 2, 12, "normal"), req("late", 3, 10, "normal")
+    running, tree, allocator = decode_state(60, [([spec, first], 6), ([late], 0)])
+    if with_plugin:
+        policy_for(Cache())  # a policy elsewhere does not switch this tree on
+        pol = SchedulePolicy("lpm", tree, False, False, False)
+        tts_policy.enable(pol, TTSSettings("prefix-aware"))
+    free = allocator.available_size()
+    retracted, ratio, aborted = running.retract_decode(SERVER_ARGS)
+    return [r.rid for r in retracted], [r.rid for r in running.reqs], allocator.available_size() - free, aborted
+
+
+def test_speculative_requests_are_retracted_first():
+    stock = retraction_case(False)
+    ours = retraction_case(True)
+    assert stock[0] == ["late"] and sorted(stock[1]) == ["norm", "spec"]   # stock: fewest outputs first
+    assert ours[0] == ["spec"] and sorted(ours[1]) == ["late", "norm"]     # plugin: speculative first
+    assert ours[2] > 0 and ours[3] == []                                   # its KV was freed
+
+
+def test_waiting_normal_work_stops_running_speculative_requests():
+    spec = make_req("spec", [1, 2, 3], SearchTag("g", 2, 0, 0, "speculative"), output=[5, 6, 7])
+    norm = make_req("norm", [1, 2, 4], SearchTag("g", 2, 0, 1), output=[8])
+    batch = ScheduleBatch(reqs=[spec, norm])
+    for r in (spec, norm):
+        r.sampling_params.normalize(None)
+    assert tts_policy.preempt_speculative(batch, [make_req("s2", [9], SearchTag("g", 3, 0, 0, "speculative"))]) == []
+    stopped = tts_policy.preempt_speculative(batch, [make_req("n2", [9], SearchTag("h", 0, -1, 0))])
+    assert stopped == [spec]
+    for r in (spec, norm):
+        r.update_finish_state()     # the next step's bookkeeping, as SGLang runs it
+    assert spec.finished() and spec.finished_reason.to_json() == {"type": "length", "length": 3}
+    assert not norm.finished()

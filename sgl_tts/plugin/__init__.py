@@ -10,6 +10,8 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
 - ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
   (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given;
+- ``ScheduleBatch.retract_decode`` (around) and ``Scheduler.get_new_batch_prefill`` (before), with
+  the policy on: speculative requests are retracted first, and stopped when normal work waits;
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
   live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
 
@@ -33,6 +35,7 @@ TARGETS = {
     "next_batch": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+    "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
 }
 
 
@@ -116,7 +119,9 @@ def register() -> None:
     HookRegistry.register(TARGETS["scheduler_init"], _scheduler_init, HookType.AFTER)
     HookRegistry.register(TARGETS["calc_priority"], policy.calc_priority, HookType.AROUND)
     HookRegistry.register(TARGETS["add_one_req"], policy.add_one_req, HookType.AROUND)
+    HookRegistry.register(TARGETS["prefill"], policy.before_prefill, HookType.BEFORE)
     HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
+    HookRegistry.register(TARGETS["retract"], policy.retract_decode, HookType.AROUND)
     HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
     HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)

@@ -121,12 +121,68 @@ class TTSPolicyState:
 
 
 def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
-    """Attach the prefix-aware policy to an SGLang ``SchedulePolicy`` (``None`` when off)."""
-    if not settings.active:
-        policy.sgl_tts = None
-        return None
-    policy.sgl_tts = TTSPolicyState(settings)
-    return policy.sgl_tts
+    """Attach the prefix-aware policy to an SGLang ``SchedulePolicy`` (``None`` when off). The
+    policy's tree cache carries it too: the batch-level hooks (retraction) find it there."""
+    state = TTSPolicyState(settings) if settings.active else None
+    policy.sgl_tts = state
+    if policy.tree_cache is not None:
+        policy.tree_cache.sgl_tts_policy = state
+    return state
+
+
+def retract_decode(original, self, server_args, *args, **kwargs):
+    """AROUND hook on ``ScheduleBatch.retract_decode``: under memory pressure speculative requests
+    go first (fewest output tokens first, the least work lost), one at a time until the next decode
+    step fits; only if that is not enough does SGLang's own retraction take the rest."""
+    if getattr(self.tree_cache, "sgl_tts_policy", None) is None:
+        return original(self, server_args, *args, **kwargs)
+    spec = [i for i, r in enumerate(self.reqs) if request_class(r) == "speculative"]
+    if not spec or len(spec) == len(self.reqs):
+        return original(self, server_args, *args, **kwargs)
+    spec.sort(key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)))
+    keep = list(range(len(self.reqs)))
+    retracted = []
+    for i in spec:
+        keep.remove(i)
+        retracted.append(self.reqs[i])
+        self.release_req(i, len(keep), server_args)
+        if self.check_decode_mem(selected_indices=keep):
+            break
+    self.filter_batch(keep_indices=keep)
+    if self.check_decode_mem():
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+
+        return retracted, NewTokenRatioTracker.estimate_new_token_ratio_after_retract(self.reqs), []
+    more, ratio, aborted = original(self, server_args, *args, **kwargs)
+    return retracted + list(more), ratio, aborted
+
+
+def preempt_speculative(running_batch: Any, waiting_queue: Sequence[Any]) -> list:
+    """Two-phase scheduling (seed 000 §4.1.2): when a normal or boosted request waits, every running
+    speculative request stops at its next step with what it has generated (finish reason
+    ``length``, so a program sees a cut step it can continue). Returns the stopped requests."""
+    if running_batch is None or not getattr(running_batch, "reqs", None):
+        return []
+    if not any(request_class(r) != "speculative" for r in waiting_queue):
+        return []
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    stopped = []
+    for req in running_batch.reqs:
+        if request_class(req) == "speculative" and not req.finished() and req.to_finish is None:
+            req.to_finish = FINISH_LENGTH(length=len(req.output_ids))
+            stopped.append(req)
+    return stopped
+
+
+def before_prefill(scheduler, *args, **kwargs):
+    """BEFORE hook on ``Scheduler.get_new_batch_prefill``: preempt speculative work when normal
+    work waits (prefix-aware policy only)."""
+    if getattr(scheduler.policy, "sgl_tts", None) is not None:
+        stopped = preempt_speculative(scheduler.running_batch, scheduler.waiting_queue)
+        if stopped:
+            logger.debug("sgl-tts: stopped %d speculative requests for waiting normal work", len(stopped))
+    return None
 
 
 def calc_priority(original, self, waiting_queue, running_batch=None, *args, **kwargs):
@@ -148,5 +204,5 @@ def add_one_req(original, self, req, *args, **kwargs):
     return original(self, req, *args, **kwargs)
 
 
-__all__ = ["CLASS_RANK", "TTSPolicyState", "add_one_req", "calc_priority", "enable", "request_class",
-           "tag_of", "tokens_of"]
+__all__ = ["CLASS_RANK", "TTSPolicyState", "add_one_req", "before_prefill", "calc_priority", "enable",
+           "preempt_speculative", "request_class", "retract_decode", "tag_of", "tokens_of"]

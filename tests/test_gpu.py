@@ -53,3 +53,53 @@ def test_token_check_prm_scores_the_same_on_a_real_sglang_server():
     finally:
         local.shutdown()
         server.shutdown()
+
+
+def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
+    """SGLang started in-process with the plugin configured through its environment variables (an
+    Engine takes no plugin keywords): a tagged beam search runs under the prefix-aware policy and
+    the scheduler writes metrics; a group abort stops a long request of that group."""
+    import glob
+    import threading
+
+    from programs.beam_search import beam_search
+    from sgl_tts import LocalBackend
+    from sgl_tts.models import shipped_model
+    from sgl_tts.plugin.metrics import read_records, summarize
+    from sgl_tts.prm import StepTagPRM
+    from sgl_tts.tts_request import SearchTag
+
+    monkeypatch.setenv("SGL_TTS_POLICY", "prefix-aware")
+    monkeypatch.setenv("SGL_TTS_METRICS_FILE", str(tmp_path / "metrics"))
+    server = sgl_tts.connect(shipped_model("generator"), attention_backend="triton",
+                             sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.2)
+    prm_backend = LocalBackend(shipped_model("prm"))
+    try:
+        r = beam_search.run(question="Compute ((3+4)*5)-6.", prm=StepTagPRM(prm_backend), num_beams=8,
+                            beam_width=2, backend=server, search_group="gpu1").ret_value
+        assert r.trajectories
+
+        @sgl.function
+        def long(s):
+            tag = SearchTag("gpu2", 0, -1, 0)
+            s += "Compute 1+1.\n\n"
+            s += sgl_tts.gen("x", max_tokens=4000, ignore_eos=True, custom_params=tag.custom_params(),
+                             rid=tag.rid("long"))
+
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("state", long.run(backend=server)))
+        t.start()
+        import time
+        time.sleep(1.0)
+        server.abort_group("gpu2")
+        t.join(timeout=60)
+        assert not t.is_alive()
+        meta = done["state"].get_meta_info("x") or {}
+        assert (meta.get("finish_reason") or {}).get("type") == "abort"
+    finally:
+        prm_backend.shutdown()
+        server.shutdown()
+    files = glob.glob(str(tmp_path / "metrics.*"))
+    assert files, "no scheduler metrics written"
+    s = summarize(read_records(files))
+    assert s["prefill_batches"] > 0 and s["batches"] > 0 and s["cached_tokens"] > 0

@@ -15,6 +15,7 @@ blocks already in the radix cache are marked seen; each block it must compute th
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import statistics
@@ -47,6 +48,8 @@ class SchedulerMetrics:
                        "computed_tokens": 0, "evicted_tokens": 0, "recomputed_blocks": 0,
                        "deferred": 0}
         self._prom = _prometheus() if prometheus else None
+        if self.path is not None:
+            atexit.register(self.flush)  # what is buffered when the scheduler exits normally
 
     # ----------------------------------------------------------------------------- events
     def on_prefill(self, reqs: Sequence[Any], *, waiting: int, running: int, deferred: int = 0,

@@ -534,3 +534,33 @@ def test_waiting_normal_work_stops_running_speculative_requests():
         r.update_finish_state()     # the next step's bookkeeping, as SGLang runs it
     assert spec.finished() and spec.finished_reason.to_json() == {"type": "length", "length": 3}
     assert not norm.finished()
+
+
+def test_one_call_changes_a_groups_class_and_the_next_order():
+    """MCTS boosting: SGLang's Scheduler.set_internal_state with {"tts_set_class": ...} (what
+    SGLangEndpoint.set_class posts to /set_internal_state) re-classes exactly that group's waiting
+    and running requests; the next calc_priority puts the boosted ones first. Other states are
+    SGLang's own."""
+    from sglang.srt.managers.io_struct import SetInternalStateReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    cache = Cache()
+    pol = policy_for(cache)
+    waiting = [make_req(f"a{i}", [1, 2, i], SearchTag("a", 1, 0, i)) for i in range(3)] + \
+              [make_req(f"b{i}", [7, 8, i], SearchTag("b", 1, 0, i)) for i in range(3)]
+    scheduler = object.__new__(Scheduler)   # the real class; only the state this call reads
+    scheduler.waiting_queue = waiting
+    scheduler.running_batch = ScheduleBatch(reqs=[make_req("b-run", [7, 8, 9], SearchTag("b", 0, -1, 0))])
+    out = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
+        server_args={"tts_set_class": {"group": "b", "cls": "boosted", "beams": [1, 2]}}))
+    assert out.updated and out.server_args == {"tts_set_class": {"requests": 2}}
+    pol.calc_priority(waiting)
+    # boosted first; the normal ones then continue from the last boosted prefix (b0 shares 7, 8)
+    assert [r.rid for r in waiting] == ["b1", "b2", "b0", "a0", "a1", "a2"]
+    out = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
+        server_args={"tts_set_class": {"group": "b", "cls": "speculative", "depth": 0}}))
+    assert out.server_args == {"tts_set_class": {"requests": 1}}
+    assert tts_policy.request_class(scheduler.running_batch.reqs[0]) == "speculative"
+    bad = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
+        server_args={"tts_set_class": {"group": "b", "cls": "urgent"}}))
+    assert not bad.updated and "unknown request class 'urgent'" in bad.server_args["tts_set_class"]["error"]

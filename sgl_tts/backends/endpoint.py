@@ -176,6 +176,19 @@ class SGLangEndpoint(RuntimeEndpoint):
                            api_key=self.api_key, verify=self.verify)
         self._assert_success(res)
 
+    def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,
+                  depth: int | None = None) -> bool:
+        """Change the class (``normal``, ``speculative``, ``boosted``) of a search group's waiting and
+        running requests in one call, e.g. boost what MCTS expands next (sgl-tts plugin with
+        ``--tts-policy prefix-aware``). True when every scheduler applied it."""
+        command: dict[str, Any] = {"group": group, "cls": cls}
+        if beams is not None:
+            command["beams"] = [int(b) for b in beams]
+        if depth is not None:
+            command["depth"] = int(depth)
+        res = self.post("/set_internal_state", {"server_args": {"tts_set_class": command}})
+        return bool(res) and all(res)
+
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""
         res = http_request(self.base_url + path, json=payload, api_key=self.api_key, verify=self.verify)

@@ -12,6 +12,8 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given;
 - ``ScheduleBatch.retract_decode`` (around) and ``Scheduler.get_new_batch_prefill`` (before), with
   the policy on: speculative requests are retracted first, and stopped when normal work waits;
+- ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
+  ``/set_internal_state`` changes the class of a group's requests (e.g. MCTS boosting);
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
   live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
 
@@ -36,6 +38,7 @@ TARGETS = {
     "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+    "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
 }
 
 
@@ -122,6 +125,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["prefill"], policy.before_prefill, HookType.BEFORE)
     HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
     HookRegistry.register(TARGETS["retract"], policy.retract_decode, HookType.AROUND)
+    HookRegistry.register(TARGETS["set_state"], policy.set_internal_state, HookType.AROUND)
     HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
     HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)

@@ -175,6 +175,46 @@ def preempt_speculative(running_batch: Any, waiting_queue: Sequence[Any]) -> lis
     return stopped
 
 
+def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None = None,
+              depth: int | None = None) -> int:
+    """Change the class of a search group's waiting and running requests (all, or those at
+    ``depth`` / with a beam in ``beams``), e.g. boost the subtree MCTS is about to expand. Returns
+    how many requests changed. Takes effect at the next scheduling round."""
+    from sgl_tts.tts_request import CLASSES
+
+    if cls not in CLASSES:
+        raise ValueError(f"unknown request class {cls!r}; choose one of {', '.join(CLASSES)}")
+    wanted = None if beams is None else {int(b) for b in beams}
+    changed = 0
+    running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
+    for req in list(scheduler.waiting_queue) + list(running):
+        tag = tag_of(req)
+        if tag is None or tag.group != group:
+            continue
+        if (wanted is not None and tag.beam not in wanted) or (depth is not None and tag.depth != depth):
+            continue
+        req.sampling_params.custom_params["tts_class"] = cls
+        changed += 1
+    return changed
+
+
+def set_internal_state(original, self, recv_req, *args, **kwargs):
+    """AROUND hook on ``Scheduler.set_internal_state``: ``{"tts_set_class": {...}}`` (SGLang's
+    ``/set_internal_state`` route) calls :func:`set_class` on this scheduler; anything else is
+    SGLang's own."""
+    command = getattr(recv_req, "server_args", None) or {}
+    if set(command) != {"tts_set_class"}:
+        return original(self, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    try:
+        changed = set_class(self, **command["tts_set_class"])
+    except (TypeError, ValueError) as exc:
+        logger.warning("sgl-tts: tts_set_class rejected: %s", exc)
+        return SetInternalStateReqOutput(updated=False, server_args={"tts_set_class": {"error": str(exc)}})
+    return SetInternalStateReqOutput(updated=True, server_args={"tts_set_class": {"requests": changed}})
+
+
 def before_prefill(scheduler, *args, **kwargs):
     """BEFORE hook on ``Scheduler.get_new_batch_prefill``: preempt speculative work when normal
     work waits (prefix-aware policy only)."""
@@ -205,4 +245,5 @@ def add_one_req(original, self, req, *args, **kwargs):
 
 
 __all__ = ["CLASS_RANK", "TTSPolicyState", "add_one_req", "before_prefill", "calc_priority", "enable",
-           "preempt_speculative", "request_class", "retract_decode", "tag_of", "tokens_of"]
+           "preempt_speculative", "request_class", "retract_decode", "set_class", "set_internal_state",
+           "tag_of", "tokens_of"]

@@ -558,9 +558,22 @@ def test_one_call_changes_a_groups_class_and_the_next_order():
     # boosted first; the normal ones then continue from the last boosted prefix (b0 shares 7, 8)
     assert [r.rid for r in waiting] == ["b1", "b2", "b0", "a0", "a1", "a2"]
     out = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
-        server_args={"tts_set_class": {"group": "b", "cls": "speculative", "depth": 0}}))
+        server_args={"tts_set_class": {"group": "b", "cls": "speculative", "depth": 0, "priority": 5}}))
     assert out.server_args == {"tts_set_class": {"requests": 1}}
-    assert tts_policy.request_class(scheduler.running_batch.reqs[0]) == "speculative"
+    running = scheduler.running_batch.reqs[0]
+    assert tts_policy.request_class(running) == "speculative" and running.priority == 5
     bad = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
         server_args={"tts_set_class": {"group": "b", "cls": "urgent"}}))
     assert not bad.updated and "unknown request class 'urgent'" in bad.server_args["tts_set_class"]["error"]
+
+
+def test_prometheus_collectors_are_made_once_per_process():
+    from prometheus_client import REGISTRY
+
+    from sgl_tts.plugin.metrics import SchedulerMetrics
+
+    a, b = SchedulerMetrics(prometheus=True), SchedulerMetrics(prometheus=True)  # no duplicate error
+    before = REGISTRY.get_sample_value("sgl_tts_evicted_tokens_total") or 0.0
+    a.on_evict(7)
+    b.on_evict(5)
+    assert REGISTRY.get_sample_value("sgl_tts_evicted_tokens_total") == before + 12

@@ -177,15 +177,17 @@ class SGLangEndpoint(RuntimeEndpoint):
         self._assert_success(res)
 
     def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,
-                  depth: int | None = None) -> bool:
-        """Change the class (``normal``, ``speculative``, ``boosted``) of a search group's waiting and
-        running requests in one call, e.g. boost what MCTS expands next (sgl-tts plugin with
+                  depth: int | None = None, priority: int | None = None) -> bool:
+        """Change the class (``normal``, ``speculative``, ``boosted``; and optionally SGLang's
+        ``priority``) of a search group's waiting and running requests in one call, e.g. boost what MCTS expands next (sgl-tts plugin with
         ``--tts-policy prefix-aware``). True when every scheduler applied it."""
         command: dict[str, Any] = {"group": group, "cls": cls}
         if beams is not None:
             command["beams"] = [int(b) for b in beams]
         if depth is not None:
             command["depth"] = int(depth)
+        if priority is not None:
+            command["priority"] = int(priority)
         res = self.post("/set_internal_state", {"server_args": {"tts_set_class": command}})
         return bool(res) and all(res)
 

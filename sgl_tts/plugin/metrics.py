@@ -142,7 +142,19 @@ class SchedulerMetrics:
         self._last_flush = time.monotonic()
 
 
+_PROMETHEUS: dict | None = None
+
+
 def _prometheus() -> dict:
+    """The plugin's Prometheus collectors, created once per process (a registry refuses duplicates;
+    SGLang's multiprocess collector merges the scheduler processes' values on /metrics)."""
+    global _PROMETHEUS
+    if _PROMETHEUS is None:
+        _PROMETHEUS = _make_prometheus()
+    return _PROMETHEUS
+
+
+def _make_prometheus() -> dict:
     from prometheus_client import Counter, Gauge, Histogram
 
     return {

@@ -176,12 +176,14 @@ def preempt_speculative(running_batch: Any, waiting_queue: Sequence[Any]) -> lis
 
 
 def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None = None,
-              depth: int | None = None) -> int:
-    """Change the class of a search group's waiting and running requests (all, or those at
-    ``depth`` / with a beam in ``beams``), e.g. boost the subtree MCTS is about to expand. Returns
-    how many requests changed. Takes effect at the next scheduling round."""
+              depth: int | None = None, priority: int | None = None) -> int:
+    """Change the class (and, if given, SGLang's ``priority``) of a search group's waiting and
+    running requests (all, or those at ``depth`` / with a beam in ``beams``), e.g. boost the subtree
+    MCTS is about to expand. Returns how many requests changed. Takes effect at the next round."""
     from sgl_tts.tts_request import CLASSES
 
+    if priority is not None and not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
     if cls not in CLASSES:
         raise ValueError(f"unknown request class {cls!r}; choose one of {', '.join(CLASSES)}")
     wanted = None if beams is None else {int(b) for b in beams}
@@ -194,6 +196,8 @@ def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None 
         if (wanted is not None and tag.beam not in wanted) or (depth is not None and tag.depth != depth):
             continue
         req.sampling_params.custom_params["tts_class"] = cls
+        if priority is not None:
+            req.priority = priority
         changed += 1
     return changed
 

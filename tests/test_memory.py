@@ -1,0 +1,123 @@
+"""The memory planner (sgl_tts.memory): sizes from real config.json files, the roofline-guided split
+against brute force, the boundary property, SGLang flags in start-up order, refusals."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from sgl_tts.memory import (HARDWARE, GiB, Hardware, ModelShape, Workload, brute_force, offload_plan,
+                            parse_bytes, plan_pair, server_flags, solve)
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+@pytest.mark.parametrize("name, kv_bytes, params_billion", [
+    # KV per token = 2 (K, V) x layers x KV heads x head dim x 2 bytes (bf16)
+    ("qwen2.5-1.5b", 2 * 28 * 2 * 128 * 2, 1.54),
+    ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2, 7.62),
+    ("llama-3.1-8b", 2 * 32 * 8 * 128 * 2, 8.03),
+    ("mistral-7b-v0.1", 2 * 32 * 8 * 128 * 2, 7.24),
+    # MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes, one latent for all heads
+    ("deepseek-v2-lite", 27 * (512 + 64) * 2, 15.7),
+])
+def test_kv_and_weight_sizes_from_real_configs(name, kv_bytes, params_billion):
+    shape = ModelShape.from_config(CONFIGS / f"{name}.json")
+    assert shape.kv_bytes_per_token == kv_bytes
+    assert shape.params / 1e9 == pytest.approx(params_billion, rel=0.01)
+    assert shape.weight_bytes == 2 * shape.params           # bf16, no checkpoint files next to it
+    assert ModelShape.from_config(CONFIGS / f"{name}.json", kv_dtype="fp8").kv_bytes_per_token == kv_bytes // 2
+
+
+def test_a_model_folder_counts_its_checkpoint_bytes():
+    from sgl_tts.models import shipped_model
+
+    folder = shipped_model("prm")
+    shape = ModelShape.from_config(folder)
+    assert shape.weight_bytes == (folder / "model.safetensors").stat().st_size
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelShape.from_config(CONFIGS / "missing")
+    with pytest.raises(ValueError, match="lacks 'num_hidden_layers'"):
+        ModelShape.from_config({"hidden_size": 8})
+
+
+def random_instance(rng):
+    cfgs = sorted(CONFIGS.glob("*.json"))
+    gen = ModelShape.from_config(rng.choice(cfgs))
+    prm = ModelShape.from_config(rng.choice(cfgs))
+    hw = rng.choice(list(HARDWARE.values()))
+    work = Workload(requests=rng.randrange(1, 40), prompt_tokens=rng.randrange(16, 600),
+                    step_tokens=rng.randrange(8, 400), verify_tokens=rng.randrange(16, 900))
+    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
+    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    budget = kv_pre + kv_dec + rng.randrange(0, 30) * max(kv_pre, kv_dec)
+    return gen, prm, hw, work, budget, kv_pre, kv_dec
+
+
+def test_the_search_equals_brute_force_and_sits_on_the_memory_boundary():
+    rng = random.Random(0)
+    for _ in range(300):
+        gen, prm, hw, work, budget, kv_pre, kv_dec = random_instance(rng)
+        plan = solve(gen, prm, hw, work, budget)
+        t, b_pre, b_dec = brute_force(gen, prm, hw, work, budget)
+        assert plan.total_seconds == t and (plan.prm_room, plan.gen_room) == (b_pre, b_dec)
+        used = plan.prm_room * kv_pre + plan.gen_room * kv_dec
+        assert used <= budget < used + kv_dec          # no room left for one more generator request
+        assert plan.prm_batch <= min(plan.prm_room, work.requests)
+        assert plan.gen_batch <= min(plan.gen_room, work.requests)
+
+
+def test_more_memory_never_predicts_more_time():
+    rng = random.Random(1)
+    for _ in range(50):
+        gen, prm, hw, work, budget, kv_pre, kv_dec = random_instance(rng)
+        times = [solve(gen, prm, hw, work, budget + k * kv_dec).total_seconds for k in range(5)]
+        assert times == sorted(times, reverse=True)
+
+
+def test_decode_wants_the_memory_prefill_saturates():
+    """The seed's asymmetry on its 1.5B+1.5B configuration: most of the KV budget goes to the
+    generator, and the verifier is compute bound at the chosen batch."""
+    gen = prm = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    hw = HARDWARE["RTX4090"]
+    work = Workload(requests=64, prompt_tokens=300, step_tokens=256, verify_tokens=800)
+    plan, off = plan_pair(gen, prm, hw, work, int(0.4 * 24 * GiB))
+    assert plan.gen_kv_bytes > plan.prm_kv_bytes
+    flops_time = plan.prm_batch * work.verify_tokens * prm.flops_per_token / (hw.tflops * 1e12)
+    assert plan.prm_seconds >= flops_time * (64 // plan.prm_batch) > 0
+    assert off is not None and off.offload_seconds > 0
+
+
+def test_second_server_fraction_is_of_what_the_first_left():
+    gen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    prm = ModelShape.from_config(CONFIGS / "qwen2.5-7b.json")
+    work = Workload(requests=32, prompt_tokens=200, step_tokens=128, verify_tokens=600)
+    gpu, reserve = int(0.9 * 24 * GiB), 2 * GiB
+    plan, _ = plan_pair(gen, prm, HARDWARE["RTX4090"], work, gpu, reserve_bytes=reserve)
+    flags = server_flags(plan, gen, prm, work, gpu, reserve, first="generator")
+    g_static = gen.weight_bytes + plan.gen_kv_bytes
+    assert flags["generator"].mem_fraction_static == pytest.approx(g_static / gpu)
+    assert flags["prm"].mem_fraction_static == pytest.approx(
+        (prm.weight_bytes + plan.prm_kv_bytes) / (gpu - g_static - reserve // 2))
+    other = server_flags(plan, gen, prm, work, gpu, reserve, first="prm")
+    assert other["prm"].mem_fraction_static == pytest.approx((prm.weight_bytes + plan.prm_kv_bytes) / gpu)
+    assert flags["generator"].max_total_tokens == plan.gen_kv_bytes // gen.kv_bytes_per_token
+    assert flags["prm"].chunked_prefill_size == plan.prm_batch * 600
+    assert flags["generator"].args()[:2] == ["--mem-fraction-static", f"{g_static / gpu:.4f}"]
+
+
+def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():
+    big = ModelShape.from_config(CONFIGS / "llama-3.1-8b.json")
+    work = Workload(requests=8, prompt_tokens=100, step_tokens=64, verify_tokens=200)
+    with pytest.raises(ValueError, match=r"the weights alone do not fit: generator 14\.96 GiB \+ PRM "
+                                         r"14\.96 GiB \+ reserve 1\.73 GiB > budget 21\.60 GiB"):
+        plan_pair(big, big, HARDWARE["RTX4090"], work, int(0.9 * 24 * GiB))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Workload(requests=0, prompt_tokens=1, step_tokens=1, verify_tokens=1)
+    assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("0.4*24GiB") == int(0.4 * 24 * GiB)
+    assert parse_bytes("80GB") == 80 * 10 ** 9
+    with pytest.raises(ValueError, match="cannot read a size"):
+        parse_bytes("lots")
+    assert isinstance(HARDWARE["H200"], Hardware)

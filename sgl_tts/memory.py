@@ -361,5 +361,73 @@ def parse_bytes(text: str) -> int:
     raise ValueError(f"cannot read a size from {text!r}; write e.g. 24GiB or 0.4*24GiB")
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts plan``: the KV split and both servers' SGLang flags for a generator + PRM pair."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="sgl-tts plan", description=main.__doc__)
+    ap.add_argument("--generator", required=True, help="generator model folder or config.json")
+    ap.add_argument("--prm", required=True, help="PRM model folder or config.json")
+    ap.add_argument("--gpu", default="RTX4090", choices=sorted(HARDWARE), help="GPU profile")
+    ap.add_argument("--gpu-memory", default=None,
+                    help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
+    ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
+    ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")
+    ap.add_argument("--reserve", default=None, help="runtime reserve (default 8%% of the budget, >= 1GiB)")
+    ap.add_argument("--first", choices=["generator", "prm"], default="generator",
+                    help="which server starts first (its fraction is of the whole budget)")
+    ap.add_argument("--measure", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
+                    help="measured peak TFLOP/s and GB/s instead of the profile's")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        hw = HARDWARE[args.gpu]
+        if args.measure:
+            hw = dataclasses.replace(hw, tflops=args.measure[0], bandwidth_gbs=args.measure[1])
+        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
+        reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
+        gen = ModelShape.from_config(args.generator)
+        prm = ModelShape.from_config(args.prm)
+        work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
+        shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
+        flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"sgl-tts plan: error: {exc}", file=sys.stderr)
+        return 1
+    result = {"gpu": dataclasses.asdict(hw), "budget_bytes": budget, "reserve_bytes": reserve,
+              "workload": dataclasses.asdict(work),
+              "generator": dataclasses.asdict(gen), "prm": dataclasses.asdict(prm),
+              "plan": {**dataclasses.asdict(shared), "total_seconds": shared.total_seconds},
+              "offload": None if off is None else {**dataclasses.asdict(off), "total_seconds": off.total_seconds},
+              "choice": "offload" if off is not None and off.total_seconds < shared.total_seconds else "shared",
+              "flags": {k: v.args() for k, v in flags.items()}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+    print(f"{gen.name} (generator) + {prm.name} (PRM) on {hw.name}, budget {g(budget)} "
+          f"(reserve {g(reserve)}); {work.requests} requests, prompt {work.prompt_tokens}, step "
+          f"{work.step_tokens}, verify {work.verify_tokens} tokens")
+    print("| | generator | PRM |")
+    print("| --- | ---: | ---: |")
+    print(f"| weights | {g(gen.weight_bytes)} | {g(prm.weight_bytes)} |")
+    print(f"| KV per token | {gen.kv_bytes_per_token / 1024:.1f} KiB | {prm.kv_bytes_per_token / 1024:.1f} KiB |")
+    print(f"| KV pool | {g(shared.gen_kv_bytes)} ({shared.gen_room} requests) | "
+          f"{g(shared.prm_kv_bytes)} ({shared.prm_room} requests) |")
+    print(f"| batch | {shared.gen_batch} | {shared.prm_batch} |")
+    total = shared.total_seconds
+    print(f"| predicted time per iteration | {shared.gen_seconds * 1e3:.1f} ms ({100 * shared.gen_seconds / total:.0f}%) "
+          f"| {shared.prm_seconds * 1e3:.1f} ms ({100 * shared.prm_seconds / total:.0f}%) |")
+    if off is not None:
+        print(f"offload alternative: {off.total_seconds * 1e3:.1f} ms per iteration (transfers "
+              f"{off.offload_seconds * 1e3:.1f} ms) vs shared {total * 1e3:.1f} ms -> {result['choice']}")
+    for name in (args.first, "prm" if args.first == "generator" else "generator"):
+        print(f"{name} flags: {' '.join(flags[name].args())}")
+    return 0
+
+
 __all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
-           "brute_force", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]
+           "brute_force", "main", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]

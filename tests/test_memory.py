@@ -121,3 +121,22 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="cannot read a size"):
         parse_bytes("lots")
     assert isinstance(HARDWARE["H200"], Hardware)
+
+
+def test_plan_command_prints_the_split_and_refuses_what_cannot_fit(capsys):
+    from sgl_tts.cli import main
+
+    qwen15, qwen7 = str(CONFIGS / "qwen2.5-1.5b.json"), str(CONFIGS / "qwen2.5-7b.json")
+    assert main(["plan", "--generator", qwen15, "--prm", qwen7, "--gpu-memory", "0.9*24GiB", "--beams", "32",
+                 "--json"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    plan = out["plan"]
+    assert out["generator"]["name"] == "qwen2.5-1.5b" and out["prm"]["name"] == "qwen2.5-7b"
+    assert plan["gen_kv_bytes"] + plan["prm_kv_bytes"] <= plan["kv_budget_bytes"]
+    assert out["flags"]["generator"][0] == "--mem-fraction-static" and out["choice"] in ("shared", "offload")
+    assert main(["plan", "--generator", qwen15, "--prm", qwen15, "--gpu-memory", "0.4*24GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "| KV pool |" in text and "generator flags: --mem-fraction-static" in text
+    assert main(["plan", "--generator", str(CONFIGS / "llama-3.1-8b.json"), "--prm", str(CONFIGS / "llama-3.1-8b.json"),
+                 "--gpu-memory", "0.9*24GiB"]) == 1
+    assert "the weights alone do not fit: generator 14.96 GiB" in capsys.readouterr().err

@@ -108,6 +108,8 @@ def _delegated(command: str):
         from sgl_tts.experiment import main as delegate
     elif command == "plan":
         from sgl_tts.memory import main as delegate
+    elif command == "serve":
+        from sgl_tts.serve import main as delegate
     else:
         from sgl_tts.quality import main as delegate
     return delegate
@@ -145,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", add_help=False,
                    help="split one GPU's memory between a generator and a PRM (roofline-guided) and "
                         "print both servers' SGLang flags (see its --help)")
+    sub.add_parser("serve", add_help=False,
+                   help="start the generator and the PRM as two SGLang servers on one GPU with the "
+                        "planned flags and the plugin, supervised (see its --help)")
     sub.add_parser("train-tiny", add_help=False,
                    help="train the tiny generator + PRM for the arithmetic task (see its --help)")
     sub.add_parser("quality", add_help=False,
@@ -154,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train-tiny", "quality", "run", "plan"):
+    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -103,3 +103,36 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
     assert files, "no scheduler metrics written"
     s = summarize(read_records(files))
     assert s["prefill_batches"] > 0 and s["batches"] > 0 and s["cached_tokens"] > 0
+
+
+def test_serve_starts_the_tiny_pair_and_both_answer(tmp_path):
+    """`sgl-tts serve` on the GPU with the shipped tiny generator and PRM: both servers come up with
+    the planned flags, both answer /generate, and Ctrl-C (SIGINT) stops both."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from sgl_tts.models import shipped_model
+
+    cmd = [sys.executable, "-m", "sgl_tts.cli", "serve", "--generator", str(shipped_model("generator")),
+           "--prm", str(shipped_model("prm")), "--gpu", "H200", "--gpu-memory", "16GiB",
+           "--generator-port", "31000", "--prm-port", "31001", "--health-timeout", "300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 400
+        for line in proc.stdout:
+            if "sgl-tts serve: generator http://" in line or time.time() > deadline:
+                break
+        for port in (31000, 31001):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", method="POST",
+                                         data=json.dumps({"text": "Compute 1+2.\n\n",
+                                                          "sampling_params": {"max_new_tokens": 4}}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as res:
+                assert "text" in json.loads(res.read())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130

@@ -1,0 +1,154 @@
+"""``sgl-tts serve``'s supervision with real child processes standing in for the two servers: start
+order and health, a server that never becomes healthy, one that dies mid-run, one that exits at
+start, no orphan (grandchildren included), and the planned commands."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from sgl_tts.serve import ServerFailed, ServerSpec, run_servers
+
+STAND_IN = r'''
+import http.server, os, subprocess, sys, threading, time
+port, mode = int(sys.argv[1]), sys.argv[2]
+print("starting", flush=True)
+child = subprocess.Popen(["sleep", "1000"])
+print(f"grandchild {child.pid}", flush=True)
+if mode == "never":
+    print("loading weights...", flush=True)
+    time.sleep(1000)
+if mode == "crash-early":
+    print("ValueError: bad flag", flush=True)
+    sys.exit(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", port), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+print("ready", flush=True)
+if mode == "die":
+    time.sleep(1.5)
+    print("CUDA error: out of memory", flush=True)
+    os._exit(3)
+time.sleep(1000)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(STAND_IN)
+
+    def spec(name, mode):
+        port = free_port()
+        return ServerSpec(name, [sys.executable, str(script), str(port), mode], f"http://127.0.0.1:{port}/health")
+    return spec
+
+
+def grandchildren(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"grandchild (\d+)", log)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill 0; it is gone once reaped or marked defunct
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, text):
+        self.lines.append(text)
+
+    def flush(self):
+        pass
+
+    def __str__(self):
+        return "".join(self.lines)
+
+
+def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
+    log, stop = Log(), threading.Event()
+    seen = {}
+
+    def ready(servers):
+        seen["order"] = [s.spec.name for s in servers]
+        seen["alive"] = [s.alive() for s in servers]
+        seen["procs"] = [s.proc for s in servers]
+        stop.set()
+
+    run_servers([stand_in("generator", "ok"), stand_in("prm", "ok")], health_timeout=30, poll=0.1,
+                on_ready=ready, stop_event=stop, out=log, grace=5)
+    assert seen["order"] == ["generator", "prm"] and seen["alive"] == [True, True]
+    assert all(p.poll() is not None for p in seen["procs"])
+    text = str(log)
+    assert "[generator] ready" in text and "[prm] ready" in text
+    assert text.index("[generator] ready") < text.index("[prm] starting")   # the second waits for the first
+    assert all(gone(pid) for pid in grandchildren(text))
+
+
+def test_a_server_that_never_becomes_healthy_is_named_with_its_last_lines(stand_in):
+    log = Log()
+    with pytest.raises(ServerFailed, match=r"the generator server did not answer http://127\.0\.0\.1:\d+/health "
+                                           r"within 2 s; its last log lines:\n(.|\n)*loading weights\.\.\."):
+        run_servers([stand_in("generator", "never"), stand_in("prm", "ok")], health_timeout=2, poll=0.1,
+                    out=log, grace=2)
+    assert "[prm]" not in str(log)                                        # never started
+    assert all(gone(pid) for pid in grandchildren(str(log)))
+
+
+def test_a_server_dying_mid_run_stops_the_other(stand_in):
+    log = Log()
+    procs = {}
+    with pytest.raises(ServerFailed, match=r"the prm server exited with code 3; its last log lines:\n"
+                                           r"(.|\n)*CUDA error: out of memory"):
+        run_servers([stand_in("generator", "ok"), stand_in("prm", "die")], health_timeout=30, poll=0.1,
+                    on_ready=lambda servers: procs.update({s.spec.name: s.proc for s in servers}),
+                    out=log, grace=5)
+    assert procs["generator"].poll() is not None                         # the healthy one was stopped
+    assert all(gone(pid) for pid in grandchildren(str(log)))
+
+
+def test_a_server_exiting_at_start(stand_in):
+    with pytest.raises(ServerFailed, match=r"exited with code 1 before it was healthy(.|\n)*ValueError: bad flag"):
+        run_servers([stand_in("generator", "crash-early")], health_timeout=30, poll=0.1, out=Log(), grace=2)
+
+
+def test_dry_run_prints_the_planned_commands_in_start_up_order(capsys):
+    from sgl_tts.cli import main
+
+    configs = Path(__file__).parent / "data" / "configs"
+    assert main(["serve", "--generator", str(configs / "qwen2.5-1.5b.json"), "--prm", str(configs / "qwen2.5-7b.json"),
+                 "--gpu", "RTX4090", "--gpu-memory", "0.9*24GiB", "--first", "prm", "--dry-run"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+    assert len(lines) == 2
+    assert "qwen2.5-7b.json" in lines[0] and "--port 30001" in lines[0]            # the PRM first
+    assert "qwen2.5-1.5b.json" in lines[1] and "--tts-policy prefix-aware" in lines[1]
+    assert all("-m sglang.launch_server" in x and "--mem-fraction-static" in x for x in lines)
+    assert main(["serve", "--generator", str(configs / "llama-3.1-8b.json"),
+                 "--prm", str(configs / "llama-3.1-8b.json"), "--gpu", "RTX4090", "--dry-run"]) == 1
+    assert "the weights alone do not fit" in capsys.readouterr().err

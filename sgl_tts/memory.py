@@ -296,6 +296,7 @@ class ServerFlags:
     max_total_tokens: int
     max_running_requests: int
     chunked_prefill_size: int | None = None
+    hicache_size_gb: int | None = None     # host-memory KV tier (HiCache) for an offload plan
 
     def args(self) -> list[str]:
         out = ["--mem-fraction-static", f"{self.mem_fraction_static:.4f}",
@@ -303,26 +304,35 @@ class ServerFlags:
                "--max-running-requests", str(self.max_running_requests)]
         if self.chunked_prefill_size:
             out += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.hicache_size_gb:
+            out += ["--enable-hierarchical-cache", "--hicache-size", str(self.hicache_size_gb)]
         return out
 
 
 def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, gpu_bytes: int,
-                 reserve_bytes: int, first: str = "generator") -> dict[str, ServerFlags]:
+                 reserve_bytes: int, first: str = "generator", offload: Plan | None = None
+                 ) -> dict[str, ServerFlags]:
     """Flags for both servers in start-up order: each server's static pool (weights + its KV) is a
     fraction of the memory free when it starts, which for the second is what the first left (seed 001
-    ch. 5: a fraction of the total would over-commit)."""
+    ch. 5: a fraction of the total would over-commit). With an ``offload`` plan (two SGLang servers
+    cannot swap a whole pool out), each server keeps ``plan``'s GPU pool and gets a HiCache host tier
+    as large as the offload plan's pool, so its evicted KV is reloaded from host memory instead of
+    recomputed."""
     if first not in ("generator", "prm"):
         raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
     pools = {"generator": (gen.weight_bytes + plan.gen_kv_bytes, plan.gen_kv_bytes // gen.kv_bytes_per_token,
                            plan.gen_batch, None),
              "prm": (prm.weight_bytes + plan.prm_kv_bytes, plan.prm_kv_bytes // prm.kv_bytes_per_token,
                      plan.prm_batch, plan.prm_batch * work.verify_tokens)}
+    host = {} if offload is None else {"generator": offload.gen_kv_bytes, "prm": offload.prm_kv_bytes}
     order = [first, "prm" if first == "generator" else "generator"]
     free = gpu_bytes
     out = {}
     for name in order:
         static, tokens, batch, chunk = pools[name]
-        out[name] = ServerFlags(static / free, int(tokens), int(batch), chunk)
+        tier = host.get(name)
+        out[name] = ServerFlags(static / free, int(tokens), int(batch), chunk,
+                                max(1, math.ceil(tier / 1e9)) if tier else None)
         free -= static + reserve_bytes // 2   # its pools plus its share of the runtime reserve
     return out
 
@@ -393,7 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prm = ModelShape.from_config(args.prm)
         work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
         shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
-        flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first)
+        use_offload = off is not None and off.total_seconds < shared.total_seconds
+        flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first,
+                             offload=off if use_offload else None)
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts plan: error: {exc}", file=sys.stderr)
         return 1

@@ -197,8 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         reserve = max(GiB, int(0.08 * budget))
         gen, prm = ModelShape.from_config(args.generator), ModelShape.from_config(args.prm)
         work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
-        plan, _ = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
-        flags = server_flags(plan, gen, prm, work, budget, reserve, first=args.first)
+        plan, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
+        use_offload = off is not None and off.total_seconds < plan.total_seconds
+        flags = server_flags(plan, gen, prm, work, budget, reserve, first=args.first,
+                             offload=off if use_offload else None)
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1

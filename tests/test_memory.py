@@ -3,6 +3,7 @@ against brute force, the boundary property, SGLang flags in start-up order, refu
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -106,6 +107,12 @@ def test_second_server_fraction_is_of_what_the_first_left():
     assert flags["generator"].max_total_tokens == plan.gen_kv_bytes // gen.kv_bytes_per_token
     assert flags["prm"].chunked_prefill_size == plan.prm_batch * 600
     assert flags["generator"].args()[:2] == ["--mem-fraction-static", f"{g_static / gpu:.4f}"]
+    assert "--enable-hierarchical-cache" not in flags["generator"].args()
+    _, off = plan_pair(gen, prm, HARDWARE["RTX4090"], work, gpu, reserve_bytes=reserve)
+    tiered = server_flags(plan, gen, prm, work, gpu, reserve, offload=off)
+    args = tiered["generator"].args()
+    assert args[args.index("--hicache-size") + 1] == str(math.ceil(off.gen_kv_bytes / 1e9))
+    assert tiered["generator"].mem_fraction_static == flags["generator"].mem_fraction_static
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():

@@ -150,6 +150,36 @@ HARDWARE = {h.name: h for h in (
 )}
 
 
+def measure_ceilings(device: str = "cuda", *, size: int = 8192, repeats: int = 20) -> tuple[float, float]:
+    """Measured (TFLOP/s, GB/s) of the local GPU: a bf16 matmul of ``size``^3 and a device-to-device
+    copy of 1 GiB, best of ``repeats``. Needs CUDA."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--measure needs a CUDA GPU on this machine; pass --ceilings TFLOPS GBS instead")
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    src = torch.empty(GiB // 2, device=device, dtype=torch.float16)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    tflops = 2 * size ** 3 / best(lambda: a @ b) / 1e12
+    gbs = 2 * src.numel() * src.element_size() / best(lambda: dst.copy_(src)) / 1e9   # read + write
+    return tflops, gbs
+
+
 # ----------------------------------------------------------------------------------------- roofline
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -389,14 +419,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reserve", default=None, help="runtime reserve (default 8%% of the budget, >= 1GiB)")
     ap.add_argument("--first", choices=["generator", "prm"], default="generator",
                     help="which server starts first (its fraction is of the whole budget)")
-    ap.add_argument("--measure", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
-                    help="measured peak TFLOP/s and GB/s instead of the profile's")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure peak bf16 TFLOP/s and GB/s on this machine's GPU instead of the profile's")
+    ap.add_argument("--ceilings", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
+                    help="use these peak TFLOP/s and GB/s instead of the profile's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
         hw = HARDWARE[args.gpu]
-        if args.measure:
-            hw = dataclasses.replace(hw, tflops=args.measure[0], bandwidth_gbs=args.measure[1])
+        if args.ceilings:
+            hw = dataclasses.replace(hw, tflops=args.ceilings[0], bandwidth_gbs=args.ceilings[1])
+        elif args.measure:
+            tflops, gbs = measure_ceilings()
+            hw = dataclasses.replace(hw, tflops=tflops, bandwidth_gbs=gbs)
         budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
         reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
         gen = ModelShape.from_config(args.generator)
@@ -442,4 +477,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
-           "brute_force", "main", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]
+           "brute_force", "main", "measure_ceilings", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]

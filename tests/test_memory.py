@@ -147,3 +147,26 @@ def test_plan_command_prints_the_split_and_refuses_what_cannot_fit(capsys):
     assert main(["plan", "--generator", str(CONFIGS / "llama-3.1-8b.json"), "--prm", str(CONFIGS / "llama-3.1-8b.json"),
                  "--gpu-memory", "0.9*24GiB"]) == 1
     assert "the weights alone do not fit: generator 14.96 GiB" in capsys.readouterr().err
+
+
+def test_ceilings_can_be_given_and_measuring_needs_a_gpu(capsys):
+    import torch
+
+    from sgl_tts.cli import main
+
+    qwen = str(CONFIGS / "qwen2.5-1.5b.json")
+    assert main(["plan", "--generator", qwen, "--prm", qwen, "--gpu-memory", "0.4*24GiB", "--ceilings", "100", "500",
+                 "--json"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert (out["gpu"]["tflops"], out["gpu"]["bandwidth_gbs"]) == (100.0, 500.0)
+    if not torch.cuda.is_available():
+        assert main(["plan", "--generator", qwen, "--prm", qwen, "--measure"]) == 1
+        assert "--measure needs a CUDA GPU on this machine; pass --ceilings TFLOPS GBS instead" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_measured_ceilings_are_near_the_profile():
+    from sgl_tts.memory import measure_ceilings
+
+    tflops, gbs = measure_ceilings()
+    assert 100 < tflops < 1200 and 500 < gbs < 6000

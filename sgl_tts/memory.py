@@ -401,15 +401,31 @@ def parse_bytes(text: str) -> int:
     raise ValueError(f"cannot read a size from {text!r}; write e.g. 24GiB or 0.4*24GiB")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts plan``: the KV split and both servers' SGLang flags for a generator + PRM pair."""
-    import argparse
-    import sys
+@dataclasses.dataclass
+class PairPlan:
+    """Everything ``sgl-tts plan`` / ``sgl-tts serve`` decide for a generator + PRM pair."""
 
-    ap = argparse.ArgumentParser(prog="sgl-tts plan", description=main.__doc__)
+    hw: Hardware
+    budget: int
+    reserve: int
+    gen: ModelShape
+    prm: ModelShape
+    work: Workload
+    shared: Plan
+    offload: Plan | None
+    flags: dict[str, ServerFlags]
+
+    @property
+    def choice(self) -> str:
+        return "offload" if self.offload is not None and self.offload.total_seconds < self.shared.total_seconds \
+            else "shared"
+
+
+def add_plan_arguments(ap) -> None:
+    """The planning flags ``sgl-tts plan`` and ``sgl-tts serve`` share."""
     ap.add_argument("--generator", required=True, help="generator model folder or config.json")
     ap.add_argument("--prm", required=True, help="PRM model folder or config.json")
-    ap.add_argument("--gpu", default="RTX4090", choices=sorted(HARDWARE), help="GPU profile")
+    ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE), help="GPU profile")
     ap.add_argument("--gpu-memory", default=None,
                     help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
     ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
@@ -423,33 +439,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="measure peak bf16 TFLOP/s and GB/s on this machine's GPU instead of the profile's")
     ap.add_argument("--ceilings", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
                     help="use these peak TFLOP/s and GB/s instead of the profile's")
+
+
+def plan_from_args(args) -> PairPlan:
+    """The plan the shared flags ask for (``ValueError`` / ``FileNotFoundError`` on bad input)."""
+    hw = HARDWARE[args.gpu]
+    if args.ceilings:
+        hw = dataclasses.replace(hw, tflops=args.ceilings[0], bandwidth_gbs=args.ceilings[1])
+    elif args.measure:
+        tflops, gbs = measure_ceilings()
+        hw = dataclasses.replace(hw, tflops=tflops, bandwidth_gbs=gbs)
+    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
+    reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
+    gen, prm = ModelShape.from_config(args.generator), ModelShape.from_config(args.prm)
+    work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
+    shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
+    use_offload = off is not None and off.total_seconds < shared.total_seconds
+    flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first,
+                         offload=off if use_offload else None)
+    return PairPlan(hw, budget, reserve, gen, prm, work, shared, off, flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts plan``: the KV split and both servers' SGLang flags for a generator + PRM pair."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="sgl-tts plan", description=main.__doc__)
+    add_plan_arguments(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
-        hw = HARDWARE[args.gpu]
-        if args.ceilings:
-            hw = dataclasses.replace(hw, tflops=args.ceilings[0], bandwidth_gbs=args.ceilings[1])
-        elif args.measure:
-            tflops, gbs = measure_ceilings()
-            hw = dataclasses.replace(hw, tflops=tflops, bandwidth_gbs=gbs)
-        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
-        reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
-        gen = ModelShape.from_config(args.generator)
-        prm = ModelShape.from_config(args.prm)
-        work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
-        shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
-        use_offload = off is not None and off.total_seconds < shared.total_seconds
-        flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first,
-                             offload=off if use_offload else None)
+        p = plan_from_args(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts plan: error: {exc}", file=sys.stderr)
         return 1
+    hw, budget, reserve, gen, prm, work = p.hw, p.budget, p.reserve, p.gen, p.prm, p.work
+    shared, off, flags = p.shared, p.offload, p.flags
     result = {"gpu": dataclasses.asdict(hw), "budget_bytes": budget, "reserve_bytes": reserve,
               "workload": dataclasses.asdict(work),
               "generator": dataclasses.asdict(gen), "prm": dataclasses.asdict(prm),
               "plan": {**dataclasses.asdict(shared), "total_seconds": shared.total_seconds},
               "offload": None if off is None else {**dataclasses.asdict(off), "total_seconds": off.total_seconds},
-              "choice": "offload" if off is not None and off.total_seconds < shared.total_seconds else "shared",
+              "choice": p.choice,
               "flags": {k: v.args() for k, v in flags.items()}}
     if args.json:
         print(json.dumps(result))
@@ -477,4 +509,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
-           "brute_force", "main", "measure_ceilings", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]
+           "PairPlan", "add_plan_arguments", "brute_force", "main", "plan_from_args", "measure_ceilings", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]

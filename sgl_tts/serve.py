@@ -171,18 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import shlex
 
-    from sgl_tts.memory import GiB, HARDWARE, ModelShape, Workload, parse_bytes, plan_pair, server_flags
+    from sgl_tts.memory import add_plan_arguments, plan_from_args
 
     ap = argparse.ArgumentParser(prog="sgl-tts serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--generator", required=True, help="generator model folder")
-    ap.add_argument("--prm", required=True, help="PRM model folder")
-    ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE))
-    ap.add_argument("--gpu-memory", default=None, help="memory both servers may use (default: the GPU's)")
-    ap.add_argument("--beams", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=300)
-    ap.add_argument("--step-tokens", type=int, default=256)
-    ap.add_argument("--verify-tokens", type=int, default=800)
-    ap.add_argument("--first", choices=["generator", "prm"], default="generator")
+    add_plan_arguments(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--generator-port", type=int, default=30000)
     ap.add_argument("--prm-port", type=int, default=30001)
@@ -192,15 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
     args = ap.parse_args(argv)
     try:
-        hw = HARDWARE[args.gpu]
-        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
-        reserve = max(GiB, int(0.08 * budget))
-        gen, prm = ModelShape.from_config(args.generator), ModelShape.from_config(args.prm)
-        work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
-        plan, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
-        use_offload = off is not None and off.total_seconds < plan.total_seconds
-        flags = server_flags(plan, gen, prm, work, budget, reserve, first=args.first,
-                             offload=off if use_offload else None)
+        flags = plan_from_args(args).flags
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1

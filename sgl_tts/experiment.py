@@ -711,10 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         summary, records = run(cfg)
-    except RunError as exc:
-        print(f"sgl-tts run: error: {exc}", file=sys.stderr)
-        return 1
-    except (ConnectionError, FileNotFoundError, ValueError) as exc:
+    except (RunError, ConnectionError, FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts run: error: {exc}", file=sys.stderr)
         return 1
     from sgl_tts.machine import describe

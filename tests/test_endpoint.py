@@ -198,7 +198,36 @@ def test_fields_sent_to_a_stock_backend_are_reported(server):
     assert all("rid" not in b for b in server.generate_bodies())
 
 
-class LogprobServer(RecordingServer):
+class ModelServer(RecordingServer):
+    """A look-alike serving one model: ``/get_model_info`` names it, every POST is recorded (its path
+    in ``paths``, its body in ``bodies``) and answered by :meth:`respond` ``(path, body) -> answer``."""
+
+    is_generation = True
+
+    def __init__(self, model, model_path):
+        self.model = model
+        self.model_path = str(model_path)
+        self.paths: list[str] = []
+        super().__init__()
+        outer = self
+
+        class Handler(self.httpd.RequestHandlerClass):
+            def do_GET(self):
+                self._send({"model_path": outer.model_path, "is_generation": outer.is_generation})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.paths.append(self.path)
+                outer.bodies.append(body)
+                self._send(*outer.respond(self.path, body))
+
+        self.httpd.RequestHandlerClass = Handler
+
+    def respond(self, path, body):
+        raise NotImplementedError
+
+
+class LogprobServer(ModelServer):
     """Answers ``/generate`` logprob requests the way SGLang 0.5.15 lays them out (read from its
     ``logprob_result_processor``: entry k of ``input_token_ids_logprobs`` is the token at
     ``logprob_start_len + k``, entry 0 is None, the distribution after the last token is dropped),
@@ -208,23 +237,11 @@ class LogprobServer(RecordingServer):
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model_path = str(model_path)
-        super().__init__()
-        outer = self
-        handler = self.httpd.RequestHandlerClass
+        super().__init__(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), model_path)
 
-        class Handler(handler):
-            def do_GET(self):
-                self._send({"model_path": outer.model_path, "is_generation": True})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.bodies.append(body)
-                self._send([outer.answer(ids, start, wanted) for ids, start, wanted in
-                            zip(body["input_ids"], body["logprob_start_len"], body["token_ids_logprob"])])
-
-        self.httpd.RequestHandlerClass = Handler
+    def respond(self, path, body):
+        return ([self.answer(ids, start, wanted) for ids, start, wanted in
+                 zip(body["input_ids"], body["logprob_start_len"], body["token_ids_logprob"])],)
 
     def answer(self, ids, start, wanted):
         import torch

@@ -19,7 +19,7 @@ from sgl_tts.models import shipped_model
 from sgl_tts.models.reward_head import write_reward_head
 from sgl_tts.prm import PRMScorer, RewardHeadPRM, StepTagPRM, head_score, tag_positions
 
-from test_endpoint import RecordingServer
+from test_endpoint import ModelServer
 
 
 @pytest.fixture(scope="module")
@@ -87,35 +87,25 @@ def test_a_wrong_kind_of_model_is_refused_with_the_fix(reward_model, tmp_path):
         LocalClassifier(tmp_path / "missing")
 
 
-class ClassifyServer(RecordingServer):
+class ClassifyServer(ModelServer):
     """Answers ``/classify`` as SGLang 0.5.15 does for a ``*ForSequenceClassification`` model (a batch
     of ``input_ids`` gives a list of ``{"embedding": head output at the last token, "meta_info"}``,
     no softmax), computing the rows with transformers' own sequence-classification forward."""
+
+    is_generation = False
 
     def __init__(self, model_path):
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=torch.float32)
-        self.model_path = str(model_path)
-        super().__init__()
-        outer = self
-        handler = self.httpd.RequestHandlerClass
+        super().__init__(AutoModelForSequenceClassification.from_pretrained(model_path, dtype=torch.float32),
+                         model_path)
 
-        class Handler(handler):
-            def do_GET(self):
-                self._send({"model_path": outer.model_path, "is_generation": False})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.bodies.append((self.path, body))
-                if self.path != "/classify":
-                    self._send({"error": "not a generation model"}, 400)
-                    return
-                self._send([{"embedding": outer.row(ids), "meta_info": {"id": str(i), "prompt_tokens": len(ids)}}
-                            for i, ids in enumerate(body["input_ids"])])
-
-        self.httpd.RequestHandlerClass = Handler
+    def respond(self, path, body):
+        if path != "/classify":
+            return {"error": "not a generation model"}, 400
+        return ([{"embedding": self.row(ids), "meta_info": {"id": str(i), "prompt_tokens": len(ids)}}
+                 for i, ids in enumerate(body["input_ids"])],)
 
     def row(self, ids):
         import torch
@@ -132,7 +122,7 @@ def test_reward_head_prm_through_an_sglang_classify_endpoint(reward_model, step_
         for question, batch in batches():
             for g, w in zip(prm.score(question, batch), step_tag.score(question, batch)):
                 assert g == pytest.approx(w, abs=1e-4)
-        path, body = srv.bodies[-1]
+        path, body = srv.paths[-1], srv.bodies[-1]
         ids, tags = tag_positions(endpoint.tokenizer, question, batch[0])
         # one input per step, each ending at its step's tag, all in one request
         assert path == "/classify" and body["input_ids"][:len(tags)] == [ids[:t + 1] for t in tags]

@@ -324,14 +324,15 @@ class ServerFlags:
 
     mem_fraction_static: float
     max_total_tokens: int
-    max_running_requests: int
+    max_running_requests: int | None           # None: SGLang derives it
     chunked_prefill_size: int | None = None
     hicache_size_gb: int | None = None     # host-memory KV tier (HiCache) for an offload plan
 
     def args(self) -> list[str]:
         out = ["--mem-fraction-static", f"{self.mem_fraction_static:.4f}",
-               "--max-total-tokens", str(self.max_total_tokens),
-               "--max-running-requests", str(self.max_running_requests)]
+               "--max-total-tokens", str(self.max_total_tokens)]
+        if self.max_running_requests is not None:
+            out += ["--max-running-requests", str(self.max_running_requests)]
         if self.chunked_prefill_size:
             out += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
         if self.hicache_size_gb:
@@ -340,8 +341,8 @@ class ServerFlags:
 
 
 def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, gpu_bytes: int,
-                 reserve_bytes: int, first: str = "generator", offload: Plan | None = None
-                 ) -> dict[str, ServerFlags]:
+                 reserve_bytes: int, first: str = "generator", offload: Plan | None = None,
+                 min_pool_tokens: Mapping[str, int] | None = None) -> dict[str, ServerFlags]:
     """Flags for both servers in start-up order: each server's static pool (weights + its KV) is a
     fraction of the memory free when it starts, which for the second is what the first left (seed 001
     ch. 5: a fraction of the total would over-commit). With an ``offload`` plan (two SGLang servers
@@ -350,9 +351,24 @@ def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, g
     recomputed."""
     if first not in ("generator", "prm"):
         raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
-    pools = {"generator": (gen.weight_bytes + plan.gen_kv_bytes, plan.gen_kv_bytes // gen.kv_bytes_per_token,
+    kv = {"generator": plan.gen_kv_bytes, "prm": plan.prm_kv_bytes}
+    per = {"generator": gen.kv_bytes_per_token, "prm": prm.kv_bytes_per_token}
+    # SGLang refuses a request longer than its server's pool: each pool holds at least one request
+    # of ``min_pool_tokens`` (e.g. the context length), the bytes taken from the other pool.
+    for name, other in (("prm", "generator"), ("generator", "prm")):
+        floor = int((min_pool_tokens or {}).get(name, 0))
+        short = floor * per[name] - kv[name]
+        if short > 0:
+            kv[name] += short
+            kv[other] -= short
+    for name in kv:
+        floor = int((min_pool_tokens or {}).get(name, 0))
+        if kv[name] // per[name] < max(1, floor):
+            raise ValueError(f"the KV budget cannot give each server a pool of its longest request "
+                             f"({dict(min_pool_tokens or {})} tokens)")
+    pools = {"generator": (gen.weight_bytes + kv["generator"], kv["generator"] // gen.kv_bytes_per_token,
                            plan.gen_batch, None),
-             "prm": (prm.weight_bytes + plan.prm_kv_bytes, plan.prm_kv_bytes // prm.kv_bytes_per_token,
+             "prm": (prm.weight_bytes + kv["prm"], kv["prm"] // prm.kv_bytes_per_token,
                      plan.prm_batch, plan.prm_batch * work.verify_tokens)}
     host = {} if offload is None else {"generator": offload.gen_kv_bytes, "prm": offload.prm_kv_bytes}
     order = [first, "prm" if first == "generator" else "generator"]
@@ -364,6 +380,32 @@ def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, g
         out[name] = ServerFlags(static / free, int(tokens), int(batch), chunk,
                                 max(1, math.ceil(tier / 1e9)) if tier else None)
         free -= static + reserve_bytes // 2   # its pools plus its share of the runtime reserve
+    return out
+
+
+def static_split_flags(gen: ModelShape, prm: ModelShape, gpu_bytes: int, reserve_bytes: int,
+                       generator_share: float = 0.5, first: str = "generator") -> dict[str, ServerFlags]:
+    """Flags of the unplanned baseline: the generator gets ``generator_share`` of the budget and the
+    PRM the rest (each pool is its share less half the reserve; its KV is what the weights leave),
+    SGLang's own batch limits. Fractions are of the memory free at each start, as in
+    :func:`server_flags`; ``--max-total-tokens`` caps each KV pool, which is what emulates a smaller
+    card on a larger one."""
+    if not 0 < generator_share < 1:
+        raise ValueError(f"the generator's share must be in (0, 1), got {generator_share}")
+    if first not in ("generator", "prm"):
+        raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
+    shares = {"generator": (gen, generator_share), "prm": (prm, 1 - generator_share)}
+    free = gpu_bytes
+    out = {}
+    for name in (first, "prm" if first == "generator" else "generator"):
+        model, share = shares[name]
+        static = share * gpu_bytes - reserve_bytes / 2
+        kv = static - model.weight_bytes
+        if kv <= 0:
+            raise ValueError(f"a {share:.0%} share ({share * gpu_bytes / GiB:.2f} GiB less half the reserve) "
+                             f"does not hold the {name}'s weights ({model.weight_bytes / GiB:.2f} GiB)")
+        out[name] = ServerFlags(static / free, int(kv // model.kv_bytes_per_token), None)
+        free -= static + reserve_bytes // 2
     return out
 
 
@@ -432,6 +474,9 @@ def add_plan_arguments(ap) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
     ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")
+    ap.add_argument("--longest-request", type=int, default=None,
+                    help="tokens of the longest request a server must hold (SGLang refuses a request "
+                         "longer than its KV pool; default: each model's context length)")
     ap.add_argument("--reserve", default=None, help="runtime reserve (default 8%% of the budget, >= 1GiB)")
     ap.add_argument("--first", choices=["generator", "prm"], default="generator",
                     help="which server starts first (its fraction is of the whole budget)")
@@ -439,6 +484,17 @@ def add_plan_arguments(ap) -> None:
                     help="measure peak bf16 TFLOP/s and GB/s on this machine's GPU instead of the profile's")
     ap.add_argument("--ceilings", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
                     help="use these peak TFLOP/s and GB/s instead of the profile's")
+
+
+def context_tokens(config: str | os.PathLike) -> int:
+    """A model's context length (``max_position_embeddings``; 0 when its config does not say)."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return int(json.loads(path.read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def plan_from_args(args) -> PairPlan:
@@ -455,8 +511,11 @@ def plan_from_args(args) -> PairPlan:
     work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
     shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
     use_offload = off is not None and off.total_seconds < shared.total_seconds
+    longest = getattr(args, "longest_request", None)
+    floors = {name: min(ctx, longest) if longest and ctx else (longest or ctx)
+              for name, ctx in (("generator", context_tokens(args.generator)), ("prm", context_tokens(args.prm)))}
     flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first,
-                         offload=off if use_offload else None)
+                         offload=off if use_offload else None, min_pool_tokens=floors)
     return PairPlan(hw, budget, reserve, gen, prm, work, shared, off, flags)
 
 
@@ -509,4 +568,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
-           "PairPlan", "add_plan_arguments", "brute_force", "main", "plan_from_args", "measure_ceilings", "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve"]
+           "PairPlan", "add_plan_arguments", "brute_force", "main", "plan_from_args", "measure_ceilings",
+           "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve", "static_split_flags"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sgl_tts.memory import (HARDWARE, GiB, Hardware, ModelShape, Workload, brute_force, offload_plan,
-                            parse_bytes, plan_pair, server_flags, solve)
+                            parse_bytes, plan_pair, server_flags, solve, static_split_flags)
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -113,6 +113,37 @@ def test_second_server_fraction_is_of_what_the_first_left():
     args = tiered["generator"].args()
     assert args[args.index("--hicache-size") + 1] == str(math.ceil(off.gen_kv_bytes / 1e9))
     assert tiered["generator"].mem_fraction_static == flags["generator"].mem_fraction_static
+
+
+def test_each_pool_holds_its_longest_request_taken_from_the_other_pool():
+    gen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    prm = ModelShape.from_config(CONFIGS / "qwen2.5-7b.json")
+    work = Workload(requests=32, prompt_tokens=200, step_tokens=128, verify_tokens=600)
+    gpu, reserve = int(0.9 * 24 * GiB), 2 * GiB
+    plan, _ = plan_pair(gen, prm, HARDWARE["RTX4090"], work, gpu, reserve_bytes=reserve)
+    assert plan.prm_kv_bytes // prm.kv_bytes_per_token == 600          # one 600-token request
+    flags = server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": 4096, "generator": 4096})
+    assert flags["prm"].max_total_tokens == 4096
+    moved = (4096 - 600) * prm.kv_bytes_per_token
+    assert flags["generator"].max_total_tokens == (plan.gen_kv_bytes - moved) // gen.kv_bytes_per_token
+    assert flags["prm"].max_running_requests == plan.prm_batch    # batches stay as planned
+    with pytest.raises(ValueError, match="cannot give each server a pool of its longest request"):
+        server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": 10**6})
+
+
+def test_the_static_split_gives_each_server_its_share_less_half_the_reserve():
+    gen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    gpu, reserve = int(0.4 * 24 * GiB), GiB
+    flags = static_split_flags(gen, gen, gpu, reserve, 0.5)
+    static = 0.5 * gpu - reserve / 2
+    assert flags["generator"].max_total_tokens == int((static - gen.weight_bytes) // gen.kv_bytes_per_token)
+    assert flags["prm"].max_total_tokens == flags["generator"].max_total_tokens
+    assert flags["generator"].mem_fraction_static == pytest.approx(static / gpu)
+    assert flags["prm"].mem_fraction_static == pytest.approx(static / (gpu - static - reserve // 2))
+    assert "--max-running-requests" not in flags["generator"].args()   # SGLang's own batch limit
+    with pytest.raises(ValueError, match=r"a 10% share \(0.46 GiB less half the reserve\) does not hold the "
+                                         r"generator's weights \(2.88 GiB\)"):
+        static_split_flags(gen, gen, gpu, reserve, 0.05)
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():

@@ -8,7 +8,8 @@ import json
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from sgl_tts.bench.dummy_models import CONFIGS, padding_merges, write_dummy_model, write_padded_tokenizer
+from sgl_tts.bench.dummy_models import (CONFIGS, WORD_SPECIALS, padding_merges, tokenizer_dir, write_dummy_model,
+                                        write_padded_tokenizer, write_word_tokenizer)
 
 
 def test_a_padded_tokenizer_has_exactly_the_vocabulary_and_every_id_decodes(tmp_path):
@@ -23,14 +24,33 @@ def test_a_padded_tokenizer_has_exactly_the_vocabulary_and_every_id_decodes(tmp_
         write_padded_tokenizer(tmp_path / "x", 10)
 
 
+def test_any_ids_survive_a_word_tokenizer_decode_and_encode(tmp_path):
+    assert write_word_tokenizer(tmp_path, 1000) == 1000
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ids = [(i * 7919) % 1000 for i in range(300)]
+    assert tok.encode(tok.decode(ids)) == ids
+    assert tok.convert_ids_to_tokens([996, 997, 998, 999]) == list(WORD_SPECIALS)
+    assert tok.encode("t5 t6\n\nt7 ки") == [5, 6, 7, 999]   # the delimiter is whitespace; the tag a word
+    with pytest.raises(ValueError, match="vocab_size must be more than 4"):
+        write_word_tokenizer(tmp_path / "x", 4)
+
+
+@pytest.mark.parametrize("tokenizer", ["words", "bytes"])
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.json")))
-def test_every_benchmark_config_becomes_a_servable_folder(tmp_path, name):
-    folder = write_dummy_model(name, tmp_path / name)
+def test_every_benchmark_config_becomes_a_servable_folder(tmp_path, name, tokenizer):
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    folder = write_dummy_model(name, tmp_path / name, tokenizer=tokenizer)
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
     assert AutoConfig.from_pretrained(folder).vocab_size == cfg["vocab_size"]
-    tok = AutoTokenizer.from_pretrained(folder)
+    # loaded the way an SGLang server loads it (--tokenizer-path for the word tokenizer's folder)
+    tok = get_tokenizer(str(tokenizer_dir(folder)))
+    assert (tokenizer_dir(folder) != folder) == (tokenizer == "words")
     assert len(tok) == cfg["vocab_size"]
     assert tok.convert_ids_to_tokens(cfg["vocab_size"] - 1) is not None
+    if tokenizer == "words":
+        ids = [(i * 104729) % cfg["vocab_size"] for i in range(200)]
+        assert tok.encode(tok.decode(ids)) == ids
 
 
 def test_an_unknown_config_lists_the_known_ones(tmp_path):

@@ -110,6 +110,8 @@ def _delegated(command: str):
         from sgl_tts.memory import main as delegate
     elif command == "serve":
         from sgl_tts.serve import main as delegate
+    elif command == "bench":
+        from sgl_tts.bench.command import main as delegate
     else:
         from sgl_tts.quality import main as delegate
     return delegate
@@ -150,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False,
                    help="start the generator and the PRM as two SGLang servers on one GPU with the "
                         "planned flags and the plugin, supervised (see its --help)")
+    sub.add_parser("bench", add_help=False,
+                   help="stock SGLang vs SGLang with sgl-tts on beam search and DVTS (random-weight "
+                        "models, trace-driven steps): goodput, latency, cache hits (see its --help)")
     sub.add_parser("train-tiny", add_help=False,
                    help="train the tiny generator + PRM for the arithmetic task (see its --help)")
     sub.add_parser("quality", add_help=False,
@@ -159,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve"):
+    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -25,11 +25,12 @@ from typing import Callable, Sequence
 
 @dataclasses.dataclass
 class ServerSpec:
-    """One server to start: its name (log prefix), command line and health URL."""
+    """One server to start: its name (log prefix), command line, health URL and extra environment."""
 
     name: str
     command: list[str]
     health_url: str
+    env: dict[str, str] | None = None
 
 
 class ServerFailed(RuntimeError):
@@ -127,7 +128,7 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
     started: list[ManagedServer] = []
     try:
         for spec in specs:
-            server = ManagedServer(spec, out=out)
+            server = ManagedServer(spec, out=out, env=spec.env)
             started.append(server)
             deadline = time.monotonic() + health_timeout
             while not server.healthy():
@@ -150,9 +151,11 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
 
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin_args: Sequence[str] = (), python: str = sys.executable,
-                extra: dict[str, Sequence[str]] | None = None) -> list[ServerSpec]:
+                extra: dict[str, Sequence[str]] | None = None,
+                env: dict[str, str] | None = None) -> list[ServerSpec]:
     """The two ``python -m sglang.launch_server`` command lines in start-up order (the plugin's
-    ``--tts-*`` flags go to the generator, whose scheduler runs the search's requests)."""
+    ``--tts-*`` flags go to the generator, whose scheduler runs the search's requests); ``env`` is
+    added to both servers' environment."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
     specs = []
@@ -162,7 +165,7 @@ def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict
         if name == "generator":
             cmd += list(plugin_args)
         cmd += list((extra or {}).get(name, ()))
-        specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health"))
+        specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
     return specs
 
 

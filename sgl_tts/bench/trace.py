@@ -5,6 +5,8 @@ benchmark fixes each step's length and whether it ends the solution from a trace
 (seed, problem, beam path, depth). The same path gets the same lengths on every side of a comparison,
 which keeps the search's work identical; different paths get independent draws.
 
+The trace also gives each step's PRM score (:meth:`StepTrace.score`), for the same reason.
+
 The default shape follows seed 000 Fig. 3 (Qwen2.5-Math-1.5B on AIME): step lengths are log-normal
 with a median of 150 tokens and sigma 1.0 (mean ~250 tokens; ~3% of steps over 1000 tokens, the
 stragglers), capped at 4096; a solution has at least 2 steps and ends after each later step with
@@ -69,6 +71,12 @@ class StepTrace:
         if depth + 1 < self.min_depth:
             return False
         return self._rng("end", problem, path, depth).random() < self.end_probability
+
+    def score(self, problem: str, path: Sequence[int], depth: int) -> float:
+        """The PRM score of the step at ``depth`` on ``path``, uniform in [0, 1): random weights score
+        noise, so a benchmark takes its scores from the trace too, and selections are the same on
+        every side of a comparison."""
+        return self._rng("score", problem, path, depth).random()
 
     def describe(self, samples: int = 20_000) -> dict:
         """The shape of the trace over ``samples`` independent steps and solutions (for the docs)."""

@@ -1,0 +1,551 @@
+"""``sgl-tts bench``: stock SGLang against SGLang with sgl-tts, the same TTS programs side by side.
+
+Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.serve` on one GPU:
+
+- ``stock``: SGLang as it comes (the sgl-tts plugin is not loaded), a static split of the memory
+  budget (``--stock-split``, the generator's share; 0.5 by default), SGLang's own batch limits;
+- ``sgl-tts``: the plugin on (``--tts-policy prefix-aware``) and the memory planner's split and batch.
+
+On each side beam search and DVTS run for every n on the same synthetic problems, one problem at a
+time. Models are real architectures with random weights, so the *trace* (:mod:`sgl_tts.bench.trace`)
+fixes what a real model would decide: every step's length (the request asks for exactly that many
+tokens with ``ignore_eos``), whether it ends the solution, and its PRM score. The PRM server still
+reads every step (a step-tag PRM request per new step, as in a real run: that is the verifier's work
+and time), but its random output is replaced by the trace's score. Selections are therefore the same
+on both sides by construction, and the benchmark checks it: the kept beams of every search (each
+named by its path of beam indices) must match, or the report says where they differ.
+
+Reported per (algorithm, n) and side: precise goodput (seed 000 §6.1: mean tokens of a kept
+trajectory over its mean completion time), completion latency split into generator and verifier
+time, tokens generated and kept, the prefix-cache hit rate of each server (SGLang's ``cached_tokens``
+over ``prompt_tokens``), and the generator-bound limit: the same generated tokens decoded at the
+planned batch with no stragglers and no PRM waits (a measured decode throughput at that batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from sgl_tts.bench.trace import StepTrace
+from sgl_tts.search import STEP_DELIMITER, SearchTag
+
+logger = logging.getLogger(__name__)
+
+SIDES = ("stock", "sgl-tts")
+ALGORITHMS = ("beam_search", "dvts")
+DEFAULT_N = (8, 16, 32, 64, 128, 256, 512)
+# What the lent GPU machines can run with the wheelhouse (docs/GPU_BRINGUP.md): triton attention,
+# torch sampling, no grammar backend (FA3 kernels, flashinfer cubins and xgrammar do not travel).
+DEFAULT_SERVER_ARGS = ("--attention-backend triton --sampling-backend pytorch --grammar-backend none "
+                       "--cuda-graph-backend-prefill disabled")
+CONTEXT_MARGIN = 64   # tokens a path leaves free under the context length (PRM tags, padding)
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot go on; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------- the trace
+class StepRegistry:
+    """Where every generated step sits in its search tree.
+
+    A request's place is its parent's path plus its own beam index; the parent is found from the
+    request's prefix (the text of its last step), because the same search on another side writes
+    different random text. Paths, not texts, key the trace, so both sides draw the same lengths and
+    scores. Thread-safe (forked states generate on their own threads).
+    """
+
+    def __init__(self, delimiter: str = STEP_DELIMITER):
+        self.delimiter = delimiter
+        self._nodes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+
+    def place(self, prefix: str, tag: SearchTag) -> tuple[int, ...]:
+        """The path of the step a request with ``prefix`` and ``tag`` is about to generate."""
+        if tag.depth == 0:
+            return (tag.beam,)
+        segments = [x.strip() for x in prefix.split(self.delimiter)]
+        last = next((x for x in reversed(segments) if x), "")
+        with self._lock:
+            node = self._nodes.get(last)
+        if node is None:
+            raise BenchError(f"a depth-{tag.depth} request of search {tag.group!r} does not continue a step "
+                             f"this benchmark generated (prefix ends {prefix[-60:]!r})")
+        return node[1] + (tag.beam,)
+
+    def add(self, text: str, group: str, path: tuple[int, ...]) -> None:
+        key = text.strip()
+        with self._lock:
+            old = self._nodes.get(key)
+            if old is not None and old != (group, path):
+                raise BenchError(f"two steps ({old} and {(group, path)}) generated the same text {key[:60]!r}; "
+                                 f"the benchmark cannot tell them apart")
+            self._nodes[key] = (group, path)
+
+    def node(self, text: str) -> tuple[str, tuple[int, ...]]:
+        """``(search group, path)`` of a generated step's text."""
+        with self._lock:
+            got = self._nodes.get(text.strip())
+        if got is None:
+            raise BenchError(f"the PRM was asked about a step this benchmark did not generate: {text[:60]!r}")
+        return got
+
+    def clear(self) -> None:
+        with self._lock:
+            self._nodes.clear()
+
+
+@dataclasses.dataclass
+class Meter:
+    """What a server reported for the requests sent to it (SGLang's ``meta_info``)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, meta: Mapping[str, Any]) -> None:
+        self.requests += 1
+        self.prompt_tokens += int(meta.get("prompt_tokens", 0) or 0)
+        self.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+        self.completion_tokens += int(meta.get("completion_tokens", 0) or 0)
+
+
+def _metered_endpoint_class():
+    from sgl_tts.backends.endpoint import SGLangEndpoint
+
+    class MeteredEndpoint(SGLangEndpoint):
+        """An :class:`~sgl_tts.backends.SGLangEndpoint` that tallies every answer's ``meta_info``."""
+
+        def __init__(self, *args, **kwargs):
+            self.meter = Meter()
+            self._meter_lock = threading.Lock()
+            super().__init__(*args, **kwargs)
+
+        def post(self, path: str, payload: dict[str, Any]) -> Any:
+            obj = super().post(path, payload)
+            with self._meter_lock:
+                for res in obj if isinstance(obj, list) else [obj]:
+                    if isinstance(res, dict) and isinstance(res.get("meta_info"), dict):
+                        self.meter.add(res["meta_info"])
+            return obj
+
+        def take_meter(self) -> Meter:
+            with self._meter_lock:
+                got, self.meter = self.meter, Meter()
+            return got
+
+    return MeteredEndpoint
+
+
+def metered_endpoint(base_url: str, **kwargs):
+    """A metered SGLang endpoint (see :func:`_metered_endpoint_class`)."""
+    return _metered_endpoint_class()(base_url, **kwargs)
+
+
+def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
+                   context_tokens: int | None = None, tokenizer_path: str | None = None):
+    """A generator endpoint that makes every step as long as the trace says.
+
+    Each ``/generate`` of a tagged step request asks for exactly the trace's length
+    (``max_new_tokens``, ``ignore_eos``, no stop strings), and the answer's ``finish_reason`` is
+    rewritten to what a real model would have reported: the step delimiter, or EOS where the trace
+    ends the solution (also where the path would run past ``context_tokens`` minus a margin: a real
+    run ends there too).
+    """
+    from sgl_tts.backends.request import take_request_fields
+
+    base = _metered_endpoint_class()
+
+    class TraceEndpoint(base):
+        def generate(self, s, sampling_params):
+            fields = take_request_fields()
+            tag = SearchTag.from_custom_params(fields.custom_params)
+            if tag is None:
+                raise BenchError("the benchmark generator only serves tagged step requests "
+                                 "(gen_step(..., tags=...)); a program sent an untagged one")
+            path = registry.place(s.text_, tag)
+            tokens = trace.step_tokens(tag.group, path, tag.depth)
+            ends = trace.ends(tag.group, path, tag.depth)
+            if context_tokens:
+                room = context_tokens - CONTEXT_MARGIN - len(self.encode(s.text_))
+                if room < 1:
+                    raise BenchError(f"search {tag.group!r}: a prefix left no room under the context "
+                                     f"length {context_tokens}")
+                if tokens >= room - trace.min_tokens:   # the next step would not fit: end here
+                    tokens, ends = min(tokens, room), True
+            data = self._generate_body(s, sampling_params, fields)
+            data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
+            obj = self.post("/generate", data)
+            text, meta = obj["text"], dict(obj["meta_info"])
+            meta["finish_reason"] = ({"type": "stop", "matched": 0} if ends   # EOS (an int: a token id)
+                                     else {"type": "stop", "matched": registry.delimiter})
+            meta["trace_path"] = list(path)
+            registry.add(text, tag.group, path)
+            return text, meta
+
+    return TraceEndpoint(base_url, tokenizer_path=tokenizer_path)
+
+
+class TraceScores:
+    """A PRM that does the real PRM's work, then answers with the trace's scores.
+
+    ``inner`` (e.g. a :class:`~sgl_tts.prm.StepTagPRM` on the PRM server) is called on every batch,
+    so the verifier reads every step as it would in a real run; ``seconds`` adds up its time.
+    """
+
+    def __init__(self, inner, registry: StepRegistry, trace: StepTrace):
+        self.inner, self.registry, self.trace = inner, registry, trace
+        self.seconds = 0.0
+        self.calls = 0
+
+    def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
+        t0 = time.perf_counter()
+        self.inner.score(question, steps_batch)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        out = []
+        for steps in steps_batch:
+            row = []
+            for step in steps:
+                group, path = self.registry.node(step)
+                row.append(self.trace.score(group, path, len(path) - 1))
+            out.append(row)
+        return out
+
+
+# ------------------------------------------------------------------------------------ settings
+@dataclasses.dataclass
+class BenchSettings:
+    """What one benchmark run measures (written as the output's first line; a resumed run must match).
+
+    Attributes:
+        algorithms, n: the programs and beam counts; problems: synthetic problems per (algorithm, n).
+        beam_width: M of beam search and DVTS. seed: problems' and trace's seed.
+        prompt_tokens: words per synthetic problem. temperature: sampling temperature.
+        trace: the step-length / end / score trace's parameters (:class:`StepTrace` fields).
+        context_tokens: the generator's context length (paths end before it); None: unlimited.
+        planned_batch: the generator's planned batch (the generator-bound limit's batch).
+        limit_tokens: tokens per request when the decode throughput for the limit is measured.
+    """
+
+    algorithms: tuple[str, ...] = ALGORITHMS
+    n: tuple[int, ...] = DEFAULT_N
+    problems: int = 2
+    beam_width: int = 4
+    seed: int = 0
+    prompt_tokens: int = 200
+    temperature: float = 0.8
+    trace: dict = dataclasses.field(default_factory=dict)
+    context_tokens: int | None = None
+    planned_batch: int = 256
+    limit_tokens: int = 256
+
+    def __post_init__(self):
+        self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
+        bad = [a for a in self.algorithms if a not in ALGORITHMS]
+        if bad or not self.algorithms:
+            raise ValueError(f"unknown algorithm {bad[0] if bad else None!r}; choose from {', '.join(ALGORITHMS)}")
+        if not self.n or any(x < 1 for x in self.n):
+            raise ValueError(f"every n must be >= 1, got {list(self.n)}")
+        if self.beam_width < 1 or self.problems < 1 or self.prompt_tokens < 1:
+            raise ValueError("beam_width, problems and prompt_tokens must be >= 1")
+        if "dvts" in self.algorithms and min(self.n) < self.beam_width:
+            raise ValueError(f"DVTS needs n >= beam_width ({self.beam_width}); got n = {min(self.n)}")
+        if self.planned_batch < 1 or self.limit_tokens < 1:
+            raise ValueError("planned_batch and limit_tokens must be >= 1")
+        self.step_trace()   # bad trace parameters fail here
+
+    def step_trace(self) -> StepTrace:
+        return StepTrace(seed=self.seed, **self.trace)
+
+    def question(self, problem: int, vocab: int) -> str:
+        """Synthetic problem ``problem``: ``prompt_tokens`` words of the benchmark word tokenizer."""
+        rng = random.Random(f"bench-question/{self.seed}/{problem}")
+        return " ".join(f"t{rng.randrange(vocab)}" for _ in range(self.prompt_tokens))
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def search_group(algorithm: str, n: int, problem: int) -> str:
+    """The search's id: the same on both sides (it keys the trace)."""
+    return f"{algorithm}-n{n}-p{problem}"
+
+
+# --------------------------------------------------------------------------------- the searches
+def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSettings, *,
+             prm_tokenizer: str | None = None, generator_tokenizer: str | None = None,
+             vocab: int = 32000, done: Iterable[tuple] = (), write: Callable[[dict], None],
+             progress: bool = True) -> None:
+    """Run every (algorithm, n, problem) not in ``done`` on one side's servers; ``write`` gets one
+    record per finished search (so nothing finished is lost if a later one fails)."""
+    from tqdm.auto import tqdm
+
+    from programs.beam_search import beam_search
+    from programs.dvts import dvts
+    from sgl_tts.bench.dummy_models import WORD_TAG
+    from sgl_tts.prm import StepTagPRM
+
+    programs = {"beam_search": beam_search, "dvts": dvts}
+    trace = settings.step_trace()
+    registry = StepRegistry()
+    gen = trace_endpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
+                         tokenizer_path=generator_tokenizer)
+    prm_backend = metered_endpoint(prm_url, tokenizer_path=prm_tokenizer)
+    done = set(done)
+    todo = [(a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)
+            if (side, a, n, p) not in done]
+    for algorithm, n, problem in tqdm(todo, desc=f"{side} searches", disable=not progress):
+        group = search_group(algorithm, n, problem)
+        registry.clear()
+        gen.take_meter(), prm_backend.take_meter()
+        verifier = TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
+        t0 = time.perf_counter()
+        state = programs[algorithm].run(
+            question=settings.question(problem, vocab), prm=verifier, num_beams=n,
+            beam_width=settings.beam_width, max_depth=trace.max_depth, step_tokens=trace.max_tokens,
+            sampling_temperature=settings.temperature, seed=settings.seed, search_group=group,
+            backend=gen)
+        seconds = time.perf_counter() - t0
+        error = state.error() if hasattr(state, "error") else None
+        if error is not None:
+            raise BenchError(f"{side}: {group} failed: {error}") from (error if isinstance(error, BaseException) else None)
+        result = state.ret_value
+        kept = sorted([list(registry.node(t.steps[-1])[1]) if t.steps else [], bool(t.finished), int(t.tokens),
+                       round(float(t.score), 9)] for t in result.trajectories)
+        g, v = gen.take_meter(), prm_backend.take_meter()
+        write({"kind": "search", "side": side, "algorithm": algorithm, "n": n, "problem": problem,
+               "seconds": seconds, "verifier_seconds": verifier.seconds,
+               "generator_seconds": max(0.0, seconds - verifier.seconds),
+               "tokens_generated": int(result.tokens_generated), "tokens_kept": int(result.tokens_kept),
+               "trajectories": len(result.trajectories),
+               "trajectory_tokens": sum(t.tokens for t in result.trajectories),
+               "trajectory_seconds": sum(t.seconds for t in result.trajectories),
+               "generator": dataclasses.asdict(g), "prm": dataclasses.asdict(v), "kept": kept})
+
+
+def measure_limit(generator_url: str, settings: BenchSettings, *, vocab: int = 32000,
+                  write: Callable[[dict], None], done: Iterable[int] = ()) -> None:
+    """Decode throughput at every batch the limit needs (``min(n, planned_batch)``): that many
+    requests of ``limit_tokens`` tokens each (``ignore_eos``) sent at once, no PRM, no stragglers."""
+    import requests
+
+    done = set(done)
+    for batch in sorted({min(n, settings.planned_batch) for n in settings.n} - done):
+        texts = [settings.question(10_000 + i, vocab) for i in range(batch)]
+        body = {"text": texts, "sampling_params": {"max_new_tokens": settings.limit_tokens,
+                                                   "ignore_eos": True, "temperature": settings.temperature}}
+        t0 = time.perf_counter()
+        res = requests.post(generator_url.rstrip("/") + "/generate", json=body, timeout=3600)
+        seconds = time.perf_counter() - t0
+        if res.status_code != 200:
+            raise BenchError(f"the limit measurement at batch {batch} failed: HTTP {res.status_code} {res.text[:200]}")
+        out = res.json()
+        tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in (out if isinstance(out, list) else [out]))
+        write({"kind": "limit", "batch": batch, "tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
+
+
+# ------------------------------------------------------------------------------------- the report
+@dataclasses.dataclass
+class SideRow:
+    """One side at one (algorithm, n), over its problems."""
+
+    problems: int
+    goodput: float              # precise goodput, tokens/s
+    latency: float              # mean seconds per search
+    generator_seconds: float    # of which waiting for the generator (mean)
+    verifier_seconds: float     # of which waiting for the PRM (mean)
+    tokens_generated: float     # mean per search
+    tokens_kept: float
+    generator_hit_rate: float   # cached / prompt tokens
+    prm_hit_rate: float
+
+
+@dataclasses.dataclass
+class ReportRow:
+    algorithm: str
+    n: int
+    sides: dict[str, SideRow]
+    limit_goodput: float | None    # generator-bound limit (precise goodput), tokens/s
+    limit_batch: int
+    match: bool | None             # kept beams equal on both sides (None: one side missing)
+    mismatched: list[int]          # problems whose kept beams differ
+
+
+def _side_row(recs: list[dict]) -> SideRow:
+    k = len(recs)
+    mean = lambda f: sum(f(r) for r in recs) / k  # noqa: E731
+    secs = sum(r["trajectory_seconds"] for r in recs)
+    rate = lambda who: (sum(r[who]["cached_tokens"] for r in recs) /  # noqa: E731
+                        max(1, sum(r[who]["prompt_tokens"] for r in recs)))
+    return SideRow(k, sum(r["trajectory_tokens"] for r in recs) / secs if secs > 0 else 0.0,
+                   mean(lambda r: r["seconds"]), mean(lambda r: r["generator_seconds"]),
+                   mean(lambda r: r["verifier_seconds"]), mean(lambda r: r["tokens_generated"]),
+                   mean(lambda r: r["tokens_kept"]), rate("generator"), rate("prm"))
+
+
+def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRow]:
+    """The report's rows, in (algorithm, n) order, from the run's records."""
+    searches = [r for r in records if r.get("kind") == "search"]
+    limits = {r["batch"]: r["tokens_per_s"] for r in records if r.get("kind") == "limit"}
+    rows = []
+    for algorithm in settings.algorithms:
+        for n in settings.n:
+            mine = [r for r in searches if r["algorithm"] == algorithm and r["n"] == n]
+            if not mine:
+                continue
+            by_side = {s: sorted((r for r in mine if r["side"] == s), key=lambda r: r["problem"]) for s in SIDES}
+            sides = {s: _side_row(rs) for s, rs in by_side.items() if rs}
+            batch = min(n, settings.planned_batch)
+            limit = None
+            tps = limits.get(batch)
+            ref = by_side["sgl-tts"] or by_side["stock"]
+            if tps:
+                # every kept trajectory done when the search's tokens are decoded at ``tps``
+                secs = sum(r["trajectories"] * r["tokens_generated"] / tps for r in ref)
+                limit = sum(r["trajectory_tokens"] for r in ref) / secs if secs > 0 else None
+            match, bad = None, []
+            if by_side["stock"] and by_side["sgl-tts"]:
+                a = {r["problem"]: r["kept"] for r in by_side["stock"]}
+                b = {r["problem"]: r["kept"] for r in by_side["sgl-tts"]}
+                bad = sorted(p for p in set(a) & set(b) if a[p] != b[p])
+                match = not bad
+            rows.append(ReportRow(algorithm, n, sides, limit, batch, match, bad))
+    return rows
+
+
+def format_report(rows: Sequence[ReportRow]) -> str:
+    """Markdown tables: one row per (algorithm, n, side)."""
+    head = ("| algorithm | n | side | problems | goodput (tok/s) | vs stock | latency (s) | generator (s) | "
+            "verifier (s) | tokens generated | tokens kept | gen cache hit | PRM cache hit | limit (tok/s) | "
+            "kept beams |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for row in rows:
+        stock = row.sides.get("stock")
+        for side in SIDES:
+            r = row.sides.get(side)
+            if r is None:
+                continue
+            vs = f"{r.goodput / stock.goodput:.2f}x" if stock and stock.goodput > 0 else "-"
+            limit = f"{row.limit_goodput:.0f} (b={row.limit_batch})" if row.limit_goodput else "-"
+            kept = ("-" if row.match is None else "match" if row.match
+                    else "DIFFER: problems " + ", ".join(map(str, row.mismatched)))
+            lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {r.goodput:.1f} | {vs} | "
+                         f"{r.latency:.2f} | {r.generator_seconds:.2f} | {r.verifier_seconds:.2f} | "
+                         f"{r.tokens_generated:.0f} | {r.tokens_kept:.0f} | {r.generator_hit_rate:.1%} | "
+                         f"{r.prm_hit_rate:.1%} | {limit} | {kept} |")
+    return "\n".join(lines)
+
+
+def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") -> Path:
+    """Goodput vs n per algorithm (each side and the generator-bound limit) and the latency split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algorithms = list(dict.fromkeys(r.algorithm for r in rows))
+    fig, axes = plt.subplots(2, max(1, len(algorithms)), figsize=(6 * max(1, len(algorithms)), 8),
+                             squeeze=False)
+    for col, algorithm in enumerate(algorithms):
+        mine = [r for r in rows if r.algorithm == algorithm]
+        ax = axes[0][col]
+        for side, style in zip(SIDES, ("o-", "s-")):
+            pts = [(r.n, r.sides[side].goodput) for r in mine if side in r.sides]
+            if pts:
+                ax.plot(*zip(*pts), style, label=side)
+        lim = [(r.n, r.limit_goodput) for r in mine if r.limit_goodput]
+        if lim:
+            ax.plot(*zip(*lim), "k--", label="generator-bound limit")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("n (beams)")
+        ax.set_ylabel("precise goodput (tokens/s)")
+        ax.set_title(f"{algorithm}: goodput")
+        ax.legend()
+        ax = axes[1][col]
+        labels, gen, ver = [], [], []
+        for r in mine:
+            for side in SIDES:
+                if side in r.sides:
+                    labels.append(f"{r.n}\n{'stock' if side == 'stock' else 'tts'}")
+                    gen.append(r.sides[side].generator_seconds)
+                    ver.append(r.sides[side].verifier_seconds)
+        xs = range(len(labels))
+        ax.bar(xs, gen, label="generator")
+        ax.bar(xs, ver, bottom=gen, label="verifier (PRM)")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("seconds per search (mean)")
+        ax.set_title(f"{algorithm}: completion latency")
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------- the records
+def read_records(path: Path, settings: BenchSettings) -> list[dict]:
+    """The records of an earlier run of the same settings (a torn last line is dropped); an output of
+    other settings is refused rather than mixed."""
+    if not path.exists() or path.stat().st_size == 0:
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("%s: dropping a torn last line", path)
+                break
+            raise BenchError(f"{path}:{i + 1} is not JSON; move the file away or pick another --output")
+    if not out or out[0].get("kind") != "settings":
+        raise BenchError(f"{path} is not a benchmark output (its first line holds no settings)")
+    if out[0]["settings"] != settings.to_json():
+        raise BenchError(f"{path} holds a run of other settings; pick another --output (or delete it)")
+    return out[1:]
+
+
+class RecordWriter:
+    """Writes the run's output: the settings line and the records kept from an earlier run (written
+    afresh, so a torn line is gone), then one flushed and fsynced line per new record."""
+
+    def __init__(self, path: Path, settings: BenchSettings, records: Sequence[dict] = ()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as fh:
+            for rec in [{"kind": "settings", "settings": settings.to_json()}, *records]:
+                fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        self.path = path
+        self.records: list[dict] = list(records)
+
+    def __call__(self, record: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.records.append(record)
+
+
+__all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "RecordWriter", "ReportRow", "SIDES",
+           "SideRow", "StepRegistry", "TraceScores", "format_report", "measure_limit", "metered_endpoint",
+           "plot_report", "read_records", "run_side", "search_group", "summarize", "trace_endpoint"]

@@ -1,0 +1,262 @@
+"""``sgl-tts bench`` without a GPU: the trace-driven searches against SGLang look-alike servers (the
+client, programs and PRM are the real ones), the kept-beam check, the report, resume, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+
+from sgl_tts.bench.command import main as bench_main
+from sgl_tts.bench.dummy_models import write_word_tokenizer
+from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
+                                   measure_limit, read_records, run_side, summarize)
+from sgl_tts.search import SearchTag
+
+from test_endpoint import ModelServer
+
+VOCAB = 500
+TRACE = {"median_tokens": 6.0, "sigma": 0.6, "min_tokens": 2, "max_tokens": 20, "end_probability": 0.3,
+         "max_depth": 6}
+
+
+class WordGenerator(ModelServer):
+    """A generator look-alike: ``max_new_tokens`` random words of the word tokenizer (its own random
+    stream, so two of them write different text for the same search), half the prompt "cached"."""
+
+    def __init__(self, folder, seed):
+        super().__init__(None, folder)
+        self.rng = random.Random(seed)
+        self.lock2 = threading.Lock()
+
+    def one(self, text, params):
+        n = int(params["max_new_tokens"])
+        with self.lock2:
+            words = " ".join(f"t{self.rng.randrange(VOCAB - 4)}" for _ in range(n))
+        prompt = len(text.split())
+        return {"text": words, "meta_info": {"prompt_tokens": prompt, "cached_tokens": prompt // 2,
+                                             "completion_tokens": n,
+                                             "finish_reason": {"type": "length", "length": n}}}
+
+    def respond(self, path, body):
+        if isinstance(body["text"], list):
+            return ([self.one(t, body["sampling_params"]) for t in body["text"]],)
+        return (self.one(body["text"], body["sampling_params"]),)
+
+
+class WordPRM(ModelServer):
+    """A step-tag PRM look-alike in SGLang 0.5.15's logprob layout (constant log-probabilities)."""
+
+    def __init__(self, folder):
+        super().__init__(None, folder)
+
+    def respond(self, path, body):
+        out = []
+        for ids, start, wanted in zip(body["input_ids"], body["logprob_start_len"], body["token_ids_logprob"]):
+            entries = [None] + [[[-0.5, t, None] for t in wanted] for _ in range(start + 1, len(ids))]
+            out.append({"text": "", "meta_info": {"input_token_ids_logprobs": entries, "prompt_tokens": len(ids),
+                                                  "cached_tokens": len(ids) - 10, "completion_tokens": 0}})
+        return (out,)
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("words")
+    write_word_tokenizer(folder, VOCAB)
+    return folder
+
+
+def settings(**kw):
+    base = dict(algorithms=("beam_search", "dvts"), n=(4, 8), problems=2, beam_width=2, prompt_tokens=12,
+                trace=TRACE, planned_batch=6, limit_tokens=5)
+    return BenchSettings(**{**base, **kw})
+
+
+def run_two_sides(words, cfg):
+    servers = {"stock": (WordGenerator(words, 1), WordPRM(words)),
+               "sgl-tts": (WordGenerator(words, 2), WordPRM(words))}
+    records = []
+    try:
+        for side, (gen, prm) in servers.items():
+            run_side(side, gen.url, prm.url, cfg, prm_tokenizer=str(words), generator_tokenizer=str(words),
+                     vocab=VOCAB - 4, write=records.append, progress=False)
+        measure_limit(servers["sgl-tts"][0].url, cfg, vocab=VOCAB - 4, write=records.append)
+    finally:
+        for pair in servers.values():
+            for srv in pair:
+                srv.close()
+    return records, servers
+
+
+def test_both_sides_keep_the_same_beams_though_their_text_differs(words):
+    cfg = settings()
+    records, servers = run_two_sides(words, cfg)
+    trace = cfg.step_trace()
+    searches = [r for r in records if r["kind"] == "search"]
+    assert len(searches) == 2 * 2 * 2 * 2   # sides x algorithms x n x problems
+    # the sides wrote different text, yet every search kept the same beams
+    texts = {side: [b["text"] for b in pair[0].bodies if isinstance(b["text"], str)]
+             for side, pair in servers.items()}
+    assert texts["stock"] != texts["sgl-tts"]
+    rows = summarize(records, cfg)
+    assert [(r.algorithm, r.n, r.match) for r in rows] == [("beam_search", 4, True), ("beam_search", 8, True),
+                                                           ("dvts", 4, True), ("dvts", 8, True)]
+    # every step asked for exactly the trace's tokens, EOS off, no stop string, tagged for the plugin
+    steps = [b for b in servers["stock"][0].bodies if b["sampling_params"].get("max_new_tokens")]
+    assert len(steps) > 100   # (the others: the frontend's prefix-cache fills at each fork)
+    for body in steps:
+        sp = body["sampling_params"]
+        assert sp["ignore_eos"] is True and sp["stop"] == []
+        assert set(sp["custom_params"]) >= {"tts_group", "tts_depth", "tts_beam"}
+    # a kept trajectory's tokens are the trace's lengths along its path; its score is the trace's
+    for r in searches:
+        group = f"{r['algorithm']}-n{r['n']}-p{r['problem']}"
+        for path, finished, tokens, score in r["kept"]:
+            assert tokens == sum(trace.step_tokens(group, path[:k + 1], k) for k in range(len(path)))
+            assert score == round(trace.score(group, path, len(path) - 1), 9)
+            assert finished == trace.ends(group, path, len(path) - 1) or len(path) == trace.max_depth
+    # the verifier did real work: every PRM request came through the PRM server
+    assert all(r["prm"]["requests"] > 0 and r["verifier_seconds"] > 0 for r in searches)
+    gen = [r["generator"] for r in searches if r["side"] == "stock"]
+    assert rows[0].sides["stock"].problems == 2
+    # hit rate = cached / prompt tokens, as the server reported them (cached = prompt // 2 here)
+    mine = [r for r in searches if r["side"] == "stock" and r["algorithm"] == "beam_search" and r["n"] == 4]
+    assert rows[0].sides["stock"].generator_hit_rate == pytest.approx(
+        sum(r["generator"]["cached_tokens"] for r in mine) / sum(r["generator"]["prompt_tokens"] for r in mine))
+    assert all(g["completion_tokens"] > 0 for g in gen)
+    limits = [r for r in records if r["kind"] == "limit"]
+    assert [(r["batch"], r["tokens"]) for r in limits] == [(4, 20), (6, 30)]   # min(n, planned batch 6)
+    assert all(r.limit_goodput and r.limit_goodput > 0 for r in rows)
+
+
+def test_a_differing_kept_beam_is_reported_with_its_problem(words):
+    cfg = settings(algorithms=("beam_search",), n=(4,))
+    records, _ = run_two_sides(words, cfg)
+    victim = next(r for r in records if r["kind"] == "search" and r["side"] == "sgl-tts" and r["problem"] == 1)
+    victim["kept"] = victim["kept"][1:]
+    rows = summarize(records, cfg)
+    assert (rows[0].match, rows[0].mismatched) == (False, [1])
+    assert "| DIFFER: problems 1 |" in format_report(rows)
+
+
+def test_steps_end_before_the_context_length(words):
+    cfg = settings(algorithms=("beam_search",), n=(4,), problems=1, context_tokens=12 + 64 + 25)
+    records, _ = run_two_sides(words, cfg)
+    search = next(r for r in records if r["kind"] == "search")
+    # room for 25 tokens of path: no kept path is longer, and every kept one finished
+    assert all(tokens <= 25 and finished for _, finished, tokens, _ in search["kept"])
+
+
+def _record(side, n, problem, *, tokens, seconds, kept=((0,), True, 10, 0.5)):
+    return {"kind": "search", "side": side, "algorithm": "beam_search", "n": n, "problem": problem,
+            "seconds": seconds, "verifier_seconds": seconds / 4, "generator_seconds": seconds * 3 / 4,
+            "tokens_generated": 400, "tokens_kept": tokens * 2, "trajectories": 2,
+            "trajectory_tokens": tokens * 2, "trajectory_seconds": seconds * 2,
+            "generator": {"requests": 8, "prompt_tokens": 1000, "cached_tokens": 750, "completion_tokens": 400},
+            "prm": {"requests": 8, "prompt_tokens": 1000, "cached_tokens": 500, "completion_tokens": 0},
+            "kept": [list(kept)]}
+
+
+def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
+    cfg = BenchSettings(algorithms=("beam_search",), n=(8,), problems=2, planned_batch=4)
+    records = [_record("stock", 8, 0, tokens=100, seconds=2.0), _record("stock", 8, 1, tokens=300, seconds=6.0),
+               _record("sgl-tts", 8, 0, tokens=100, seconds=1.0), _record("sgl-tts", 8, 1, tokens=300, seconds=3.0),
+               {"kind": "limit", "batch": 4, "tokens": 1000, "seconds": 1.0, "tokens_per_s": 1000.0}]
+    (row,) = summarize(records, cfg)
+    # stock: (2*100 + 2*300) tokens over (2*2 + 2*6) trajectory-seconds = 50 tok/s; sgl-tts 100 tok/s
+    assert row.sides["stock"].goodput == pytest.approx(50.0)
+    assert row.sides["sgl-tts"].goodput == pytest.approx(100.0)
+    # limit: 400 generated tokens at 1000 tok/s = 0.4 s per search; 800 tokens / (4 trajectories x 0.4 s)
+    assert row.limit_goodput == pytest.approx(500.0) and row.limit_batch == 4
+    assert row.match is True
+    lines = format_report([row]).splitlines()
+    assert lines[0].startswith("| algorithm | n | side |")
+    assert lines[2] == ("| beam_search | 8 | stock | 2 | 50.0 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | 400 | "
+                        "75.0% | 50.0% | 500 (b=4) | match |")
+    assert lines[3] == ("| beam_search | 8 | sgl-tts | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 400 | "
+                        "75.0% | 50.0% | 500 (b=4) | match |")
+
+
+def test_the_registry_places_steps_by_their_parent_and_refuses_what_it_cannot_place():
+    reg = StepRegistry()
+    assert reg.place("q words\n\n", SearchTag("g", 0, -1, 3)) == (3,)
+    reg.add(" t1 t2 ", "g", (3,))
+    assert reg.place("q words\n\nt1 t2\n\n", SearchTag("g", 1, 3, 5)) == (3, 5)
+    assert reg.node("t1 t2") == ("g", (3,))
+    with pytest.raises(BenchError, match="does not continue a step this benchmark generated"):
+        reg.place("q words\n\nt9 t9\n\n", SearchTag("g", 1, 0, 0))
+    with pytest.raises(BenchError, match="generated the same text 't1 t2'"):
+        reg.add("t1 t2", "g", (4,))
+    with pytest.raises(BenchError, match="did not generate: 'zzz'"):
+        reg.node("zzz")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"algorithms": ("mcts",)}, "unknown algorithm 'mcts'; choose from beam_search, dvts"),
+    ({"n": (8, 0)}, r"every n must be >= 1, got \[8, 0\]"),
+    ({"n": (2,), "beam_width": 4}, r"DVTS needs n >= beam_width \(4\); got n = 2"),
+    ({"trace": {"sigma": -1}}, "median_tokens must be > 0 and sigma >= 0"),
+    ({"problems": 0}, "beam_width, problems and prompt_tokens must be >= 1"),
+])
+def test_bad_settings_are_refused_with_the_reason(kw, message):
+    with pytest.raises(ValueError, match=message):
+        BenchSettings(**kw)
+
+
+def test_records_resume_only_for_the_same_settings_and_a_torn_line_is_dropped(tmp_path):
+    cfg = BenchSettings(n=(8,), problems=1)
+    out = tmp_path / "run.jsonl"
+    write = RecordWriter(out, cfg)
+    write({"kind": "limit", "batch": 8, "tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0})
+    with open(out, "a") as fh:
+        fh.write('{"kind": "sea')   # a crash mid-line
+    got = read_records(out, cfg)
+    assert [r["kind"] for r in got] == ["limit"]
+    RecordWriter(out, cfg, got)({"kind": "limit", "batch": 16, "tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0})
+    assert [r["batch"] for r in read_records(out, cfg)] == [8, 16]   # the torn line is gone
+    with pytest.raises(BenchError, match="holds a run of other settings"):
+        read_records(out, BenchSettings(n=(16,), problems=1))
+
+
+def _dry(capsys, *extra):
+    code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
+                       "0.4*24GiB", "--n", "8", "64", "--dry-run", *extra])
+    return code, capsys.readouterr()
+
+
+def test_dry_run_prints_a_stock_and_an_sgl_tts_pair(tmp_path, capsys):
+    code, out = _dry(capsys, "--models-dir", str(tmp_path))
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    settings_line = json.loads(lines[0])
+    assert settings_line["n"] == [8, 64] and settings_line["context_tokens"] == 4096
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
+    for name, cmd in cmds.items():
+        assert "--load-format dummy" in cmd and "--attention-backend triton" in cmd
+        assert cmd.startswith("SGLANG_PLUGINS=none ") == name.startswith("# stock")
+        assert ("--tts-policy prefix-aware" in cmd) == (name == "# sgl-tts generator")
+        assert ("--max-running-requests" in cmd) == name.startswith("# sgl-tts")
+    # the planned PRM pool holds one context-length request (SGLang refuses longer inputs)
+    assert "--max-total-tokens 4096 " in cmds["# sgl-tts prm"]
+    tok = tmp_path / "qwen2.5-math-1.5b" / "tokenizer"
+    assert (tok / "tokenizer.json").exists()
+    assert f"--tokenizer-path {tok}" in cmds["# stock generator"] and f"--tokenizer-path {tok}" in cmds["# sgl-tts generator"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--stock-split", "1.5"], "the generator's share must be in (0, 1), got 1.5"),
+    (["--n", "2", "--beam-width", "4"], "DVTS needs n >= beam_width (4); got n = 2"),
+])
+def test_bad_arguments_fail_with_one_line(tmp_path, capsys, extra, message):
+    code, out = _dry(capsys, "--models-dir", str(tmp_path), *extra)
+    assert code == 1 and out.err == f"sgl-tts bench: error: {message}\n"
+
+
+def test_report_only_needs_records(tmp_path, capsys):
+    code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--n", "8",
+                       "--models-dir", str(tmp_path), "--output", str(tmp_path / "none.jsonl"), "--report-only"])
+    assert code == 1
+    assert capsys.readouterr().err == f"sgl-tts bench: error: {tmp_path / 'none.jsonl'} holds no records to report\n"

@@ -112,6 +112,10 @@ def _delegated(command: str):
         from sgl_tts.serve import main as delegate
     elif command == "bench":
         from sgl_tts.bench.command import main as delegate
+    elif command == "wheelhouse":
+        from sgl_tts.wheelhouse import main as delegate
+    elif command == "smoke":
+        from sgl_tts.smoke import main as delegate
     else:
         from sgl_tts.quality import main as delegate
     return delegate
@@ -155,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False,
                    help="stock SGLang vs SGLang with sgl-tts on beam search and DVTS (random-weight "
                         "models, trace-driven steps): goodput, latency, cache hits (see its --help)")
+    sub.add_parser("wheelhouse", add_help=False,
+                   help="build the wheels that carry SGLang to a GPU machine without network (see its --help)")
+    sub.add_parser("smoke", add_help=False,
+                   help="start an SGLang server with the tiny generator and the plugin, run beam search "
+                        "through it, print OK and the timings (GPU; see its --help)")
     sub.add_parser("train-tiny", add_help=False,
                    help="train the tiny generator + PRM for the arithmetic task (see its --help)")
     sub.add_parser("quality", add_help=False,
@@ -164,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench"):
+    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench",
+                             "wheelhouse", "smoke"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -1,0 +1,130 @@
+"""The GPU bring-up chain without a GPU: slimming a wheel, packing parts, and tools/gpu/bringup.sh
+receiving, checking and installing them (a real pip install of a real small wheel)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sgl_tts.wheelhouse import EXCLUDE, pack, present_on_machine, slim_wheel, wanted
+
+BRINGUP = Path(__file__).resolve().parent.parent / "tools" / "gpu" / "bringup.sh"
+
+
+def make_wheel(folder: Path, name: str, files: dict[str, bytes]) -> Path:
+    """A minimal valid wheel (WHEEL, METADATA, RECORD) holding ``files``."""
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    members = {**files, f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+               f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode()}
+    record = io.StringIO()
+    w = csv.writer(record, lineterminator="\n")
+    for k in members:
+        w.writerow([k, "", ""])
+    w.writerow([f"{info}/RECORD", "", ""])
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in members.items():
+            z.writestr(k, v)
+        z.writestr(f"{info}/RECORD", record.getvalue())
+    return path
+
+
+def test_slimming_drops_the_matching_members_and_their_record_rows(tmp_path):
+    whl = make_wheel(tmp_path, "sgl_kernel_like", {
+        "sgl_kernel/__init__.py": b"", "sgl_kernel/flash_ops.abi3.so": os.urandom(50_000),
+        "sgl_kernel/sm100/common_ops.abi3.so": os.urandom(20_000), "sgl_kernel/sm90/common_ops.abi3.so": b"keep"})
+    before, after = slim_wheel(whl, (r"(^|/)flash_ops[^/]*\.so$", r"(^|/)sm100/"))
+    assert after < before - 60_000
+    with zipfile.ZipFile(whl) as z:
+        names = set(z.namelist())
+        record = z.read("sgl_kernel_like-1.0.dist-info/RECORD").decode()
+    assert "sgl_kernel/sm90/common_ops.abi3.so" in names and "sgl_kernel/__init__.py" in names
+    assert not {"sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/common_ops.abi3.so"} & names
+    assert "flash_ops" not in record and "sm100" not in record and "sm90/common_ops" in record
+
+
+def test_what_travels_leaves_out_the_machine_s_packages_and_the_exclusions():
+    present = present_on_machine()
+    assert {"torch", "triton", "numpy", "tqdm"} <= present
+    got = wanted({"sglang": "0.5.15", "torch": "2.11.0", "flashinfer-cubin": "0.6.12", "orjson": "3.13.0"}, present)
+    assert "torch" not in got and "flashinfer-cubin" not in got and "flashinfer-cubin" in EXCLUDE
+    assert got["sglang"] == "0.5.15" and got["orjson"] == "3.13.0"
+    assert "transformers" in got   # carried at SGLang's pin: the machine has another version
+
+
+def _bringup(*args, env):
+    return subprocess.run(["bash", str(BRINGUP), *args], capture_output=True, text=True, env={**os.environ, **env})
+
+
+def test_parts_travel_reassemble_check_and_install(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    wheels = [make_wheel(src, "smoke_pkg_a", {"smoke_pkg_a/__init__.py": b"VALUE = 41\n",
+                                              "smoke_pkg_a/blob.bin": os.urandom(30_000)}),
+              make_wheel(src, "smoke_pkg_b", {"smoke_pkg_b/__init__.py": b"VALUE = 1\n"})]
+    house = tmp_path / "house"
+    manifest = pack(wheels, house, part_bytes=12_000)
+    assert manifest["parts"] >= 3 and manifest["wheels"] == sorted(w.name for w in wheels)
+    assert all((house / f"part-{k:02d}" / "manifest.json").exists() for k in range(manifest["parts"]))
+    assert max((house / f"part-{k:02d}" / f"wheels.tar.{k:02d}").stat().st_size
+               for k in range(manifest["parts"])) <= 12_000
+    env = {"SGL_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGL_TTS_SITE": str(tmp_path / "site"),
+           "SGL_TTS_BRINGUP_IMPORTS": "smoke_pkg_a smoke_pkg_b", "PYTHON": sys.executable}
+    out = _bringup("receive", str(house / "part-00"), env=env)
+    assert out.returncode == 0 and f"1 of {manifest['parts']} parts" in out.stdout
+    early = _bringup("install", env=env)   # a part is missing: say which, install nothing
+    assert early.returncode == 3 and "missing: part-01" in early.stderr
+    for k in range(1, manifest["parts"]):
+        assert _bringup("receive", str(house / f"part-{k:02d}"), env=env).returncode == 0
+    done = _bringup("install", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "import smoke_pkg_a" in done.stdout and "import smoke_pkg_b" in done.stdout
+    check = subprocess.run([sys.executable, "-c", "import smoke_pkg_a; print(smoke_pkg_a.VALUE + 1)"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert check.stdout.strip() == "42"
+
+
+def test_a_damaged_part_is_caught_by_the_hash(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    house = tmp_path / "house"
+    manifest = pack([make_wheel(src, "smoke_pkg_c", {"smoke_pkg_c/__init__.py": b"", "x.bin": os.urandom(9000)})],
+                    house, part_bytes=4000)
+    part = house / "part-01" / "wheels.tar.01"
+    data = bytearray(part.read_bytes())
+    data[10] ^= 0xFF
+    part.write_bytes(bytes(data))
+    env = {"SGL_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGL_TTS_SITE": str(tmp_path / "site"),
+           "PYTHON": sys.executable}
+    for k in range(manifest["parts"]):
+        _bringup("receive", str(house / f"part-{k:02d}"), env=env)
+    bad = _bringup("install", env=env)
+    assert bad.returncode != 0 and "is not the manifest's" in bad.stderr and "a part is damaged" in bad.stderr
+    assert not (tmp_path / "site").exists()
+
+
+def test_smoke_dry_run_starts_the_tiny_generator_with_the_plugin(capsys):
+    from sgl_tts.models import shipped_model
+    from sgl_tts.smoke import main
+
+    assert main(["--dry-run", "--port", "31234"]) == 0
+    cmd = capsys.readouterr().out
+    assert f"--model-path {shipped_model('generator')}" in cmd and "--port 31234" in cmd
+    assert "--tts-policy prefix-aware --tts-metrics-file" in cmd and "--attention-backend triton" in cmd
+    assert main(["--beams", "1", "--dry-run"]) == 1
+    assert capsys.readouterr().err == "sgl-tts smoke: error: need --problems >= 1 and --beams >= 2\n"
+
+
+@pytest.mark.gpu
+def test_smoke_runs_on_a_gpu(capsys):
+    from sgl_tts.smoke import main
+
+    assert main(["--problems", "2"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("OK")

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# SGLang bring-up on a lent GPU machine (torch there, no SGLang, no network). Runs THERE, from the
+# repository root, in a chain of device calls made back to back (the machine stays warm 30 s):
+#   bash tools/gpu/bringup.sh receive .wheelhouse/part-00      # one call per part (carry that folder)
+#   bash tools/gpu/bringup.sh receive .wheelhouse/part-NN && bash tools/gpu/bringup.sh install \
+#       && bash tools/gpu/bringup.sh smoke                     # the last call
+# Later calls in the same warm machine: eval "$(bash tools/gpu/bringup.sh env)".
+# Parts made here by `sgl-tts wheelhouse build`; docs/GPU_BRINGUP.md has the whole story and a log.
+set -euo pipefail
+
+STORE=${SGL_TTS_WHEELHOUSE_STORE:-/tmp/sgl-tts-wheelhouse}
+SITE=${SGL_TTS_SITE:-/tmp/site}
+PY=${PYTHON:-python3}
+IMPORTS=${SGL_TTS_BRINGUP_IMPORTS:-sglang sgl_kernel flashinfer sgl_tts.plugin sglang.srt.entrypoints.http_server}
+
+say() { echo "[bringup $(date +%T)] $*"; }
+
+receive() {
+  local dir=$1
+  [ -f "$dir/manifest.json" ] || { echo "bringup: $dir holds no manifest.json (carry a part folder)" >&2; exit 2; }
+  mkdir -p "$STORE"
+  cp "$dir"/wheels.tar.* "$dir/manifest.json" "$STORE/"
+  local want have
+  want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['parts'])" "$STORE/manifest.json")
+  have=$(ls "$STORE"/wheels.tar.* | wc -l)
+  say "received $(basename "$dir"): $have of $want parts in $STORE"
+}
+
+install() {
+  local t0=$SECONDS want have
+  [ -f "$STORE/manifest.json" ] || { echo "bringup: nothing received in $STORE" >&2; exit 2; }
+  want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['parts'])" "$STORE/manifest.json")
+  have=$(ls "$STORE"/wheels.tar.* | wc -l)
+  if [ "$have" != "$want" ]; then
+    echo "bringup: $have of $want parts received; missing: $(cd "$STORE" && for k in $(seq -f %02g 0 $((want-1))); do [ -f wheels.tar.$k ] || printf 'part-%s ' $k; done)" >&2
+    exit 3
+  fi
+  cat $(ls "$STORE"/wheels.tar.* | sort) > "$STORE/wheels.tar"
+  "$PY" - "$STORE" <<'EOF'
+import hashlib, json, sys
+store = sys.argv[1]
+m = json.load(open(f"{store}/manifest.json"))
+h = hashlib.sha256(open(f"{store}/wheels.tar", "rb").read()).hexdigest()
+if h != m["sha256"]:
+    sys.exit(f"bringup: the reassembled tar's sha256 {h} is not the manifest's {m['sha256']}: a part is damaged")
+EOF
+  mkdir -p "$STORE/wheels"
+  tar -xf "$STORE/wheels.tar" -C "$STORE/wheels"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STORE"/wheels/*.whl
+  say "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE in $((SECONDS - t0)) s"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+  local m
+  for m in $IMPORTS; do
+    "$PY" -c "import time, importlib; t=time.perf_counter(); importlib.import_module('$m'); print(f'[bringup] import $m: {time.perf_counter()-t:.1f} s')"
+  done
+  "$PY" -c "import sglang, torch; print(f'[bringup] sglang {sglang.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"
+}
+
+env_lines() {
+  echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/bin:\$PATH"
+}
+
+case "${1:-}" in
+  receive) receive "${2:?bringup: receive needs a part folder}" ;;
+  install) install ;;
+  env) env_lines ;;
+  smoke) shift; eval "$(env_lines)"; "$PY" -m sgl_tts.smoke "$@" ;;
+  *) echo "usage: bringup.sh receive PART_DIR | install | env | smoke [ARGS]" >&2; exit 2 ;;
+esac

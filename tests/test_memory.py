@@ -91,12 +91,18 @@ def test_decode_wants_the_memory_prefill_saturates():
     assert off is not None and off.offload_seconds > 0
 
 
-def test_second_server_fraction_is_of_what_the_first_left():
+def _small_gen_large_prm():
+    """A 1.5B generator + 7B PRM planned for 32 requests in 90% of a 24 GB card (2 GiB reserve)."""
     gen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
     prm = ModelShape.from_config(CONFIGS / "qwen2.5-7b.json")
     work = Workload(requests=32, prompt_tokens=200, step_tokens=128, verify_tokens=600)
     gpu, reserve = int(0.9 * 24 * GiB), 2 * GiB
     plan, _ = plan_pair(gen, prm, HARDWARE["RTX4090"], work, gpu, reserve_bytes=reserve)
+    return gen, prm, work, gpu, reserve, plan
+
+
+def test_second_server_fraction_is_of_what_the_first_left():
+    gen, prm, work, gpu, reserve, plan = _small_gen_large_prm()
     flags = server_flags(plan, gen, prm, work, gpu, reserve, first="generator")
     g_static = gen.weight_bytes + plan.gen_kv_bytes
     assert flags["generator"].mem_fraction_static == pytest.approx(g_static / gpu)
@@ -116,11 +122,7 @@ def test_second_server_fraction_is_of_what_the_first_left():
 
 
 def test_each_pool_holds_its_longest_request_taken_from_the_other_pool():
-    gen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
-    prm = ModelShape.from_config(CONFIGS / "qwen2.5-7b.json")
-    work = Workload(requests=32, prompt_tokens=200, step_tokens=128, verify_tokens=600)
-    gpu, reserve = int(0.9 * 24 * GiB), 2 * GiB
-    plan, _ = plan_pair(gen, prm, HARDWARE["RTX4090"], work, gpu, reserve_bytes=reserve)
+    gen, prm, work, gpu, reserve, plan = _small_gen_large_prm()
     assert plan.prm_kv_bytes // prm.kv_bytes_per_token == 600          # one 600-token request
     flags = server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": 4096, "generator": 4096})
     assert flags["prm"].max_total_tokens == 4096
@@ -141,7 +143,7 @@ def test_the_static_split_gives_each_server_its_share_less_half_the_reserve():
     assert flags["generator"].mem_fraction_static == pytest.approx(static / gpu)
     assert flags["prm"].mem_fraction_static == pytest.approx(static / (gpu - static - reserve // 2))
     assert "--max-running-requests" not in flags["generator"].args()   # SGLang's own batch limit
-    with pytest.raises(ValueError, match=r"a 10% share \(0.46 GiB less half the reserve\) does not hold the "
+    with pytest.raises(ValueError, match=r"a 5% share \(0.48 GiB less half the reserve\) does not hold the "
                                          r"generator's weights \(2.88 GiB\)"):
         static_split_flags(gen, gen, gpu, reserve, 0.05)
 

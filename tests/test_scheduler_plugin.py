@@ -438,6 +438,12 @@ def test_a_group_prefix_abort_reaches_the_scheduler_once_per_live_request_of_tha
     finally:
         sched.close(0)
         ctx.term()
+        # the tokenizer manager's own sockets: closed now, with no linger, or a later garbage
+        # collection of its context blocks in zmq_term on them (it hung a whole test run once)
+        tm_ctx = tm.send_to_scheduler.context
+        for sock in (tm.send_to_scheduler, tm.recv_from_detokenizer):
+            sock.close(linger=0)
+        tm_ctx.term()
     with pytest.raises(ValueError, match="non-empty id without '/'"):
         group_prefix("a/b")
 

@@ -131,6 +131,33 @@ def test_both_sides_keep_the_same_beams_though_their_text_differs(words):
     assert all(r.limit_goodput and r.limit_goodput > 0 for r in rows)
 
 
+def sglang_accepts(body: dict, vocab: int) -> None:
+    """Parse a request body as SGLang 0.5.15's server does (``GenerateReqInput``, then
+    ``SamplingParams(**sampling_params).verify``); raises on anything it would refuse."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = GenerateReqInput(**body)
+    req.normalize_batch_and_arguments()
+    params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]
+    for sp in params:
+        SamplingParams(**(sp or {})).verify(vocab)
+
+
+def test_every_request_the_benchmark_sends_is_one_sglang_accepts(words):
+    cfg = settings(n=(4,), problems=1)
+    _, servers = run_two_sides(words, cfg)
+    kinds = set()
+    for gen, prm in servers.values():
+        for body in gen.bodies + prm.bodies:
+            sglang_accepts(body, VOCAB)
+            kinds.add("prm" if "input_ids" in body else "limit" if isinstance(body["text"], list)
+                      else "step" if body["sampling_params"].get("max_new_tokens") else "prefix")
+    assert kinds == {"prm", "limit", "step", "prefix"}
+    with pytest.raises(ValueError):   # the check can fail: SGLang refuses a negative length
+        sglang_accepts({"text": "t1", "sampling_params": {"max_new_tokens": -1}}, VOCAB)
+
+
 def test_a_differing_kept_beam_is_reported_with_its_problem(words):
     cfg = settings(algorithms=("beam_search",), n=(4,))
     records, _ = run_two_sides(words, cfg)
@@ -260,3 +287,148 @@ def test_report_only_needs_records(tmp_path, capsys):
                        "--models-dir", str(tmp_path), "--output", str(tmp_path / "none.jsonl"), "--report-only"])
     assert code == 1
     assert capsys.readouterr().err == f"sgl-tts bench: error: {tmp_path / 'none.jsonl'} holds no records to report\n"
+
+
+# ------------------------------------------------------- the whole command, servers as child processes
+FAKE_LAUNCH_SERVER = r'''
+"""Stands in for ``python -m sglang.launch_server``: /health, /get_model_info and /generate as SGLang
+answers them (random words for a generator, step-tag log-probabilities for a model named *prm*)."""
+import argparse, json, os, random, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ap = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--tokenizer-path"):
+    ap.add_argument(flag)
+ap.add_argument("--port", type=int)
+args, _ = ap.parse_known_args()
+with open(os.environ["FAKE_SGLANG_LOG"], "a") as fh:
+    fh.write(json.dumps({"argv": sys.argv[1:], "plugins": os.environ.get("SGLANG_PLUGINS")}) + "\n")
+vocab = json.load(open(os.path.join(args.model_path, "config.json")))["vocab_size"] - 4
+is_prm = "prm" in os.path.basename(args.model_path)
+rng, lock = random.Random(os.getpid()), threading.Lock()
+# FAKE_DIE_AFTER: the plugin side's generator crashes after that many requests
+die_after = int(os.environ.get("FAKE_DIE_AFTER", "0")) if "--tts-policy" in sys.argv and not is_prm else 0
+served = [0]
+
+def generate(text, sp):
+    n = int(sp.get("max_new_tokens", 0))
+    with lock:
+        words = " ".join(f"t{rng.randrange(vocab)}" for _ in range(n))
+    p = len(text.split())
+    return {"text": words, "meta_info": {"prompt_tokens": p, "cached_tokens": p // 2, "completion_tokens": n,
+                                         "finish_reason": {"type": "length", "length": n}}}
+
+def logprobs(ids, start, wanted):
+    entries = [None] + [[[-0.5, t, None] for t in wanted] for _ in range(start + 1, len(ids))]
+    return {"text": "", "meta_info": {"input_token_ids_logprobs": entries, "prompt_tokens": len(ids),
+                                      "cached_tokens": 0, "completion_tokens": 0}}
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.send({"model_path": args.model_path, "is_generation": True})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        served[0] += 1
+        if die_after and served[0] > die_after:
+            print("CUDA error: an illegal memory access was encountered", flush=True)
+            os._exit(3)
+        if "input_ids" in body:
+            self.send([logprobs(*x) for x in zip(body["input_ids"], body["logprob_start_len"],
+                                                 body["token_ids_logprob"])])
+        elif isinstance(body["text"], list):
+            self.send([generate(t, body["sampling_params"]) for t in body["text"]])
+        else:
+            self.send(generate(body["text"], body["sampling_params"]))
+
+class S(ThreadingHTTPServer):
+    request_queue_size, daemon_threads = 256, True
+
+print("The server is fired up and ready to roll!", flush=True)
+S((args.host, args.port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    """Child processes run ``python -m sglang.launch_server`` from a stand-in package (the test's own
+    process keeps the real SGLang)."""
+    pkg = tmp_path / "fake" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    log = tmp_path / "launches.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
+    return log
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bench(tmp_path, *extra):
+    return bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
+                       "0.4*24GiB", "--n", "4", "8", "--problems", "1", "--beam-width", "2", "--prompt-tokens", "10",
+                       "--trace-median", "6", "--trace-sigma", "0.5", "--trace-max-tokens", "20",
+                       "--trace-max-depth", "6", "--limit-tokens", "4", "--server-args", "",
+                       "--generator-port", str(_free_port()), "--prm-port", str(_free_port()),
+                       "--models-dir", str(tmp_path / "models"), "--output", str(tmp_path / "run.jsonl"),
+                       "--health-timeout", "60", "--no-progress", *extra])
+
+
+def _launches(log):
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path, fake_sglang, monkeypatch, capsys):
+    # the sgl-tts side's generator dies after 40 requests: the stock side's searches are kept
+    monkeypatch.setenv("FAKE_DIE_AFTER", "40")
+    assert _bench(tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "sgl-tts bench: error: sgl-tts: the generator server exited with code 3 during the searches" in err
+    assert "CUDA error: an illegal memory access" in err and "run again to resume" in err
+    # the failed program's forks are stopped (SGLang's non-daemon workers), so the process can exit
+    workers = [t for t in threading.enumerate() if t.name.endswith("(run)") and not t.daemon]
+    for t in workers:
+        t.join(timeout=10)
+    assert not [t for t in workers if t.is_alive()]
+    launches = _launches(fake_sglang)
+    assert [("--tts-policy" in x["argv"], x["plugins"]) for x in launches] == [
+        (False, "none"), (False, "none"), (True, None), (False, None)]   # stock gen, PRM; sgl-tts gen, PRM
+    kept = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert {(r["side"], r["algorithm"], r["n"]) for r in kept if r["kind"] == "search"} >= {
+        ("stock", a, n) for a in ("beam_search", "dvts") for n in (4, 8)}
+    # again without the crash: only the sgl-tts side starts, and finishes
+    monkeypatch.delenv("FAKE_DIE_AFTER")
+    assert _bench(tmp_path) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    again = _launches(fake_sglang)[len(launches):]
+    assert [("--tts-policy" in x["argv"], x["plugins"]) for x in again] == [(True, None), (False, None)]
+    assert all("--tokenizer-path" in x["argv"] and "--load-format" in x["argv"] for x in again)
+    records = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()][1:]
+    searches = sorted((r["side"], r["algorithm"], r["n"]) for r in records if r["kind"] == "search")
+    assert searches == sorted((s, a, n) for s in ("stock", "sgl-tts") for a in ("beam_search", "dvts") for n in (4, 8))
+    summary = json.loads((tmp_path / "run.summary.json").read_text())
+    assert [(r["algorithm"], r["n"], r["kept_beams_match"]) for r in summary["rows"]] == [
+        ("beam_search", 4, True), ("beam_search", 8, True), ("dvts", 4, True), ("dvts", 8, True)]
+    assert all(r["limit_goodput"] > 0 for r in summary["rows"])
+    md = (tmp_path / "run.md").read_text()
+    assert md == out.rstrip("\n") + "\n" or md.rstrip() in out
+    assert "- machine: " in md and "- date: " in md and "- command: `sgl-tts bench --generator qwen2.5-math-1.5b" in md
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+    # a third run has nothing to do: no server starts, the same report
+    assert _bench(tmp_path) == 0
+    assert len(_launches(fake_sglang)) == len(launches) + 2

@@ -106,9 +106,11 @@ def test_launch_server_help_lists_and_validates_the_flags():
     assert bad.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad.stderr
     bad = _launch("--model-path", "x", "--tts-dedup-tokens", "0")
     assert bad.returncode == 2 and "argument --tts-dedup-tokens: expected a positive integer, got 0" in bad.stderr
-    # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag
-    other = _launch("--help", env={"SGLANG_PLUGINS": "smg-zmq"})
-    assert other.returncode == 0 and "--tts-policy" not in other.stdout
+    # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag (the benchmark's stock side)
+    from sgl_tts.bench.command import STOCK_ENV
+
+    other = _launch("--help", env=STOCK_ENV)
+    assert other.returncode == 0 and "--tts-policy" not in other.stdout and "--mem-fraction-static" in other.stdout
 
 
 def test_flag_values_reach_server_args_and_the_environment(monkeypatch):

@@ -11,6 +11,7 @@ import json
 import shlex
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -218,12 +219,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                          progress=not args.no_progress)
                 if side == "sgl-tts":
                     measure_limit(urls["generator"], settings, vocab=vocab, write=writer, done=limits)
+            except Exception as exc:
+                time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines
+                dead = next((s for s in servers if not s.alive()), None)
+                if dead is not None:
+                    raise dead.failure(f"exited with code {dead.proc.returncode} during the searches") from exc
+                raise
             finally:
                 stop.set()
 
         try:
             run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
-        except (ServerFailed, BenchError, ConnectionError) as exc:
+        except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
             print(report(writer.records, settings, output, header))
             return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
         except KeyboardInterrupt:

@@ -285,6 +285,25 @@ def search_group(algorithm: str, n: int, problem: int) -> str:
 
 
 # --------------------------------------------------------------------------------- the searches
+def end_stream_executors() -> int:
+    """Stop the worker thread of every live SGLang frontend stream executor; returns how many.
+
+    A program that raises never reaches its joins, so its forks' workers wait for work forever, and
+    being non-daemon threads they keep the process from exiting. Only for a process that runs one
+    program at a time (as the benchmark does): it stops every program's forks.
+    """
+    import gc
+
+    from sglang.lang.interpreter import StreamExecutor
+
+    ended = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, StreamExecutor) and obj.use_thread and obj.worker.is_alive():
+            obj.queue.put(None)
+            ended += 1
+    return ended
+
+
 def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSettings, *,
              prm_tokenizer: str | None = None, generator_tokenizer: str | None = None,
              vocab: int = 32000, done: Iterable[tuple] = (), write: Callable[[dict], None],
@@ -313,15 +332,19 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         gen.take_meter(), prm_backend.take_meter()
         verifier = TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
         t0 = time.perf_counter()
-        state = programs[algorithm].run(
-            question=settings.question(problem, vocab), prm=verifier, num_beams=n,
-            beam_width=settings.beam_width, max_depth=trace.max_depth, step_tokens=trace.max_tokens,
-            sampling_temperature=settings.temperature, seed=settings.seed, search_group=group,
-            backend=gen)
+        try:
+            state = programs[algorithm].run(
+                question=settings.question(problem, vocab), prm=verifier, num_beams=n,
+                beam_width=settings.beam_width, max_depth=trace.max_depth, step_tokens=trace.max_tokens,
+                sampling_temperature=settings.temperature, seed=settings.seed, search_group=group,
+                backend=gen)
+            error = state.error()
+        except Exception as exc:  # noqa: BLE001 - reported with the search that failed
+            error = exc
         seconds = time.perf_counter() - t0
-        error = state.error() if hasattr(state, "error") else None
         if error is not None:
-            raise BenchError(f"{side}: {group} failed: {error}") from (error if isinstance(error, BaseException) else None)
+            end_stream_executors()
+            raise BenchError(f"search {group} failed: {error!r}") from (error if isinstance(error, BaseException) else None)
         result = state.ret_value
         kept = sorted([list(registry.node(t.steps[-1])[1]) if t.steps else [], bool(t.finished), int(t.tokens),
                        round(float(t.score), 9)] for t in result.trajectories)
@@ -546,6 +569,6 @@ class RecordWriter:
         self.records.append(record)
 
 
-__all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "RecordWriter", "ReportRow", "SIDES",
+__all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "end_stream_executors", "RecordWriter", "ReportRow", "SIDES",
            "SideRow", "StepRegistry", "TraceScores", "format_report", "measure_limit", "metered_endpoint",
            "plot_report", "read_records", "run_side", "search_group", "summarize", "trace_endpoint"]

@@ -11,6 +11,7 @@ never becomes healthy ends ``serve`` with a non-zero exit and that server's last
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -149,6 +150,21 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
             server.stop(grace)
 
 
+@contextlib.contextmanager
+def sigterm_stops_servers():
+    """Within it, SIGTERM (``timeout``, a job runner, ``kill``) raises KeyboardInterrupt as Ctrl-C does,
+    so the servers are stopped on the way out: they run in their own process groups and would outlive
+    this process otherwise. Main thread only; the previous handler comes back on exit."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin_args: Sequence[str] = (), python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
@@ -209,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
 
     try:
-        run_servers(specs, health_timeout=args.health_timeout, on_ready=ready)
+        with sigterm_stops_servers():
+            run_servers(specs, health_timeout=args.health_timeout, on_ready=ready)
     except ServerFailed as exc:
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1
@@ -219,4 +236,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ManagedServer", "ServerFailed", "ServerSpec", "build_specs", "main", "run_servers"]
+__all__ = ["ManagedServer", "ServerFailed", "ServerSpec", "build_specs", "main", "run_servers",
+           "sigterm_stops_servers"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -302,7 +303,8 @@ for flag in ("--model-path", "--host", "--tokenizer-path"):
 ap.add_argument("--port", type=int)
 args, _ = ap.parse_known_args()
 with open(os.environ["FAKE_SGLANG_LOG"], "a") as fh:
-    fh.write(json.dumps({"argv": sys.argv[1:], "plugins": os.environ.get("SGLANG_PLUGINS")}) + "\n")
+    fh.write(json.dumps({"argv": sys.argv[1:], "plugins": os.environ.get("SGLANG_PLUGINS"),
+                         "pid": os.getpid()}) + "\n")
 vocab = json.load(open(os.path.join(args.model_path, "config.json")))["vocab_size"] - 4
 is_prm = "prm" in os.path.basename(args.model_path)
 rng, lock = random.Random(os.getpid()), threading.Lock()
@@ -361,9 +363,15 @@ S((args.host, args.port), H).serve_forever()
 def fake_sglang(tmp_path, monkeypatch):
     """Child processes run ``python -m sglang.launch_server`` from a stand-in package (the test's own
     process keeps the real SGLang)."""
+    import sglang
+
+    real = Path(sglang.__file__).parent
     pkg = tmp_path / "fake" / "sglang"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
+    # the real package behind the stand-in's launch_server (a client started with this path needs it)
+    (pkg / "__init__.py").write_text(f"__path__.append({str(real)!r})\n"
+                                     f"exec(compile(open({str(real / '__init__.py')!r}).read(), "
+                                     f"{str(real / '__init__.py')!r}, 'exec'))\n")
     (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
     log = tmp_path / "launches.jsonl"
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
@@ -379,14 +387,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _bench(tmp_path, *extra):
-    return bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
+def _bench_args(tmp_path, *extra):
+    return (["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
                        "0.4*24GiB", "--n", "4", "8", "--problems", "1", "--beam-width", "2", "--prompt-tokens", "10",
                        "--trace-median", "6", "--trace-sigma", "0.5", "--trace-max-tokens", "20",
                        "--trace-max-depth", "6", "--limit-tokens", "4", "--server-args", "",
                        "--generator-port", str(_free_port()), "--prm-port", str(_free_port()),
                        "--models-dir", str(tmp_path / "models"), "--output", str(tmp_path / "run.jsonl"),
                        "--health-timeout", "60", "--no-progress", *extra])
+
+
+def _bench(tmp_path, *extra):
+    return bench_main(_bench_args(tmp_path, *extra))
 
 
 def _launches(log):
@@ -432,3 +444,33 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     # a third run has nothing to do: no server starts, the same report
     assert _bench(tmp_path) == 0
     assert len(_launches(fake_sglang)) == len(launches) + 2
+
+
+def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, fake_sglang, capsys):
+    assert _bench(tmp_path, "--stop-after", "0") == 3
+    assert "--stop-after reached with work left (9 searches or measurements)" in capsys.readouterr().err
+    assert _launches(fake_sglang) == []   # no server was started for nothing
+
+
+def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglang):
+    """``timeout`` or a job runner ends the command with SIGTERM: the servers (own process groups)
+    must not outlive it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "bench", *_bench_args(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_launches(fake_sglang)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
+    time.sleep(0.5)
+    for launch in _launches(fake_sglang):
+        with pytest.raises(ProcessLookupError):
+            os.kill(launch["pid"], 0)

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--health-timeout", type=float, default=900.0)
     ap.add_argument("--dry-run", action="store_true", help="print the settings and both sides' commands, then exit")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="start no search after this many seconds: stop the servers, write the report and "
+                         "exit 3 (run again to go on; for machines that limit a command's time)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -133,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
     from sgl_tts.machine import describe
     from sgl_tts.memory import GiB, ModelShape, plan_from_args, static_split_flags
-    from sgl_tts.serve import ServerFailed, build_specs, run_servers
+    from sgl_tts.serve import ServerFailed, build_specs, run_servers, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -202,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(records, settings, output, header))
         return 0
     writer = RecordWriter(output, settings, records)
+    deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
+    left = 0
     for side in args.sides:
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
@@ -209,15 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         need_limit = side == "sgl-tts" and {min(n, settings.planned_batch) for n in settings.n} - limits
         if need <= done and not need_limit:
             continue
+        if deadline is not None and time.monotonic() >= deadline:
+            left += len(need - done) + (1 if need_limit else 0)
+            continue
         stop = threading.Event()
 
         def work(servers, side=side, done=done, limits=limits):
+            nonlocal left
             try:
                 urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
-                run_side(side, urls["generator"], urls["prm"], settings, prm_tokenizer=str(toks["prm"]),
-                         generator_tokenizer=str(toks["generator"]), vocab=vocab, done=done, write=writer,
-                         progress=not args.no_progress)
-                if side == "sgl-tts":
+                unfinished = run_side(side, urls["generator"], urls["prm"], settings,
+                                      prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
+                                      vocab=vocab, done=done, write=writer, progress=not args.no_progress,
+                                      deadline=deadline)
+                left += unfinished
+                if side == "sgl-tts" and not unfinished:
                     measure_limit(urls["generator"], settings, vocab=vocab, write=writer, done=limits)
             except Exception as exc:
                 time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines
@@ -229,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop.set()
 
         try:
-            run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
+            with sigterm_stops_servers():
+                run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
         except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
             print(report(writer.records, settings, output, header))
             return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
@@ -238,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     print(report(writer.records, settings, output, header))
     rows = summarize(writer.records, settings)
+    if left:
+        print(f"sgl-tts bench: --stop-after reached with work left ({left} searches or measurements); "
+              f"run the same command again to go on from {output}", file=sys.stderr)
+        return 3
     if any(r.match is False for r in rows):
         return fail("kept beams differ between the sides (see the report's last column)")
     return 0

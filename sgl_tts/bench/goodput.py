@@ -307,9 +307,10 @@ def end_stream_executors() -> int:
 def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSettings, *,
              prm_tokenizer: str | None = None, generator_tokenizer: str | None = None,
              vocab: int = 32000, done: Iterable[tuple] = (), write: Callable[[dict], None],
-             progress: bool = True) -> None:
+             progress: bool = True, deadline: float | None = None) -> int:
     """Run every (algorithm, n, problem) not in ``done`` on one side's servers; ``write`` gets one
-    record per finished search (so nothing finished is lost if a later one fails)."""
+    record per finished search (so nothing finished is lost if a later one fails). No search starts
+    after ``deadline`` (``time.monotonic()``); returns how many were left for a later run."""
     from tqdm.auto import tqdm
 
     from programs.beam_search import beam_search
@@ -326,7 +327,10 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     done = set(done)
     todo = [(a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)
             if (side, a, n, p) not in done]
-    for algorithm, n, problem in tqdm(todo, desc=f"{side} searches", disable=not progress):
+    for k, (algorithm, n, problem) in enumerate(tqdm(todo, desc=f"{side} searches", disable=not progress)):
+        if deadline is not None and time.monotonic() >= deadline:
+            logger.warning("%s: time is up; %d searches left for the next run", side, len(todo) - k)
+            return len(todo) - k
         group = search_group(algorithm, n, problem)
         registry.clear()
         gen.take_meter(), prm_backend.take_meter()
@@ -357,6 +361,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                "trajectory_tokens": sum(t.tokens for t in result.trajectories),
                "trajectory_seconds": sum(t.seconds for t in result.trajectories),
                "generator": dataclasses.asdict(g), "prm": dataclasses.asdict(v), "kept": kept})
+    return 0
 
 
 def measure_limit(generator_url: str, settings: BenchSettings, *, vocab: int = 32000,

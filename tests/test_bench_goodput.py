@@ -474,3 +474,33 @@ def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglan
     for launch in _launches(fake_sglang):
         with pytest.raises(ProcessLookupError):
             os.kill(launch["pid"], 0)
+
+
+def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
+    """tools/gpu/bench-call.sh as a device call runs it (python3 on PATH, $OUT set), with no time
+    left: it plans, starts nothing, exits 3 and still hands back its log, report and records."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "SGL_TTS_SITE": str(tmp_path / "site"), "PYTHONPATH": str(root),
+           "SGL_TTS_BENCH_EXTRA": f"--models-dir {tmp_path / 'models'}"}
+    run = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "1.5b+1.5b", "0"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["1.5b+1.5b.jsonl", "1.5b+1.5b.log", "1.5b+1.5b.md",
+                                                      "1.5b+1.5b.summary.json"]
+    settings = json.loads((out / "1.5b+1.5b.jsonl").read_text().splitlines()[0])["settings"]
+    assert settings["n"] == [8, 64, 512] and settings["problems"] == 1
+    assert "--stop-after reached with work left" in (out / "1.5b+1.5b.log").read_text()
+    bad = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "70b+70b"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown config 70b+70b" in bad.stderr

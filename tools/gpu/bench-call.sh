@@ -6,8 +6,9 @@
 # minutes), and copies the records, report, plot and log to $OUT. Exit 3: work left, call again.
 # The planner uses the fixed GPU profile (SGL_TTS_GPU, default H200), not --measure: a re-measured
 # ceiling could change the plan between calls, and a resumed run must have the same settings.
+# SGL_TTS_BENCH_EXTRA: more sgl-tts bench flags (word-split), e.g. "--models-dir DIR".
 set -uo pipefail
-eval "$(bash tools/gpu/bringup.sh env)"
+eval "$(bash "$(dirname "$0")/bringup.sh" env)"
 name=${1:-1.5b+1.5b}
 case $name in
   1.5b+1.5b) args=(--generator qwen2.5-math-1.5b --prm skywork-prm-1.5b --gpu-memory "0.4*24GiB" --n 8 64 512 --problems 1) ;;
@@ -18,7 +19,7 @@ esac
 mkdir -p bench-out
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "bench-out/$name.log" 2>&1
 python3 -m sgl_tts.cli bench "${args[@]}" --gpu "${SGL_TTS_GPU:-H200}" --stop-after "${2:-420}" \
-    --output "bench-out/$name.jsonl" --no-progress 2>&1 | tee -a "bench-out/$name.log"
+    --output "bench-out/$name.jsonl" --no-progress ${SGL_TTS_BENCH_EXTRA:-} 2>&1 | tee -a "bench-out/$name.log"
 rc=${PIPESTATUS[0]}
 for f in "bench-out/$name".{jsonl,md,summary.json,png,log}; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/"; done
 exit "$rc"

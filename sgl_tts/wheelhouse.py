@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools" / "gpu"
-# What the server imports at start (SGLang 0.5.15, Qwen2/Llama/Mistral, triton attention, torch sampling)
+# What the server imports at start (SGLang 0.5.15, Qwen2/Llama/Mistral, triton attention, torch sampling),
+# and what the benchmark and smoke clients import
 SERVER_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                   "sglang.srt.managers.detokenizer_manager", "sglang.srt.managers.tokenizer_manager",
                   "sglang.srt.model_executor.model_runner", "sglang.srt.models.qwen2", "sglang.srt.models.llama",
                   "sglang.srt.models.mistral", "sglang.srt.layers.attention.triton_backend",
-                  "sglang.srt.layers.sampler", "sgl_tts.plugin", "sgl_tts.bench.goodput")
+                  "sglang.srt.layers.sampler", "sgl_tts.plugin", "sgl_tts.bench.command", "sgl_tts.bench.goodput",
+                  "sgl_tts.smoke", "sgl_tts.prm", "programs.beam_search", "programs.dvts", "matplotlib.pyplot")
 EXCLUDE = {
     "flashinfer-cubin": "447 MB of prebuilt kernels; triton attention and torch sampling use none",
     "flash-attn-4": "FA4 (Blackwell) kernels; not used with --attention-backend triton",

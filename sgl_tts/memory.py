@@ -386,7 +386,8 @@ def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, g
 
 
 def static_split_flags(gen: ModelShape, prm: ModelShape, gpu_bytes: int, reserve_bytes: int,
-                       generator_share: float = 0.5, first: str = "generator") -> dict[str, ServerFlags]:
+                       generator_share: float = 0.5, first: str = "generator",
+                       min_pool_tokens: Mapping[str, int] | None = None) -> dict[str, ServerFlags]:
     """Flags of the unplanned baseline: the generator gets ``generator_share`` of the budget and the
     PRM the rest (each pool is its share less half the reserve; its KV is what the weights leave),
     SGLang's own batch limits. Fractions are of the memory free at each start, as in
@@ -396,6 +397,12 @@ def static_split_flags(gen: ModelShape, prm: ModelShape, gpu_bytes: int, reserve
         raise ValueError(f"the generator's share must be in (0, 1), got {generator_share}")
     if first not in ("generator", "prm"):
         raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
+    floors = {k: int(v) for k, v in (min_pool_tokens or {}).items()}
+    need = {name: (model.weight_bytes + reserve_bytes / 2 + floors.get(name, 0) * model.kv_bytes_per_token)
+            / gpu_bytes for name, model in (("generator", gen), ("prm", prm))}
+    lo, hi = need["generator"], 1 - need["prm"]
+    hint = (f"; choose a generator share between {math.ceil(lo * 100) / 100:.2f} and "
+            f"{math.floor(hi * 100) / 100:.2f}" if lo < hi else "; no share fits both: a larger budget is needed")
     shares = {"generator": (gen, generator_share), "prm": (prm, 1 - generator_share)}
     free = gpu_bytes
     out = {}
@@ -405,7 +412,11 @@ def static_split_flags(gen: ModelShape, prm: ModelShape, gpu_bytes: int, reserve
         kv = static - model.weight_bytes
         if kv <= 0:
             raise ValueError(f"a {share:.0%} share ({share * gpu_bytes / GiB:.2f} GiB less half the reserve) "
-                             f"does not hold the {name}'s weights ({model.weight_bytes / GiB:.2f} GiB)")
+                             f"does not hold the {name}'s weights ({model.weight_bytes / GiB:.2f} GiB){hint}")
+        floor = floors.get(name, 0)
+        if kv // model.kv_bytes_per_token < floor:
+            raise ValueError(f"a {share:.0%} share leaves the {name} a pool of {int(kv // model.kv_bytes_per_token)} "
+                             f"tokens, less than its longest request ({floor}){hint}")
         out[name] = ServerFlags(static / free, int(kv // model.kv_bytes_per_token), None)
         free -= static + reserve_bytes // 2
     return out

@@ -91,6 +91,16 @@ class ManagedServer:
         self._reader.join(timeout=2)
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True    # an error status is still an answer
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -129,6 +139,9 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
     started: list[ManagedServer] = []
     try:
         for spec in specs:
+            if _answers(spec.health_url):   # e.g. a server left running by a killed earlier run
+                raise ServerFailed(f"something already answers at {spec.health_url}; stop it (or pick another "
+                                   f"port) before starting the {spec.name} server")
             server = ManagedServer(spec, out=out, env=spec.env)
             started.append(server)
             deadline = time.monotonic() + health_timeout
@@ -156,6 +169,7 @@ def sigterm_stops_servers():
     so the servers are stopped on the way out: they run in their own process groups and would outlive
     this process otherwise. Main thread only; the previous handler comes back on exit."""
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second one must not cut the clean-up short
         raise KeyboardInterrupt(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, handler)

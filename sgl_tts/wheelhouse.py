@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -70,7 +71,8 @@ def imported_distributions(modules: Sequence[str] = SERVER_MODULES) -> dict[str,
 
 
 def wanted(imported: dict[str, str], present: set[str], extra: Iterable[str] = ()) -> dict[str, str]:
-    """What must travel: imported and not on the machine (or pinned differently), not excluded."""
+    """What must travel: imported and not on the machine, not excluded, plus :data:`ALWAYS` (the
+    machine has other versions of those than SGLang pins) and ``extra``."""
     import importlib.metadata as md
 
     out = {d: v for d, v in imported.items() if d not in present and d not in EXCLUDE}
@@ -139,12 +141,12 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     download(dists, wheels_dir)
     for name, drop in SLIM.items():
         for w in wheels_dir.glob(f"{name.replace('-', '_')}-*.whl"):
-            if not w.name.endswith(".slim.whl"):
-                before, after = slim_wheel(w, drop)
-                print(f"slimmed {w.name}: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB")
+            before, after = slim_wheel(w, drop)   # in place; a second pass finds nothing to drop
+            print(f"slimmed {w.name}: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB")
     root = Path(__file__).resolve().parent.parent
     for old in wheels_dir.glob("sgl_tts-*.whl"):
         old.unlink()
+    shutil.rmtree(root / "build", ignore_errors=True)   # setuptools would pack stale files from it
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(wheels_dir), str(root)], check=True)
     wheels = sorted(wheels_dir.glob("*.whl"))

@@ -27,13 +27,14 @@ class WordGenerator(ModelServer):
     """A generator look-alike: ``max_new_tokens`` random words of the word tokenizer (its own random
     stream, so two of them write different text for the same search), half the prompt "cached"."""
 
-    def __init__(self, folder, seed):
+    def __init__(self, folder, seed, short_by=0):
         super().__init__(None, folder)
         self.rng = random.Random(seed)
         self.lock2 = threading.Lock()
+        self.short_by = short_by   # a server whose limits cut steps short
 
     def one(self, text, params):
-        n = int(params["max_new_tokens"])
+        n = max(1, int(params["max_new_tokens"]) - self.short_by)
         with self.lock2:
             words = " ".join(f"t{self.rng.randrange(VOCAB - 4)}" for _ in range(n))
         prompt = len(text.split())
@@ -118,8 +119,11 @@ def test_both_sides_keep_the_same_beams_though_their_text_differs(words):
             assert tokens == sum(trace.step_tokens(group, path[:k + 1], k) for k in range(len(path)))
             assert score == round(trace.score(group, path, len(path) - 1), 9)
             assert finished == trace.ends(group, path, len(path) - 1) or len(path) == trace.max_depth
-    # the verifier did real work: every PRM request came through the PRM server
+    # the verifier did real work: every PRM request came through the PRM server, with a tag after
+    # every step of its path (one step per request would mean the later steps went unscored)
     assert all(r["prm"]["requests"] > 0 and r["verifier_seconds"] > 0 for r in searches)
+    tags = [ids.count(VOCAB - 1) for pair in servers.values() for b in pair[1].bodies for ids in b["input_ids"]]
+    assert max(tags) >= 3 and min(tags) >= 1
     gen = [r["generator"] for r in searches if r["side"] == "stock"]
     assert rows[0].sides["stock"].problems == 2
     # hit rate = cached / prompt tokens, as the server reported them (cached = prompt // 2 here)
@@ -169,22 +173,38 @@ def test_a_differing_kept_beam_is_reported_with_its_problem(words):
     assert "| DIFFER: problems 1 |" in format_report(rows)
 
 
+def test_a_server_that_cuts_a_step_short_stops_the_benchmark_with_the_fork_s_error(words):
+    gen, prm = WordGenerator(words, 1, short_by=2), WordPRM(words)
+    try:
+        with pytest.raises(BenchError, match=r"search beam_search-n4-p0 failed: BenchError\(\"search "
+                                             r"'beam_search-n4-p0': the server generated \d+ of the \d+ tokens asked"):
+            run_side("stock", gen.url, prm.url, settings(algorithms=("beam_search",), n=(4,), problems=1),
+                     prm_tokenizer=str(words), generator_tokenizer=str(words), vocab=VOCAB - 4,
+                     write=lambda r: None, progress=False)
+    finally:
+        gen.close()
+        prm.close()
+
+
 def test_steps_end_before_the_context_length(words):
-    cfg = settings(algorithms=("beam_search",), n=(4,), problems=1, context_tokens=12 + 64 + 25)
+    # the prompt (12), the margin (64) and the PRM's tags (max depth 6 + 2) leave 25 tokens of path
+    cfg = settings(algorithms=("beam_search",), n=(4,), problems=1, context_tokens=12 + 64 + 8 + 25)
     records, _ = run_two_sides(words, cfg)
     search = next(r for r in records if r["kind"] == "search")
-    # room for 25 tokens of path: no kept path is longer, and every kept one finished
+    # no kept path is longer, and every kept one finished
     assert all(tokens <= 25 and finished for _, finished, tokens, _ in search["kept"])
 
 
-def _record(side, n, problem, *, tokens, seconds, kept=((0,), True, 10, 0.5)):
+def _record(side, n, problem, *, tokens, seconds):
+    """A search that kept two trajectories of ``2 * tokens`` in all: one ended at depth 0 (a fifth),
+    one at depth 1; 100 tokens were generated at depth 0 and 300 at depth 1."""
     return {"kind": "search", "side": side, "algorithm": "beam_search", "n": n, "problem": problem,
             "seconds": seconds, "verifier_seconds": seconds / 4, "generator_seconds": seconds * 3 / 4,
             "tokens_generated": 400, "tokens_kept": tokens * 2, "trajectories": 2,
-            "trajectory_tokens": tokens * 2, "trajectory_seconds": seconds * 2,
+            "trajectory_tokens": tokens * 2, "trajectory_seconds": seconds * 2, "depth_tokens": [100, 300],
             "generator": {"requests": 8, "prompt_tokens": 1000, "cached_tokens": 750, "completion_tokens": 400},
             "prm": {"requests": 8, "prompt_tokens": 1000, "cached_tokens": 500, "completion_tokens": 0},
-            "kept": [list(kept)]}
+            "kept": [[[0], True, tokens * 2 // 5, 0.5], [[1, 2], True, tokens * 2 - tokens * 2 // 5, 0.4]]}
 
 
 def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
@@ -196,27 +216,30 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     # stock: (2*100 + 2*300) tokens over (2*2 + 2*6) trajectory-seconds = 50 tok/s; sgl-tts 100 tok/s
     assert row.sides["stock"].goodput == pytest.approx(50.0)
     assert row.sides["sgl-tts"].goodput == pytest.approx(100.0)
-    # limit: 400 generated tokens at 1000 tok/s = 0.4 s per search; 800 tokens / (4 trajectories x 0.4 s)
-    assert row.limit_goodput == pytest.approx(500.0) and row.limit_batch == 4
+    # limit at 1000 tok/s, depth by depth: a depth-0 trajectory is done at 100/1000 = 0.1 s, a depth-1
+    # one at 400/1000 = 0.4 s; (200 + 600) kept tokens over 2 x (0.1 + 0.4) s = 800 tok/s
+    assert row.limit_goodput == pytest.approx(800.0) and row.limit_batch == 4
     assert row.match is True
     lines = format_report([row]).splitlines()
     assert lines[0].startswith("| algorithm | n | side |")
     assert lines[2] == ("| beam_search | 8 | stock | 2 | 50.0 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | 400 | "
-                        "75.0% | 50.0% | 500 (b=4) | match |")
+                        "75.0% | 50.0% | 800 (b=4) | match |")
     assert lines[3] == ("| beam_search | 8 | sgl-tts | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 400 | "
-                        "75.0% | 50.0% | 500 (b=4) | match |")
+                        "75.0% | 50.0% | 800 (b=4) | match |")
 
 
 def test_the_registry_places_steps_by_their_parent_and_refuses_what_it_cannot_place():
     reg = StepRegistry()
-    assert reg.place("q words\n\n", SearchTag("g", 0, -1, 3)) == (3,)
-    reg.add(" t1 t2 ", "g", (3,))
-    assert reg.place("q words\n\nt1 t2\n\n", SearchTag("g", 1, 3, 5)) == (3, 5)
+    assert reg.place("q words\n\n", SearchTag("g", 0, -1, 3)) == ((3,), 0)
+    reg.add(" t1 t2 ", "g", (3,), 2, 2)
+    assert reg.place("q words\n\nt1 t2\n\n", SearchTag("g", 1, 3, 5)) == ((3, 5), 2)
     assert reg.node("t1 t2") == ("g", (3,))
+    reg.add("t4 t5 t6", "g", (3, 5), 5, 3)
+    assert reg.depth_tokens == {0: 2, 1: 3}
     with pytest.raises(BenchError, match="does not continue a step this benchmark generated"):
         reg.place("q words\n\nt9 t9\n\n", SearchTag("g", 1, 0, 0))
     with pytest.raises(BenchError, match="generated the same text 't1 t2'"):
-        reg.add("t1 t2", "g", (4,))
+        reg.add("t1 t2", "g", (4,), 2, 2)
     with pytest.raises(BenchError, match="did not generate: 'zzz'"):
         reg.node("zzz")
 

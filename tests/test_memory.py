@@ -146,6 +146,11 @@ def test_the_static_split_gives_each_server_its_share_less_half_the_reserve():
     with pytest.raises(ValueError, match=r"a 5% share \(0.48 GiB less half the reserve\) does not hold the "
                                          r"generator's weights \(2.88 GiB\)"):
         static_split_flags(gen, gen, gpu, reserve, 0.05)
+    # each pool must hold its longest request too; the error names the shares that would
+    with pytest.raises(ValueError, match=r"a 50% share leaves the generator a pool of \d+ tokens, less than its "
+                                         r"longest request \(100000\); choose a generator share between "
+                                         r"0.\d\d and 0.\d\d"):
+        static_split_flags(gen, gen, gpu, reserve, 0.5, min_pool_tokens={"generator": 100_000})
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():

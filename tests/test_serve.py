@@ -9,11 +9,12 @@ import re
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from sgl_tts.serve import ServerFailed, ServerSpec, run_servers
+from sgl_tts.serve import ServerFailed, ServerSpec, _answers, run_servers
 
 STAND_IN = r'''
 import http.server, os, subprocess, sys, threading, time
@@ -109,6 +110,28 @@ def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
     assert "[generator] ready" in text and "[prm] ready" in text
     assert text.index("[generator] ready") < text.index("[prm] starting")   # the second waits for the first
     assert all(gone(pid) for pid in grandchildren(text))
+
+
+def test_a_port_that_already_answers_is_refused_before_anything_starts(stand_in):
+    """A server left from a killed run would answer the new one's health checks: the work would go to
+    the old server. Nothing is started then."""
+    old = stand_in("generator", "ok")
+    stop = threading.Event()
+    holder = threading.Thread(target=run_servers, args=([old],),
+                              kwargs=dict(health_timeout=30, poll=0.1, on_ready=lambda s: None, stop_event=stop,
+                                          out=Log(), grace=5))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(old.health_url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = ServerSpec("generator", ["false"], old.health_url)   # would exit at once if started
+        with pytest.raises(ServerFailed, match=f"something already answers at {re.escape(old.health_url)}; "
+                                               f"stop it \\(or pick another port\\) before starting the generator"):
+            run_servers([again], health_timeout=5, poll=0.1, out=Log())
+    finally:
+        stop.set()
+        holder.join(timeout=30)
 
 
 def test_a_server_that_never_becomes_healthy_is_named_with_its_last_lines(stand_in):

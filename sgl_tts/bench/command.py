@@ -135,7 +135,7 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
     from sgl_tts.machine import describe
-    from sgl_tts.memory import GiB, ModelShape, plan_from_args, static_split_flags
+    from sgl_tts.memory import GiB, context_tokens, plan_from_args, static_split_flags
     from sgl_tts.serve import ServerFailed, build_specs, run_servers, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -151,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = {"generator": _label(args.generator), "prm": _label(args.prm)}
         args.generator, args.prm = str(gen_dir), str(prm_dir)
         gen_cfg = json.loads((gen_dir / "config.json").read_text())
-        draft = settings_from_args(args, gen_cfg.get("max_position_embeddings"), 1)
+        # a path (and the PRM's input for it) must fit both models' context
+        contexts = [c for c in (context_tokens(gen_dir), context_tokens(prm_dir)) if c]
+        context = min(contexts) if contexts else None
+        draft = settings_from_args(args, context, 1)
         shape = draft.step_trace().describe(samples=4000)
         plan_args = argparse.Namespace(**vars(args))
         plan_args.beams = args.beams or max(args.n)
@@ -159,10 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
         plan_args.prompt_tokens = args.prompt_tokens + path
         plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
+        # the longest request the benchmark sends: a path is cut before the context (see the trace)
+        plan_args.longest_request = args.longest_request or draft.context_tokens
         plan = plan_from_args(plan_args)
-        settings = settings_from_args(args, gen_cfg.get("max_position_embeddings"),
-                                      plan.flags["generator"].max_running_requests or 1)
-        stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first)
+        settings = settings_from_args(args, context, plan.flags["generator"].max_running_requests or 1)
+        longest = plan_args.longest_request or 0
+        stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
+                                   min_pool_tokens={"generator": longest, "prm": longest})
     except (FileNotFoundError, ValueError) as exc:
         return fail(str(exc))
     vocab = int(gen_cfg["vocab_size"]) - 4

@@ -49,7 +49,7 @@ def write_padded_tokenizer(path: str | Path, vocab_size: int) -> int:
 
 
 WORD_SPECIALS = ("<unk>", "+", "-", "ки")   # the last ids of a word vocabulary
-WORD_TAG = " ки"                            # the benchmark PRM's step tag (one word token)
+WORD_TAG = " ки "   # the benchmark PRM's step tag: one word token, spaced on both sides (steps are stripped)
 
 
 def write_word_tokenizer(path: str | Path, vocab_size: int) -> int:

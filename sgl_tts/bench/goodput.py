@@ -19,7 +19,8 @@ Reported per (algorithm, n) and side: precise goodput (seed 000 §6.1: mean toke
 trajectory over its mean completion time), completion latency split into generator and verifier
 time, tokens generated and kept, the prefix-cache hit rate of each server (SGLang's ``cached_tokens``
 over ``prompt_tokens``), and the generator-bound limit: the same generated tokens decoded at the
-planned batch with no stragglers and no PRM waits (a measured decode throughput at that batch).
+planned batch with no stragglers and no PRM waits (a measured decode throughput at that batch),
+depth by depth, so a trajectory that ends at depth d is done once every step up to d is decoded.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class BenchError(RuntimeError):
 
 # ----------------------------------------------------------------------------------- the trace
 class StepRegistry:
-    """Where every generated step sits in its search tree.
+    """Where every generated step of one search sits in its tree, and the tokens along each path.
 
     A request's place is its parent's path plus its own beam index; the parent is found from the
     request's prefix (the text of its last step), because the same search on another side writes
@@ -68,13 +69,16 @@ class StepRegistry:
 
     def __init__(self, delimiter: str = STEP_DELIMITER):
         self.delimiter = delimiter
-        self._nodes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._nodes: dict[str, tuple[str, tuple[int, ...], int]] = {}   # text -> (group, path, path tokens)
+        self.prompt_tokens: dict[str, int] = {}                          # group -> its prompt's tokens
+        self.depth_tokens: dict[int, int] = {}                           # depth -> tokens generated there
         self._lock = threading.Lock()
 
-    def place(self, prefix: str, tag: SearchTag) -> tuple[int, ...]:
-        """The path of the step a request with ``prefix`` and ``tag`` is about to generate."""
+    def place(self, prefix: str, tag: SearchTag) -> tuple[tuple[int, ...], int]:
+        """The path of the step a request with ``prefix`` and ``tag`` is about to generate, and the
+        tokens the path holds before it."""
         if tag.depth == 0:
-            return (tag.beam,)
+            return (tag.beam,), 0
         segments = [x.strip() for x in prefix.split(self.delimiter)]
         last = next((x for x in reversed(segments) if x), "")
         with self._lock:
@@ -82,16 +86,19 @@ class StepRegistry:
         if node is None:
             raise BenchError(f"a depth-{tag.depth} request of search {tag.group!r} does not continue a step "
                              f"this benchmark generated (prefix ends {prefix[-60:]!r})")
-        return node[1] + (tag.beam,)
+        return node[1] + (tag.beam,), node[2]
 
-    def add(self, text: str, group: str, path: tuple[int, ...]) -> None:
+    def add(self, text: str, group: str, path: tuple[int, ...], path_tokens: int, tokens: int) -> None:
+        """A generated step: its text, place, the path's tokens through it, and its own tokens."""
         key = text.strip()
         with self._lock:
             old = self._nodes.get(key)
-            if old is not None and old != (group, path):
-                raise BenchError(f"two steps ({old} and {(group, path)}) generated the same text {key[:60]!r}; "
-                                 f"the benchmark cannot tell them apart")
-            self._nodes[key] = (group, path)
+            if old is not None and old[:2] != (group, path):
+                raise BenchError(f"two steps ({old[:2]} and {(group, path)}) generated the same text "
+                                 f"{key[:60]!r}; the benchmark cannot tell them apart")
+            self._nodes[key] = (group, path, path_tokens)
+            depth = len(path) - 1
+            self.depth_tokens[depth] = self.depth_tokens.get(depth, 0) + tokens
 
     def node(self, text: str) -> tuple[str, tuple[int, ...]]:
         """``(search group, path)`` of a generated step's text."""
@@ -99,11 +106,13 @@ class StepRegistry:
             got = self._nodes.get(text.strip())
         if got is None:
             raise BenchError(f"the PRM was asked about a step this benchmark did not generate: {text[:60]!r}")
-        return got
+        return got[0], got[1]
 
     def clear(self) -> None:
         with self._lock:
             self._nodes.clear()
+            self.prompt_tokens.clear()
+            self.depth_tokens.clear()
 
 
 @dataclasses.dataclass
@@ -161,8 +170,9 @@ def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
     Each ``/generate`` of a tagged step request asks for exactly the trace's length
     (``max_new_tokens``, ``ignore_eos``, no stop strings), and the answer's ``finish_reason`` is
     rewritten to what a real model would have reported: the step delimiter, or EOS where the trace
-    ends the solution (also where the path would run past ``context_tokens`` minus a margin: a real
-    run ends there too).
+    ends the solution (also where the path would run past ``context_tokens`` less a margin and the
+    PRM's tags: a real run ends there too). A server that generates fewer tokens than asked (its
+    request limit or pool cut the step) stops the benchmark.
     """
     from sgl_tts.backends.request import take_request_fields
 
@@ -175,13 +185,18 @@ def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
             if tag is None:
                 raise BenchError("the benchmark generator only serves tagged step requests "
                                  "(gen_step(..., tags=...)); a program sent an untagged one")
-            path = registry.place(s.text_, tag)
+            path, before = registry.place(s.text_, tag)
+            if tag.depth == 0:   # the prompt, tokenized once per search (the same on every side)
+                registry.prompt_tokens.setdefault(tag.group, len(self.encode(s.text_)))
             tokens = trace.step_tokens(tag.group, path, tag.depth)
             ends = trace.ends(tag.group, path, tag.depth)
             if context_tokens:
-                room = context_tokens - CONTEXT_MARGIN - len(self.encode(s.text_))
+                # counted from the trace, not the text: the same on both sides; the PRM's input adds a
+                # tag per step and a pad token
+                used = registry.prompt_tokens[tag.group] + before + trace.max_depth + 2
+                room = context_tokens - CONTEXT_MARGIN - used
                 if room < 1:
-                    raise BenchError(f"search {tag.group!r}: a prefix left no room under the context "
+                    raise BenchError(f"search {tag.group!r}: a path left no room under the context "
                                      f"length {context_tokens}")
                 if tokens >= room - trace.min_tokens:   # the next step would not fit: end here
                     tokens, ends = min(tokens, room), True
@@ -189,10 +204,15 @@ def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
             data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
             obj = self.post("/generate", data)
             text, meta = obj["text"], dict(obj["meta_info"])
+            got = int(meta.get("completion_tokens", -1))
+            if got != tokens:
+                raise BenchError(f"search {tag.group!r}: the server generated {got} of the {tokens} tokens "
+                                 f"asked (cut by its request length limit or KV pool?): the sides would "
+                                 f"no longer do the same work")
             meta["finish_reason"] = ({"type": "stop", "matched": 0} if ends   # EOS (an int: a token id)
                                      else {"type": "stop", "matched": registry.delimiter})
             meta["trace_path"] = list(path)
-            registry.add(text, tag.group, path)
+            registry.add(text, tag.group, path, before + tokens, tokens)
             return text, meta
 
     return TraceEndpoint(base_url, tokenizer_path=tokenizer_path)
@@ -285,8 +305,9 @@ def search_group(algorithm: str, n: int, problem: int) -> str:
 
 
 # --------------------------------------------------------------------------------- the searches
-def end_stream_executors() -> int:
-    """Stop the worker thread of every live SGLang frontend stream executor; returns how many.
+def end_stream_executors() -> list[BaseException]:
+    """Stop the worker thread of every live SGLang frontend stream executor; return the errors the
+    executors recorded (a fork's failure).
 
     A program that raises never reaches its joins, so its forks' workers wait for work forever, and
     being non-daemon threads they keep the process from exiting. Only for a process that runs one
@@ -296,12 +317,14 @@ def end_stream_executors() -> int:
 
     from sglang.lang.interpreter import StreamExecutor
 
-    ended = 0
+    errors = []
     for obj in gc.get_objects():
-        if isinstance(obj, StreamExecutor) and obj.use_thread and obj.worker.is_alive():
-            obj.queue.put(None)
-            ended += 1
-    return ended
+        if isinstance(obj, StreamExecutor):
+            if getattr(obj, "error_", None) is not None:
+                errors.append(obj.error_)
+            if obj.use_thread and obj.worker.is_alive():
+                obj.queue.put(None)
+    return errors
 
 
 def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSettings, *,
@@ -324,6 +347,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     gen = trace_endpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
                          tokenizer_path=generator_tokenizer)
     prm_backend = metered_endpoint(prm_url, tokenizer_path=prm_tokenizer)
+    gen.tokenizer, prm_backend.tokenizer   # loaded now, not inside the first timed search
     done = set(done)
     todo = [(a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)
             if (side, a, n, p) not in done]
@@ -347,8 +371,10 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
             error = exc
         seconds = time.perf_counter() - t0
         if error is not None:
-            end_stream_executors()
-            raise BenchError(f"search {group} failed: {error!r}") from (error if isinstance(error, BaseException) else None)
+            # a fork's own error (an HTTP error, a BenchError) only reaches the program as a missing
+            # variable: report the fork's
+            cause = next(iter(end_stream_executors()), None) or error
+            raise BenchError(f"search {group} failed: {cause!r}") from (cause if isinstance(cause, BaseException) else None)
         result = state.ret_value
         kept = sorted([list(registry.node(t.steps[-1])[1]) if t.steps else [], bool(t.finished), int(t.tokens),
                        round(float(t.score), 9)] for t in result.trajectories)
@@ -360,6 +386,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                "trajectories": len(result.trajectories),
                "trajectory_tokens": sum(t.tokens for t in result.trajectories),
                "trajectory_seconds": sum(t.seconds for t in result.trajectories),
+               "depth_tokens": [registry.depth_tokens.get(d, 0) for d in range(max(registry.depth_tokens) + 1)],
                "generator": dataclasses.asdict(g), "prm": dataclasses.asdict(v), "kept": kept})
     return 0
 
@@ -442,9 +469,15 @@ def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRo
             tps = limits.get(batch)
             ref = by_side["sgl-tts"] or by_side["stock"]
             if tps:
-                # every kept trajectory done when the search's tokens are decoded at ``tps``
-                secs = sum(r["trajectories"] * r["tokens_generated"] / tps for r in ref)
-                limit = sum(r["trajectory_tokens"] for r in ref) / secs if secs > 0 else None
+                # depth by depth at ``tps``: a trajectory that ends at depth d is done when every
+                # step of depths <= d is decoded
+                tokens = secs = 0.0
+                for r in ref:
+                    through = [sum(r["depth_tokens"][:d + 1]) for d in range(len(r["depth_tokens"]))]
+                    for path, _, kept_tokens, _ in r["kept"]:
+                        tokens += kept_tokens
+                        secs += through[len(path) - 1] / tps
+                limit = tokens / secs if secs > 0 else None
             match, bad = None, []
             if by_side["stock"] and by_side["sgl-tts"]:
                 a = {r["problem"]: r["kept"] for r in by_side["stock"]}

@@ -12,8 +12,9 @@ eval "$(bash "$(dirname "$0")/bringup.sh" env)"
 name=${1:-1.5b+1.5b}
 case $name in
   1.5b+1.5b) args=(--generator qwen2.5-math-1.5b --prm skywork-prm-1.5b --gpu-memory "0.4*24GiB" --n 8 64 512 --problems 1) ;;
-  1.5b+7b) args=(--generator qwen2.5-math-1.5b --prm math-shepherd-mistral-7b --gpu-memory "0.9*24GiB") ;;
-  7b+1.5b) args=(--generator qwen2.5-7b --prm skywork-prm-1.5b --gpu-memory "0.9*24GiB") ;;
+  # a 7B model's weights need more than half of 0.9 x 24 GB: the stock split gives it 70% / 75%
+  1.5b+7b) args=(--generator qwen2.5-math-1.5b --prm math-shepherd-mistral-7b --gpu-memory "0.9*24GiB" --stock-split 0.3) ;;
+  7b+1.5b) args=(--generator qwen2.5-7b --prm skywork-prm-1.5b --gpu-memory "0.9*24GiB" --stock-split 0.75) ;;
   *) echo "bench-call: unknown config $name (1.5b+1.5b, 1.5b+7b, 7b+1.5b)" >&2; exit 2 ;;
 esac
 mkdir -p bench-out

@@ -44,7 +44,7 @@ h = hashlib.sha256(open(f"{store}/wheels.tar", "rb").read()).hexdigest()
 if h != m["sha256"]:
     sys.exit(f"bringup: the reassembled tar's sha256 {h} is not the manifest's {m['sha256']}: a part is damaged")
 EOF
-  mkdir -p "$STORE/wheels"
+  rm -rf "$STORE/wheels" && mkdir -p "$STORE/wheels"   # no wheel of an earlier wheelhouse
   tar -xf "$STORE/wheels.tar" -C "$STORE/wheels"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STORE"/wheels/*.whl
   say "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE in $((SECONDS - t0)) s"

@@ -149,6 +149,7 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     shutil.rmtree(root / "build", ignore_errors=True)   # setuptools would pack stale files from it
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(wheels_dir), str(root)], check=True)
+    shutil.rmtree(root / "build", ignore_errors=True)
     wheels = sorted(wheels_dir.glob("*.whl"))
     for stale in out.glob("part-*"):
         for f in stale.iterdir():

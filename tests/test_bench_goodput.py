@@ -397,7 +397,10 @@ def fake_sglang(tmp_path, monkeypatch):
                                      f"{str(real / '__init__.py')!r}, 'exec'))\n")
     (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
     log = tmp_path / "launches.jsonl"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "fake"),
+                                                                   os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
     return log
 
@@ -514,7 +517,8 @@ def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-           "SGL_TTS_SITE": str(tmp_path / "site"), "PYTHONPATH": str(root),
+           "SGL_TTS_SITE": str(tmp_path / "site"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
            "SGL_TTS_BENCH_EXTRA": f"--models-dir {tmp_path / 'models'}"}
     run = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "1.5b+1.5b", "0"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)

@@ -39,6 +39,8 @@ SERVER_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", 
 EXCLUDE = {
     "flashinfer-cubin": "447 MB of prebuilt kernels; triton attention and torch sampling use none",
     "flash-attn-4": "FA4 (Blackwell) kernels; not used with --attention-backend triton",
+    "xgrammar": "42.6 MiB; with --grammar-backend none SGLang 0.5.15 imports it only inside try/except "
+                "(protocol, function-call detector) or in the xgrammar backend itself",
     "sgl-tts": "built from this checkout instead",
 }
 ALWAYS = ("transformers",)   # the machine has another version than SGLang pins
@@ -123,6 +125,17 @@ def pack(wheels: Sequence[Path], out: Path, part_bytes: int) -> dict:
     return manifest
 
 
+def select_wheels(folder: Path, dists: dict[str, str]) -> list[Path]:
+    """The wheels in ``folder`` of exactly ``dists`` (name and version) and the sgl-tts wheel: the
+    download folder is a cache, and what an earlier build wanted must not travel now."""
+    out = []
+    for w in sorted(folder.glob("*.whl")):
+        name, version = w.name.split("-")[:2]
+        if normalize(name) == "sgl-tts" or dists.get(normalize(name)) == version:
+            out.append(w)
+    return out
+
+
 def download(dists: dict[str, str], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     plats = [a for p in PLATFORMS for a in ("--platform", p)]
@@ -150,7 +163,7 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(wheels_dir), str(root)], check=True)
     shutil.rmtree(root / "build", ignore_errors=True)
-    wheels = sorted(wheels_dir.glob("*.whl"))
+    wheels = select_wheels(wheels_dir, dists)
     for stale in out.glob("part-*"):
         for f in stale.iterdir():
             f.unlink()
@@ -190,4 +203,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["EXCLUDE", "SERVER_MODULES", "build", "imported_distributions", "main", "pack", "present_on_machine",
-           "slim_wheel", "wanted"]
+           "select_wheels", "slim_wheel", "wanted"]

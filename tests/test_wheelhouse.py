@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.wheelhouse import EXCLUDE, pack, present_on_machine, slim_wheel, wanted
+from sgl_tts.wheelhouse import EXCLUDE, pack, present_on_machine, select_wheels, slim_wheel, wanted
 
 BRINGUP = Path(__file__).resolve().parent.parent / "tools" / "gpu" / "bringup.sh"
 
@@ -57,6 +57,17 @@ def test_what_travels_leaves_out_the_machine_s_packages_and_the_exclusions():
     assert "torch" not in got and "flashinfer-cubin" not in got and "flashinfer-cubin" in EXCLUDE
     assert got["sglang"] == "0.5.15" and got["orjson"] == "3.13.0"
     assert "transformers" in got   # carried at SGLang's pin: the machine has another version
+
+
+def test_only_the_wanted_versions_travel_from_the_download_cache(tmp_path):
+    for name in ("sglang-0.5.15-cp312-cp312-manylinux_2_34_x86_64.whl", "sglang-0.5.14-cp312-cp312-any.whl",
+                 "xgrammar-0.2.1-cp312-cp312-manylinux_2_28_x86_64.whl", "pydantic_core-2.50.4-cp312-cp312-x.whl",
+                 "sgl_tts-0.1.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    got = select_wheels(tmp_path, {"sglang": "0.5.15", "pydantic-core": "2.50.4"})
+    assert [w.name for w in got] == ["pydantic_core-2.50.4-cp312-cp312-x.whl",
+                                     "sgl_tts-0.1.0-py3-none-any.whl",
+                                     "sglang-0.5.15-cp312-cp312-manylinux_2_34_x86_64.whl"]
 
 
 def _bringup(*args, env):

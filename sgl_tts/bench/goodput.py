@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from sgl_tts.backends.endpoint import SGLangEndpoint
+from sgl_tts.backends.request import take_request_fields
 from sgl_tts.bench.trace import StepTrace
 from sgl_tts.search import STEP_DELIMITER, SearchTag
 
@@ -131,40 +133,29 @@ class Meter:
         self.completion_tokens += int(meta.get("completion_tokens", 0) or 0)
 
 
-def _metered_endpoint_class():
-    from sgl_tts.backends.endpoint import SGLangEndpoint
+class MeteredEndpoint(SGLangEndpoint):
+    """An :class:`~sgl_tts.backends.SGLangEndpoint` that tallies every answer's ``meta_info``."""
 
-    class MeteredEndpoint(SGLangEndpoint):
-        """An :class:`~sgl_tts.backends.SGLangEndpoint` that tallies every answer's ``meta_info``."""
+    def __init__(self, *args, **kwargs):
+        self.meter = Meter()
+        self._meter_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
-        def __init__(self, *args, **kwargs):
-            self.meter = Meter()
-            self._meter_lock = threading.Lock()
-            super().__init__(*args, **kwargs)
+    def post(self, path: str, payload: dict[str, Any]) -> Any:
+        obj = super().post(path, payload)
+        with self._meter_lock:
+            for res in obj if isinstance(obj, list) else [obj]:
+                if isinstance(res, dict) and isinstance(res.get("meta_info"), dict):
+                    self.meter.add(res["meta_info"])
+        return obj
 
-        def post(self, path: str, payload: dict[str, Any]) -> Any:
-            obj = super().post(path, payload)
-            with self._meter_lock:
-                for res in obj if isinstance(obj, list) else [obj]:
-                    if isinstance(res, dict) and isinstance(res.get("meta_info"), dict):
-                        self.meter.add(res["meta_info"])
-            return obj
-
-        def take_meter(self) -> Meter:
-            with self._meter_lock:
-                got, self.meter = self.meter, Meter()
-            return got
-
-    return MeteredEndpoint
+    def take_meter(self) -> Meter:
+        with self._meter_lock:
+            got, self.meter = self.meter, Meter()
+        return got
 
 
-def metered_endpoint(base_url: str, **kwargs):
-    """A metered SGLang endpoint (see :func:`_metered_endpoint_class`)."""
-    return _metered_endpoint_class()(base_url, **kwargs)
-
-
-def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
-                   context_tokens: int | None = None, tokenizer_path: str | None = None):
+class TraceEndpoint(MeteredEndpoint):
     """A generator endpoint that makes every step as long as the trace says.
 
     Each ``/generate`` of a tagged step request asks for exactly the trace's length
@@ -174,48 +165,47 @@ def trace_endpoint(base_url: str, trace: StepTrace, registry: StepRegistry, *,
     PRM's tags: a real run ends there too). A server that generates fewer tokens than asked (its
     request limit or pool cut the step) stops the benchmark.
     """
-    from sgl_tts.backends.request import take_request_fields
 
-    base = _metered_endpoint_class()
+    def __init__(self, base_url: str, trace: StepTrace, registry: StepRegistry, *,
+                 context_tokens: int | None = None, tokenizer_path: str | None = None):
+        self.trace, self.registry, self.context_tokens = trace, registry, context_tokens
+        super().__init__(base_url, tokenizer_path=tokenizer_path)
 
-    class TraceEndpoint(base):
-        def generate(self, s, sampling_params):
-            fields = take_request_fields()
-            tag = SearchTag.from_custom_params(fields.custom_params)
-            if tag is None:
-                raise BenchError("the benchmark generator only serves tagged step requests "
-                                 "(gen_step(..., tags=...)); a program sent an untagged one")
-            path, before = registry.place(s.text_, tag)
-            if tag.depth == 0:   # the prompt, tokenized once per search (the same on every side)
-                registry.prompt_tokens.setdefault(tag.group, len(self.encode(s.text_)))
-            tokens = trace.step_tokens(tag.group, path, tag.depth)
-            ends = trace.ends(tag.group, path, tag.depth)
-            if context_tokens:
-                # counted from the trace, not the text: the same on both sides; the PRM's input adds a
-                # tag per step and a pad token
-                used = registry.prompt_tokens[tag.group] + before + trace.max_depth + 2
-                room = context_tokens - CONTEXT_MARGIN - used
-                if room < 1:
-                    raise BenchError(f"search {tag.group!r}: a path left no room under the context "
-                                     f"length {context_tokens}")
-                if tokens >= room - trace.min_tokens:   # the next step would not fit: end here
-                    tokens, ends = min(tokens, room), True
-            data = self._generate_body(s, sampling_params, fields)
-            data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
-            obj = self.post("/generate", data)
-            text, meta = obj["text"], dict(obj["meta_info"])
-            got = int(meta.get("completion_tokens", -1))
-            if got != tokens:
-                raise BenchError(f"search {tag.group!r}: the server generated {got} of the {tokens} tokens "
-                                 f"asked (cut by its request length limit or KV pool?): the sides would "
-                                 f"no longer do the same work")
-            meta["finish_reason"] = ({"type": "stop", "matched": 0} if ends   # EOS (an int: a token id)
-                                     else {"type": "stop", "matched": registry.delimiter})
-            meta["trace_path"] = list(path)
-            registry.add(text, tag.group, path, before + tokens, tokens)
-            return text, meta
-
-    return TraceEndpoint(base_url, tokenizer_path=tokenizer_path)
+    def generate(self, s, sampling_params):
+        fields = take_request_fields()
+        tag = SearchTag.from_custom_params(fields.custom_params)
+        if tag is None:
+            raise BenchError("the benchmark generator only serves tagged step requests "
+                             "(gen_step(..., tags=...)); a program sent an untagged one")
+        path, before = self.registry.place(s.text_, tag)
+        if tag.depth == 0:   # the prompt, tokenized once per search (the same on every side)
+            self.registry.prompt_tokens.setdefault(tag.group, len(self.encode(s.text_)))
+        tokens = self.trace.step_tokens(tag.group, path, tag.depth)
+        ends = self.trace.ends(tag.group, path, tag.depth)
+        if self.context_tokens:
+            # counted from the trace, not the text: the same on both sides; the PRM's input adds a
+            # tag per step and a pad token
+            used = self.registry.prompt_tokens[tag.group] + before + self.trace.max_depth + 2
+            room = self.context_tokens - CONTEXT_MARGIN - used
+            if room < 1:
+                raise BenchError(f"search {tag.group!r}: a path left no room under the context "
+                                 f"length {self.context_tokens}")
+            if tokens >= room - self.trace.min_tokens:   # the next step would not fit: end here
+                tokens, ends = min(tokens, room), True
+        data = self._generate_body(s, sampling_params, fields)
+        data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
+        obj = self.post("/generate", data)
+        text, meta = obj["text"], dict(obj["meta_info"])
+        got = int(meta.get("completion_tokens", -1))
+        if got != tokens:
+            raise BenchError(f"search {tag.group!r}: the server generated {got} of the {tokens} tokens "
+                             f"asked (cut by its request length limit or KV pool?): the sides would "
+                             f"no longer do the same work")
+        meta["finish_reason"] = ({"type": "stop", "matched": 0} if ends   # EOS (an int: a token id)
+                                 else {"type": "stop", "matched": self.registry.delimiter})
+        meta["trace_path"] = list(path)
+        self.registry.add(text, tag.group, path, before + tokens, tokens)
+        return text, meta
 
 
 class TraceScores:
@@ -228,13 +218,11 @@ class TraceScores:
     def __init__(self, inner, registry: StepRegistry, trace: StepTrace):
         self.inner, self.registry, self.trace = inner, registry, trace
         self.seconds = 0.0
-        self.calls = 0
 
     def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
         t0 = time.perf_counter()
         self.inner.score(question, steps_batch)
         self.seconds += time.perf_counter() - t0
-        self.calls += 1
         out = []
         for steps in steps_batch:
             row = []
@@ -344,9 +332,9 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     programs = {"beam_search": beam_search, "dvts": dvts}
     trace = settings.step_trace()
     registry = StepRegistry()
-    gen = trace_endpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
-                         tokenizer_path=generator_tokenizer)
-    prm_backend = metered_endpoint(prm_url, tokenizer_path=prm_tokenizer)
+    gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
+                        tokenizer_path=generator_tokenizer)
+    prm_backend = MeteredEndpoint(prm_url, tokenizer_path=prm_tokenizer)
     gen.tokenizer, prm_backend.tokenizer   # loaded now, not inside the first timed search
     done = set(done)
     todo = [(a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)
@@ -607,6 +595,7 @@ class RecordWriter:
         self.records.append(record)
 
 
-__all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "end_stream_executors", "RecordWriter", "ReportRow", "SIDES",
-           "SideRow", "StepRegistry", "TraceScores", "format_report", "measure_limit", "metered_endpoint",
-           "plot_report", "read_records", "run_side", "search_group", "summarize", "trace_endpoint"]
+__all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "MeteredEndpoint", "RecordWriter",
+           "ReportRow", "SIDES", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
+           "end_stream_executors", "format_report", "measure_limit", "plot_report", "read_records",
+           "run_side", "search_group", "summarize"]

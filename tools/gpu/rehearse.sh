@@ -30,9 +30,8 @@ export SGL_TTS_WHEELHOUSE_STORE="$SIM/store" SGL_TTS_SITE="$SIM/site" PYTHON="$S
 for part in .wheelhouse/part-*; do bash tools/gpu/bringup.sh receive "$part"; done
 SGL_TTS_BRINGUP_IMPORTS="sglang flashinfer sgl_tts.plugin" bash tools/gpu/bringup.sh install
 ln -sfn sm90 "$SIM/site/sgl_kernel/sm100"
-for m in sglang.srt.entrypoints.http_server sglang.srt.managers.scheduler sglang.srt.model_executor.model_runner \
-         sglang.srt.models.qwen2 sglang.srt.models.llama sglang.srt.models.mistral \
-         sglang.srt.layers.attention.triton_backend sglang.srt.layers.sampler sgl_tts.bench.command sgl_tts.smoke; do
+# the modules the wheelhouse was probed with (sgl_tts.wheelhouse.SERVER_MODULES), each in a fresh interpreter
+for m in $(PYTHONPATH="$SIM/site" "$PYTHON" -c "from sgl_tts.wheelhouse import SERVER_MODULES; print(*SERVER_MODULES)"); do
   PYTHONPATH="$SIM/site" "$PYTHON" -W ignore -c "import importlib; importlib.import_module('$m')" && echo "[rehearse] import $m: ok"
 done
 PYTHONPATH="$SIM/site:$ROOT" "$PYTHON" -m pytest -q -p no:cacheprovider -p no:warnings \

@@ -14,6 +14,10 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   the policy on: speculative requests are retracted first, and stopped when normal work waits;
 - ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
   ``/set_internal_state`` changes the class of a group's requests (e.g. MCTS boosting);
+- ``SamplingBatchInfo.from_schedule_batch`` (after), with ``--tts-seeded-sampling``: every
+  request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.seeding`), and
+  ``multinomial_with_seed`` (around) draws seeded samples on the CPU, where SGLang's Triton hash
+  cannot run;
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
   live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
 
@@ -39,6 +43,8 @@ TARGETS = {
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
     "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
+    "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
+    "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
 }
 
 
@@ -60,8 +66,12 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     from sgl_tts.plugin.policy import enable
     from sgl_tts.plugin.settings import TTSSettings
 
+    from sgl_tts.plugin import seeding
+
     settings = TTSSettings.of(server_args)
-    if enable(scheduler.policy, settings) is not None:
+    seeding.ENABLED = settings.seeded_sampling
+    state = enable(scheduler.policy, settings)
+    if state is not None:
         logger.info("sgl-tts: scheduler policy %s (dedup %d tokens)", settings.policy,
                     settings.dedup_tokens)
     scheduler.sgl_tts_metrics = None
@@ -74,6 +84,11 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
         metrics = SchedulerMetrics(path, prometheus=bool(getattr(server_args, "enable_metrics", False)))
         scheduler.sgl_tts_metrics = metrics
         scheduler.tree_cache.sgl_tts_metrics = metrics
+        # what this scheduler process runs with, read back from the process itself
+        metrics.on_start(policy=settings.policy if state is not None else "off",
+                         dedup_tokens=settings.dedup_tokens, seeded_sampling=settings.seeded_sampling,
+                         schedule_policy=server_args.schedule_policy,
+                         max_total_tokens=getattr(scheduler, "max_total_num_tokens", None))
         logger.info("sgl-tts: scheduler metrics to %s", path or "Prometheus")
     return result
 
@@ -115,7 +130,7 @@ def register() -> None:
     """Register the hooks (SGLang applies them after every plugin has registered)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_tts.plugin import abort, policy
+    from sgl_tts.plugin import abort, policy, seeding
 
     HookRegistry.register(TARGETS["add_cli_args"], _add_cli_args, HookType.AFTER)
     HookRegistry.register(TARGETS["from_cli_args"], _from_cli_args, HookType.AFTER)
@@ -129,6 +144,8 @@ def register() -> None:
     HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
     HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)
+    HookRegistry.register(TARGETS["sampling_info"], seeding.seeded_batch_info, HookType.AFTER)
+    HookRegistry.register(TARGETS["seeded_draw"], seeding.multinomial_with_seed, HookType.AROUND)
 
 
 __all__ = ["TARGETS", "register"]

@@ -50,6 +50,19 @@ class SchedulerMetrics:
         self._prom = _prometheus() if prometheus else None
         if self.path is not None:
             atexit.register(self.flush)  # what is buffered when the scheduler exits normally
+            # an idle scheduler writes nothing that would flush the buffer: flush on a timer too,
+            # so a reader sees a finished workload's records within ~flush_seconds
+            threading.Thread(target=self._flush_every, name="sgl-tts-metrics", daemon=True).start()
+
+    def _flush_every(self) -> None:
+        while True:
+            time.sleep(self.flush_seconds)
+            self.flush()
+
+    def on_start(self, **fields: Any) -> None:
+        """The scheduler process attached the plugin (its settings and pid), written at once."""
+        self._write({"event": "start", "time": time.time(), "pid": os.getpid(), **fields})
+        self.flush()
 
     # ----------------------------------------------------------------------------- events
     def on_prefill(self, reqs: Sequence[Any], *, waiting: int, running: int, deferred: int = 0,

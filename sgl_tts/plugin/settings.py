@@ -26,11 +26,15 @@ class TTSSettings:
             many tokens that are not cached yet, only the first prefills them this round.
         metrics_file: write scheduler metrics (JSONL) to ``<metrics_file>.<pid>`` per scheduler
             process (works with either policy: compare stock and prefix-aware runs).
+        seeded_sampling: a request's ``sampling_seed`` decides its samples (SGLang 0.5.15 honours
+            seeds only with ``--enable-deterministic-inference``, which its CPU attention backends
+            refuse); see :mod:`sgl_tts.plugin.seeding`.
     """
 
     policy: str = "off"
     dedup_tokens: int = 32
     metrics_file: str | None = None
+    seeded_sampling: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -46,6 +50,8 @@ class TTSSettings:
         env = {"SGL_TTS_POLICY": self.policy, "SGL_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
         if self.metrics_file:
             env["SGL_TTS_METRICS_FILE"] = self.metrics_file
+        if self.seeded_sampling:
+            env["SGL_TTS_SEEDED_SAMPLING"] = "1"
         return env
 
     @classmethod
@@ -56,14 +62,16 @@ class TTSSettings:
         except ValueError:
             raise ValueError(f"SGL_TTS_DEDUP_TOKENS must be an integer, got "
                              f"{env.get('SGL_TTS_DEDUP_TOKENS')!r}") from None
-        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup, env.get("SGL_TTS_METRICS_FILE") or None)
+        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup, env.get("SGL_TTS_METRICS_FILE") or None,
+                   env.get("SGL_TTS_SEEDED_SAMPLING", "") == "1")
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
         """The settings a scheduler runs with: ``ServerArgs`` attributes, else the environment."""
         if hasattr(server_args, "tts_policy"):
             return cls(server_args.tts_policy, server_args.tts_dedup_tokens,
-                       getattr(server_args, "tts_metrics_file", None))
+                       getattr(server_args, "tts_metrics_file", None),
+                       bool(getattr(server_args, "tts_seeded_sampling", False)))
         return cls.from_env()
 
 
@@ -102,19 +110,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "PATH.<pid>, one file per scheduler process; summarise with `sgl-tts "
                             "scheduler-stats PATH.*`. With --enable-metrics the counters are also "
                             "sgl_tts_* Prometheus metrics")
+    group.add_argument("--tts-seeded-sampling", action="store_true",
+                       default=os.environ.get("SGL_TTS_SEEDED_SAMPLING", "") == "1",
+                       help="a request's sampling_seed decides its samples, whatever its batch (stock "
+                            "SGLang 0.5.15 ignores seeds unless --enable-deterministic-inference, which "
+                            "the CPU backends refuse); unseeded requests draw a random seed. Needs the "
+                            "pytorch sampling backend (the CPU default; --sampling-backend pytorch on a GPU)")
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     """Validate the parsed flags against the rest of the server's settings, store them on
     ``server_args`` and mirror them into the environment for child processes."""
     settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32),
-                           getattr(args, "tts_metrics_file", None))
+                           getattr(args, "tts_metrics_file", None), bool(getattr(args, "tts_seeded_sampling", False)))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
     server_args.tts_policy = settings.policy
     server_args.tts_dedup_tokens = settings.dedup_tokens
+    if settings.seeded_sampling and getattr(server_args, "sampling_backend", None) not in (None, "pytorch"):
+        raise ValueError(f"--tts-seeded-sampling needs --sampling-backend pytorch (the server uses "
+                         f"{server_args.sampling_backend!r}, which ignores or refuses per-request seeds)")
     server_args.tts_metrics_file = settings.metrics_file
+    server_args.tts_seeded_sampling = settings.seeded_sampling
     os.environ.update(settings.env())
     return settings
 

@@ -57,31 +57,36 @@ class CPUServerFlags:
 
     max_total_tokens: int
     model_impl: str | None = None   # "transformers" where the native layer would mis-size heads
+    dtype: str | None = None        # None: the checkpoint's (``--dtype`` otherwise)
 
     def args(self) -> list[str]:
         out = ["--device", "cpu", "--max-total-tokens", str(self.max_total_tokens),
                "--grammar-backend", "none", "--sleep-on-idle"]
         if self.model_impl:
             out += ["--model-impl", self.model_impl]
+        if self.dtype:
+            out += ["--dtype", self.dtype]
         return out
 
 
-def cpu_server_flags(model: str | os.PathLike, kv_bytes: int) -> CPUServerFlags:
-    """Flags for ``model`` with a KV pool of ``kv_bytes`` (at least one full-context request)."""
+def cpu_server_flags(model: str | os.PathLike, kv_bytes: int, *, dtype: str | None = None) -> CPUServerFlags:
+    """Flags for ``model`` with a KV pool of ``kv_bytes`` (at least one full-context request);
+    ``dtype`` (e.g. ``float32``, what :class:`sgl_tts.LocalBackend` computes in) overrides the
+    checkpoint's, and sizes the KV cache too."""
     from sgl_tts.memory import ModelShape, context_tokens
 
-    shape = ModelShape.from_config(model)
+    shape = ModelShape.from_config(model, kv_dtype=dtype)
     tokens = int(kv_bytes // shape.kv_bytes_per_token)
     longest = context_tokens(model)
     if tokens < max(1, longest):
         raise ValueError(f"a KV budget of {kv_bytes / 2 ** 20:.1f} MiB holds {tokens} tokens of {shape.name} "
                          f"({shape.kv_bytes_per_token} bytes each), less than its context length ({longest}); "
                          f"give more memory")
-    return CPUServerFlags(tokens, "transformers" if needs_transformers_impl(_config(model)) else None)
+    return CPUServerFlags(tokens, "transformers" if needs_transformers_impl(_config(model)) else None, dtype)
 
 
 def cpu_pair_flags(generator: str | os.PathLike, prm: str | os.PathLike, kv_memory: str | int = DEFAULT_KV_MEMORY,
-                   generator_share: float = 0.5) -> dict[str, CPUServerFlags]:
+                   generator_share: float = 0.5, dtype: str | None = None) -> dict[str, CPUServerFlags]:
     """Both servers' CPU flags: ``kv_memory`` (bytes, or a size such as ``1GiB``) is the KV memory
     the two pools may take together, ``generator_share`` of it the generator's."""
     from sgl_tts.memory import parse_bytes
@@ -89,8 +94,8 @@ def cpu_pair_flags(generator: str | os.PathLike, prm: str | os.PathLike, kv_memo
     if not 0 < generator_share < 1:
         raise ValueError(f"the generator's share must be in (0, 1), got {generator_share}")
     budget = parse_bytes(kv_memory) if isinstance(kv_memory, str) else int(kv_memory)
-    return {"generator": cpu_server_flags(generator, int(budget * generator_share)),
-            "prm": cpu_server_flags(prm, int(budget * (1 - generator_share)))}
+    return {"generator": cpu_server_flags(generator, int(budget * generator_share), dtype=dtype),
+            "prm": cpu_server_flags(prm, int(budget * (1 - generator_share)), dtype=dtype)}
 
 
 __all__ = ["CPU_ENV", "CPUServerFlags", "DEFAULT_KV_MEMORY", "cpu_pair_flags", "cpu_server_flags",

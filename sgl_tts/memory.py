@@ -476,10 +476,11 @@ class PairPlan:
             else "shared"
 
 
-def add_plan_arguments(ap) -> None:
-    """The planning flags ``sgl-tts plan`` and ``sgl-tts serve`` share."""
-    ap.add_argument("--generator", required=True, help="generator model folder or config.json")
-    ap.add_argument("--prm", required=True, help="PRM model folder or config.json")
+def add_plan_arguments(ap, *, models_required: bool = True) -> None:
+    """The planning flags ``sgl-tts plan`` and ``sgl-tts serve`` share (``serve --device cpu`` has
+    default models, so it asks for them itself)."""
+    ap.add_argument("--generator", required=models_required, help="generator model folder or config.json")
+    ap.add_argument("--prm", required=models_required, help="PRM model folder or config.json")
     ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE), help="GPU profile")
     ap.add_argument("--gpu-memory", default=None,
                     help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")

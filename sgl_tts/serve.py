@@ -1,4 +1,5 @@
-"""``sgl-tts serve``: the generator and the PRM as two SGLang servers on one GPU, planned and supervised.
+"""``sgl-tts serve``: the generator and the PRM as two SGLang servers, on one GPU (planned) or on the
+CPU (``--device cpu``, :mod:`sgl_tts.cpu_serving`), supervised.
 
 The memory planner (:mod:`sgl_tts.memory`) gives both servers' flags in start-up order; the servers
 start one after the other (the second sizes its pools from the memory the first left), each must
@@ -204,10 +205,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import shlex
 
+    from sgl_tts.cpu_serving import CPU_ENV, DEFAULT_KV_MEMORY, cpu_pair_flags
     from sgl_tts.memory import add_plan_arguments, plan_from_args
 
     ap = argparse.ArgumentParser(prog="sgl-tts serve", description=__doc__.splitlines()[0])
-    add_plan_arguments(ap)
+    add_plan_arguments(ap, models_required=False)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: the planned split on one GPU. cpu: both servers on this machine's CPU "
+                         "(SGLANG_USE_CPU_ENGINE=1; default models: the shipped tiny generator and PRM; "
+                         "pools from --kv-memory; the GPU planning flags are ignored)")
+    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+                    help=f"with --device cpu: RAM the two KV pools may take together "
+                         f"(default {DEFAULT_KV_MEMORY}; each server also needs ~3 GB for itself)")
+    ap.add_argument("--generator-share", type=float, default=0.5,
+                    help="with --device cpu: the generator's share of --kv-memory (default 0.5)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --device cpu: compute and KV dtype (default: the checkpoint's; float32 "
+                         "computes exactly what sgl_tts.LocalBackend computes)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--generator-port", type=int, default=30000)
     ap.add_argument("--prm-port", type=int, default=30001)
@@ -216,21 +230,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--health-timeout", type=float, default=600.0)
     ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
     args = ap.parse_args(argv)
+    env = None
     try:
-        flags = plan_from_args(args).flags
+        if args.device == "cpu":
+            from sgl_tts.models import shipped_model
+
+            args.generator = args.generator or str(shipped_model("generator") or "")
+            args.prm = args.prm or str(shipped_model("prm") or "")
+            if not (args.generator and args.prm):
+                raise ValueError("this install ships no tiny models: pass --generator and --prm")
+            flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
+            env = dict(CPU_ENV)
+        else:
+            if not (args.generator and args.prm):
+                ap.error("--generator and --prm are required with --device cuda")
+            flags = plan_from_args(args).flags
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1
     plugin = ["--tts-policy", args.tts_policy]
+    if args.device == "cpu":
+        plugin.append("--tts-seeded-sampling")   # the pytorch sampler: the programs' seeds take effect
     if args.tts_metrics_file:
         plugin += ["--tts-metrics-file", args.tts_metrics_file]
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
-                        first=args.first, plugin_args=plugin)
+                        first=args.first, plugin_args=plugin, env=env)
     if args.dry_run:
         for spec in specs:
             print(f"# {spec.name}: healthy at {spec.health_url}")
-            print(shlex.join(spec.command))
+            prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (spec.env or {}).items())
+            print((prefix + " " if prefix else "") + shlex.join(spec.command))
         return 0
 
     def ready(servers):

@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny Qwen2 model built on the fly, and a LocalBackend on it."""
+"""Shared fixtures: a tiny Qwen2 model built on the fly, a LocalBackend on it, and ``live``: real
+SGLang servers on this CPU (``sgl_tts.live_servers``), each started the first time a test asks for
+it and kept until the run ends."""
 
 from __future__ import annotations
 
@@ -35,3 +37,36 @@ def backend(tiny_model_path):
 def hf_model(backend):
     """The backend's own transformers model, for direct reference forwards."""
     return backend.model
+
+
+# The live servers every `server` test shares; each starts on first use, so a run that needs only some
+# starts only those. float32: the server computes what LocalBackend computes (greedy text and logprobs
+# comparable to 1e-3; the checkpoints are bf16).
+LIVE_KV_BYTES = 64 << 20     # per server: 16k tokens of the generator in float32, plenty for the tests
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory):
+    """``LiveServers`` with: ``generator`` (plugin, --tts-policy prefix-aware, metrics, seeded
+    sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
+    SGLANG_PLUGINS=none), ``prm`` (the step-tag PRM) and ``reward_head`` (write_reward_head's
+    classifier checkpoint, /classify). A server that cannot start fails the test with its log."""
+    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    from sgl_tts.models import shipped_model
+    from sgl_tts.models.reward_head import write_reward_head
+
+    work = tmp_path_factory.mktemp("live")
+    gen, prm = str(shipped_model("generator")), str(shipped_model("prm"))
+    head = str(write_reward_head(prm, work / "reward-head"))
+    specs = {
+        "generator": LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=LIVE_KV_BYTES,
+                                extra=("--tts-seeded-sampling",)),
+        "generator_off": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
+                                    extra=("--tts-seeded-sampling",)),
+        "generator_stock": LiveServer(gen, policy=NO_PLUGIN, kv_bytes=LIVE_KV_BYTES),
+        "prm": LiveServer(prm, kv_bytes=LIVE_KV_BYTES),
+        "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
+    }
+    servers = LiveServers(specs, work / "servers")
+    yield servers
+    servers.stop_all()

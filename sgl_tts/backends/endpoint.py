@@ -3,6 +3,8 @@ SGLang runtime for a machine with CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import logging
 from typing import Any, Sequence
@@ -14,6 +16,11 @@ from sglang.utils import http_request
 from sgl_tts.backends.request import RequestFields, take_request_fields
 
 logger = logging.getLogger(__name__)
+
+
+class ServerUnavailable(ConnectionError):
+    """The SGLang server stopped answering (refused, reset or closed the connection); the message
+    names the server and the route."""
 
 
 class SGLangEndpoint(RuntimeEndpoint):
@@ -62,8 +69,7 @@ class SGLangEndpoint(RuntimeEndpoint):
     def generate_stream(self, s, sampling_params):
         data = self._generate_body(s, sampling_params, take_request_fields())
         data["stream"] = True
-        res = http_request(self.base_url + "/generate", json=data, stream=True,
-                           api_key=self.api_key, verify=self.verify)
+        res = self._http("/generate", data, stream=True)
         self._assert_success(res)
         pos = 0
         for chunk in res.iter_lines(decode_unicode=False):
@@ -78,7 +84,16 @@ class SGLangEndpoint(RuntimeEndpoint):
 
     def select(self, s, choices, temperature, choices_method=None):
         take_request_fields()  # fields are for generation calls only; never let them leak
-        return super().select(s, choices, temperature, choices_method)
+        with self._answering("a select"):
+            return super().select(s, choices, temperature, choices_method)
+
+    def commit_lazy_operations(self, s):
+        with self._answering("a prefix commit (fork)"):
+            return super().commit_lazy_operations(s)
+
+    def cache_prefix(self, prefix_str: str):
+        with self._answering("a prefix cache request"):
+            return super().cache_prefix(prefix_str)
 
     @property
     def tokenizer(self):
@@ -172,8 +187,7 @@ class SGLangEndpoint(RuntimeEndpoint):
         ``tts/<group>/``; needs the sgl-tts plugin on the server, see docs/SCHEDULER_PLUGIN.md)."""
         from sgl_tts.plugin.abort import group_prefix
 
-        res = http_request(self.base_url + "/abort_request", json={"rid": group_prefix(group)},
-                           api_key=self.api_key, verify=self.verify)
+        res = self._http("/abort_request", {"rid": group_prefix(group)})
         self._assert_success(res)
 
     def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,
@@ -193,9 +207,27 @@ class SGLangEndpoint(RuntimeEndpoint):
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""
-        res = http_request(self.base_url + path, json=payload, api_key=self.api_key, verify=self.verify)
+        res = self._http(path, payload)
         self._assert_success(res)
         return res.json()
+
+    def _http(self, path: str, payload: dict[str, Any], *, stream: bool = False):
+        with self._answering(f"POST {path}"):
+            return http_request(self.base_url + path, json=payload, stream=stream, api_key=self.api_key,
+                                verify=self.verify)
+
+    @contextlib.contextmanager
+    def _answering(self, what: str):
+        """A server that is gone raises :class:`ServerUnavailable` naming it (urllib's own errors say
+        neither which server nor what was asked)."""
+        import requests
+
+        try:
+            yield
+        except (OSError, http.client.HTTPException, requests.ConnectionError) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise ServerUnavailable(f"the SGLang server at {self.base_url} did not answer {what} "
+                                    f"({type(reason).__name__}: {reason}); is it still running?") from exc
 
 
 def apply_request_fields(data: dict[str, Any], fields: RequestFields) -> dict[str, Any]:

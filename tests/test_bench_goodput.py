@@ -150,15 +150,24 @@ def sglang_accepts(body: dict, vocab: int) -> None:
 
 
 def test_every_request_the_benchmark_sends_is_one_sglang_accepts(words):
-    cfg = settings(n=(4,), problems=1)
+    # with the word tokenizer's specials banned, as --device cpu does (SGLang checks logit_bias' ids)
+    banned = tuple(range(VOCAB - 4, VOCAB))
+    cfg = settings(n=(4,), problems=1, banned_token_ids=banned)
     _, servers = run_two_sides(words, cfg)
     kinds = set()
     for gen, prm in servers.values():
         for body in gen.bodies + prm.bodies:
             sglang_accepts(body, VOCAB)
-            kinds.add("prm" if "input_ids" in body else "limit" if isinstance(body["text"], list)
-                      else "step" if body["sampling_params"].get("max_new_tokens") else "prefix")
+            kind = ("prm" if "input_ids" in body else "limit" if isinstance(body["text"], list)
+                    else "step" if body["sampling_params"].get("max_new_tokens") else "prefix")
+            kinds.add(kind)
+            if kind == "step":   # every step request keeps the generator off the specials
+                bias = body["sampling_params"]["logit_bias"]
+                assert sorted(int(k) for k in bias) == list(banned) and max(bias.values()) <= -1e3
     assert kinds == {"prm", "limit", "step", "prefix"}
+    with pytest.raises(ValueError):   # an id outside the vocabulary is refused
+        sglang_accepts({"text": "t1", "sampling_params": {"max_new_tokens": 1, "logit_bias": {str(VOCAB): -1e4}}},
+                       VOCAB)
     with pytest.raises(ValueError):   # the check can fail: SGLang refuses a negative length
         sglang_accepts({"text": "t1", "sampling_params": {"max_new_tokens": -1}}, VOCAB)
 
@@ -295,6 +304,45 @@ def test_dry_run_prints_a_stock_and_an_sgl_tts_pair(tmp_path, capsys):
     tok = tmp_path / "qwen2.5-math-1.5b" / "tokenizer"
     assert (tok / "tokenizer.json").exists()
     assert f"--tokenizer-path {tok}" in cmds["# stock generator"] and f"--tokenizer-path {tok}" in cmds["# sgl-tts generator"]
+
+
+def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorter_trace(tmp_path, capsys):
+    from sgl_tts.bench.command import CPU_TRACE
+
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    cfg = json.loads(lines[0])
+    # the CPU defaults: n 8/32/64, one problem, the trace's shape scaled down, the specials banned
+    assert (cfg["n"], cfg["problems"], cfg["prompt_tokens"], cfg["trace"]) == ([8, 32, 64], 1, 64, CPU_TRACE)
+    assert cfg["context_tokens"] == 2048 and cfg["planned_batch"] == 64
+    assert cfg["banned_token_ids"] == [4092, 4093, 4094, 4095]
+    shape = BenchSettings(**cfg).step_trace().describe()
+    assert 45 < shape["mean_tokens"] < 60 and shape["p99_tokens"] > 8 * shape["p50_tokens"]   # still heavy-tailed
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
+    for name, cmd in cmds.items():
+        assert cmd.startswith("SGLANG_USE_CPU_ENGINE=1 SGLANG_PLUGINS=none " if name.startswith("# stock")
+                              else "SGLANG_USE_CPU_ENGINE=1 /")
+        assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
+        assert "--load-format dummy" in cmd and "--attention-backend" not in cmd
+        assert "--mem-fraction-static" not in cmd and "--max-running-requests" not in cmd   # no planning
+        assert ("--tts-policy prefix-aware" in cmd) == (name == "# sgl-tts generator")
+        model = "tiny-cpu-prm" if name.endswith("prm") else "tiny-cpu-generator"
+        assert f"--model-path {tmp_path / model} " in cmd
+        assert f"--tokenizer-path {tmp_path / model / 'tokenizer'}" in cmd
+    # both sides split the default 1 GiB of KV alike: half each, in tokens of each model's KV size
+    pool = lambda cmd: int(cmd.split("--max-total-tokens ")[1].split()[0])  # noqa: E731
+    assert pool(cmds["# stock generator"]) == pool(cmds["# sgl-tts generator"]) == 2 ** 29 // (4 * 2 * 2 * 64 * 2)
+    assert pool(cmds["# stock prm"]) == pool(cmds["# sgl-tts prm"]) == 2 ** 29 // (7 * 2 * 2 * 64 * 2)
+
+
+def test_the_gpu_device_still_needs_its_models(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--dry-run"])
+    assert exc.value.code == 2
+    assert "--generator and --prm are required with --device cuda" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,6 +1,12 @@
 """``sgl-tts bench``: start each side's servers (``sgl-tts serve``), run the searches, write the
 records (resumable JSONL), the report (Markdown + JSON) and the plot. See :mod:`sgl_tts.bench.goodput`
-for what is measured."""
+for what is measured.
+
+``--device cuda`` (the default) runs both sides on one GPU, the sgl-tts side with the memory planner's
+split. ``--device cpu`` runs real SGLang servers on this machine's CPU (:mod:`sgl_tts.cpu_serving`):
+small random-weight Qwen2 models (:data:`CPU_MODELS`), a shorter trace of the same log-normal shape
+(:data:`CPU_TRACE`), and no memory planning (the roofline planner models a GPU): both sides get the
+same split of ``--kv-memory``; the sides differ only in the plugin."""
 
 from __future__ import annotations
 
@@ -22,6 +28,17 @@ from sgl_tts.bench.goodput import (ALGORITHMS, DEFAULT_N, DEFAULT_SERVER_ARGS, S
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 STOCK_ENV = {"SGLANG_PLUGINS": "none"}   # an allow-list naming no plugin: sgl-tts is not loaded
+DEVICES = ("cuda", "cpu")
+
+# --device cpu: models a 2-core CPU serves at a few thousand tokens/s (the shipped tiny generator's
+# shape, with a word-tokenizer vocabulary, random weights; configs/tiny-cpu-*.json) ...
+CPU_MODELS = {"generator": "tiny-cpu-generator", "prm": "tiny-cpu-prm"}
+# ... and the GPU trace's heavy-tailed log-normal shape (sigma 1.0, the same end rule) scaled down about
+# 5x: median 32 tokens (mean ~53, p99 ~330), capped at 512; problems of 64 words (the GPU's 300, scaled)
+CPU_TRACE = {"median_tokens": 32.0, "sigma": 1.0, "max_tokens": 512}
+CPU_PROMPT_TOKENS = 64
+CPU_N = (8, 32, 64)
+CPU_PROBLEMS = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,34 +51,52 @@ def build_parser() -> argparse.ArgumentParser:
                     "limit. --generator/--prm take a model folder, a config.json or a shipped config name "
                     "(qwen2.5-math-1.5b, qwen2.5-7b, math-shepherd-mistral-7b, skywork-prm-1.5b), served "
                     "with random weights.")
-    add_plan_arguments(ap)
-    # the planner's workload follows the trace unless given: a request in the middle of a solution
-    ap.set_defaults(beams=None, step_tokens=None, verify_tokens=None)
+    from sgl_tts.cpu_serving import DEFAULT_KV_MEMORY
+
+    add_plan_arguments(ap, models_required=False)
+    # the planner's workload follows the trace unless given: a request in the middle of a solution;
+    # models and problem size have per-device defaults
+    ap.set_defaults(beams=None, step_tokens=None, verify_tokens=None, prompt_tokens=None)
+    ap.add_argument("--device", choices=DEVICES, default="cuda",
+                    help="cuda (default): both sides on one GPU, the sgl-tts side with the planned split. "
+                         "cpu: real SGLang servers on this CPU (SGLANG_USE_CPU_ENGINE=1), small random-weight "
+                         f"models ({CPU_MODELS['generator']} + {CPU_MODELS['prm']} unless given), a shorter "
+                         "trace, both sides the same split of --kv-memory (no planning; the GPU flags are "
+                         "ignored)")
+    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+                    help=f"with --device cpu: RAM both KV pools of a side take together (default "
+                         f"{DEFAULT_KV_MEMORY}); --stock-split of it is the generator's, on both sides")
     b = ap.add_argument_group("benchmark")
-    b.add_argument("--n", type=int, nargs="+", default=list(DEFAULT_N), help="beam counts (default 8 .. 512)")
+    b.add_argument("--n", type=int, nargs="+", default=None,
+                   help="beam counts (default 8 .. 512; --device cpu: 8 32 64)")
     b.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    b.add_argument("--problems", type=int, default=2, help="synthetic problems per (algorithm, n)")
+    b.add_argument("--problems", type=int, default=None,
+                   help="synthetic problems per (algorithm, n) (default 2; --device cpu: 1)")
     b.add_argument("--beam-width", type=int, default=4)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--temperature", type=float, default=0.8)
-    b.add_argument("--trace-median", type=float, default=None, help="median step tokens (trace default 150)")
+    b.add_argument("--trace-median", type=float, default=None,
+                   help="median step tokens (trace default 150; --device cpu: 32)")
     b.add_argument("--trace-sigma", type=float, default=None, help="log-normal sigma (trace default 1.0)")
-    b.add_argument("--trace-max-tokens", type=int, default=None, help="longest step (trace default 4096)")
+    b.add_argument("--trace-max-tokens", type=int, default=None,
+                   help="longest step (trace default 4096; --device cpu: 512)")
     b.add_argument("--trace-end-probability", type=float, default=None, help="(trace default 0.15)")
     b.add_argument("--trace-max-depth", type=int, default=None, help="(trace default 40)")
     b.add_argument("--context-tokens", type=int, default=None,
                    help="generator context length (default: its config's max_position_embeddings)")
     b.add_argument("--limit-tokens", type=int, default=256, help="tokens per request of the limit measurement")
     b.add_argument("--stock-split", type=float, default=0.5,
-                   help="the stock side's generator share of the memory budget (default 0.5)")
+                   help="the stock side's generator share of the memory budget (default 0.5; with "
+                        "--device cpu both sides' share of --kv-memory)")
     b.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
     s = ap.add_argument_group("servers")
     s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
-    s.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
-                   help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r})")
+    s.add_argument("--server-args", default=None,
+                   help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r}; --device cpu: none, "
+                        f"the CPU flags come from sgl_tts.cpu_serving)")
     s.add_argument("--models-dir", default=str(MODEL_CACHE), help="where config names become model folders")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--generator-port", type=int, default=30000)
@@ -73,7 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start no search after this many seconds: stop the servers, write the report and "
                          "exit 3 (run again to go on; for machines that limit a command's time)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
+                         "table; the servers' logs go to stderr")
     return ap
+
+
+def apply_device_defaults(args) -> None:
+    """Fill what the user left out with ``args.device``'s defaults (in place)."""
+    cpu = args.device == "cpu"
+    if cpu:
+        args.generator = args.generator or CPU_MODELS["generator"]
+        args.prm = args.prm or CPU_MODELS["prm"]
+    if args.n is None:
+        args.n = list(CPU_N if cpu else DEFAULT_N)
+    if args.problems is None:
+        args.problems = CPU_PROBLEMS if cpu else 2
+    if args.prompt_tokens is None:
+        args.prompt_tokens = CPU_PROMPT_TOKENS if cpu else 300
+    if args.server_args is None:
+        args.server_args = "" if cpu else DEFAULT_SERVER_ARGS
 
 
 def model_folder(arg: str, models_dir: Path) -> Path:
@@ -100,14 +154,26 @@ def _label(arg: str) -> str:
     return path.name[:-5] if path.name.endswith(".json") else path.name
 
 
-def settings_from_args(args, context_default: int | None, planned_batch: int) -> BenchSettings:
-    trace = {k: v for k, v in {"median_tokens": args.trace_median, "sigma": args.trace_sigma,
+def settings_from_args(args, context_default: int | None, planned_batch: int,
+                       banned_token_ids: Sequence[int] = ()) -> BenchSettings:
+    given = {k: v for k, v in {"median_tokens": args.trace_median, "sigma": args.trace_sigma,
                                "max_tokens": args.trace_max_tokens,
                                "end_probability": args.trace_end_probability,
                                "max_depth": args.trace_max_depth}.items() if v is not None}
+    trace = {**(CPU_TRACE if getattr(args, "device", "cuda") == "cpu" else {}), **given}
     return BenchSettings(tuple(args.algorithms), tuple(args.n), args.problems, args.beam_width, args.seed,
                          args.prompt_tokens, args.temperature, trace,
-                         args.context_tokens or context_default, planned_batch, args.limit_tokens)
+                         args.context_tokens or context_default, planned_batch, args.limit_tokens,
+                         tuple(banned_token_ids))
+
+
+def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> dict:
+    """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows."""
+    rows = summarize(records, settings)
+    return {"header": header, "settings": settings.to_json(),
+            "rows": [{"algorithm": r.algorithm, "n": r.n, "limit_goodput": r.limit_goodput,
+                      "limit_batch": r.limit_batch, "kept_beams_match": r.match, "mismatched": r.mismatched,
+                      "sides": {k: vars(v) for k, v in r.sides.items()}} for r in rows]}
 
 
 def report(records: list[dict], settings: BenchSettings, output: Path, header: dict) -> str:
@@ -116,16 +182,18 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
     table = format_report(rows)
     lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "",
              f"- machine: {header['machine']}", f"- date: {header['date']}",
-             f"- command: `{header['command']}`", f"- memory budget: {header['budget']}",
-             f"- planner workload: {header.get('workload')}",
-             f"- settings: `{json.dumps(settings.to_json())}`", "", table, ""]
+             f"- command: `{header['command']}`", f"- device: {header.get('device', 'cuda')}",
+             f"- memory budget: {header['budget']}"]
+    if header.get("workload") is not None:
+        lines.append(f"- planner workload: {header['workload']}")
+    if header.get("pools"):
+        lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
+    if header.get("trace"):
+        lines.append(f"- trace: `{json.dumps(header['trace'])}`")
+    lines += [f"- settings: `{json.dumps(settings.to_json())}`", "", table, ""]
     text = "\n".join(lines)
     output.with_suffix(".md").write_text(text)
-    output.with_suffix(".summary.json").write_text(json.dumps(
-        {"header": header, "settings": settings.to_json(),
-         "rows": [{"algorithm": r.algorithm, "n": r.n, "limit_goodput": r.limit_goodput,
-                   "limit_batch": r.limit_batch, "kept_beams_match": r.match, "mismatched": r.mismatched,
-                   "sides": {k: vars(v) for k, v in r.sides.items()}} for r in rows]}, indent=1))
+    output.with_suffix(".summary.json").write_text(json.dumps(summary_json(records, settings, header), indent=1))
     if rows:
         plot_report(rows, output.with_suffix(".png"), f"{header['generator']} + {header['prm']}, "
                                                       f"{header['budget']}, {header['machine']}")
@@ -134,65 +202,92 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
+    from sgl_tts.bench.dummy_models import WORD_SPECIALS, tokenizer_dir
+    from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
     from sgl_tts.machine import describe
-    from sgl_tts.memory import GiB, context_tokens, plan_from_args, static_split_flags
+    from sgl_tts.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
     from sgl_tts.serve import ServerFailed, build_specs, run_servers, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    cpu = args.device == "cpu"
+    if not cpu and not (args.generator and args.prm):
+        ap.error("--generator and --prm are required with --device cuda")
+    apply_device_defaults(args)
 
     def fail(msg: str) -> int:
         print(f"sgl-tts bench: error: {msg}", file=sys.stderr)
         return 1
 
+    plan = None
     try:
         models_dir = Path(args.models_dir).expanduser()
         gen_dir, prm_dir = model_folder(args.generator, models_dir), model_folder(args.prm, models_dir)
         names = {"generator": _label(args.generator), "prm": _label(args.prm)}
         args.generator, args.prm = str(gen_dir), str(prm_dir)
         gen_cfg = json.loads((gen_dir / "config.json").read_text())
+        toks = {"generator": tokenizer_dir(gen_dir), "prm": tokenizer_dir(prm_dir)}
         # a path (and the PRM's input for it) must fit both models' context
         contexts = [c for c in (context_tokens(gen_dir), context_tokens(prm_dir)) if c]
         context = min(contexts) if contexts else None
         draft = settings_from_args(args, context, 1)
         shape = draft.step_trace().describe(samples=4000)
-        plan_args = argparse.Namespace(**vars(args))
-        plan_args.beams = args.beams or max(args.n)
-        plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
-        path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
-        plan_args.prompt_tokens = args.prompt_tokens + path
-        plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
-        # the longest request the benchmark sends: a path is cut before the context (see the trace)
-        plan_args.longest_request = args.longest_request or draft.context_tokens
-        plan = plan_from_args(plan_args)
-        settings = settings_from_args(args, context, plan.flags["generator"].max_running_requests or 1)
-        longest = plan_args.longest_request or 0
-        stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
-                                   min_pool_tokens={"generator": longest, "prm": longest})
+        if cpu:
+            # no memory planning on the CPU (the roofline planner models a GPU): both sides get the
+            # same split of --kv-memory and SGLang's own batch limits; the limit's batch is n itself
+            flags = cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, args.stock_split)
+            side_flags = {"stock": flags, "sgl-tts": flags}
+            # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
+            # a small vocabulary a random model would write them into many steps (an <unk> vanishes
+            # from the decoded text, a step tag makes a path unscorable), and the sides would differ
+            vocab_size = int(gen_cfg["vocab_size"])
+            banned = (range(vocab_size - len(WORD_SPECIALS), vocab_size)
+                      if toks["generator"] != gen_dir else ())
+            settings = settings_from_args(args, context, max(args.n), banned)
+            budget = (f"{parse_bytes(args.kv_memory) / GiB:.2f} GiB of KV on the CPU, generator share "
+                      f"{args.stock_split} on both sides (no memory planning on the CPU)")
+            envs = {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)}
+        else:
+            plan_args = argparse.Namespace(**vars(args))
+            plan_args.beams = args.beams or max(args.n)
+            plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
+            path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
+            plan_args.prompt_tokens = args.prompt_tokens + path
+            plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
+            # the longest request the benchmark sends: a path is cut before the context (see the trace)
+            plan_args.longest_request = args.longest_request or draft.context_tokens
+            plan = plan_from_args(plan_args)
+            settings = settings_from_args(args, context, plan.flags["generator"].max_running_requests or 1)
+            longest = plan_args.longest_request or 0
+            stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
+                                       min_pool_tokens={"generator": longest, "prm": longest})
+            side_flags = {"stock": stock, "sgl-tts": plan.flags}
+            budget = f"{plan.budget / GiB:.1f} GiB"
+            envs = {"stock": STOCK_ENV, "sgl-tts": None}
     except (FileNotFoundError, ValueError) as exc:
         return fail(str(exc))
-    vocab = int(gen_cfg["vocab_size"]) - 4
+    vocab = int(gen_cfg["vocab_size"]) - len(WORD_SPECIALS)
     output = Path(args.output or f"bench-out/{names['generator']}+{names['prm']}.jsonl")
-    from sgl_tts.bench.dummy_models import tokenizer_dir
 
-    toks = {"generator": tokenizer_dir(gen_dir), "prm": tokenizer_dir(prm_dir)}
     extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
     extra_by = {name: extra + (["--tokenizer-path", str(toks[name])] if toks[name] != folder else [])
                 for name, folder in (("generator", gen_dir), ("prm", prm_dir))}
     ports = {"generator": args.generator_port, "prm": args.prm_port}
-    side_flags = {"stock": stock, "sgl-tts": plan.flags}
     specs = {}
     for side in args.sides:
         plugin = ["--tts-policy", "prefix-aware",
                   "--tts-metrics-file", str(output.with_name(output.stem + ".plugin-metrics.jsonl"))] if side == "sgl-tts" else []
         specs[side] = build_specs(str(gen_dir), str(prm_dir), side_flags[side], host=args.host, ports=ports,
-                                  first=args.first, plugin_args=plugin,
-                                  extra=extra_by,
-                                  env=STOCK_ENV if side == "stock" else None)
+                                  first=args.first, plugin_args=plugin, extra=extra_by, env=envs[side])
+    trace = settings.step_trace()
     header = {"generator": names["generator"], "prm": names["prm"], "machine": describe(),
               "date": datetime.date.today().isoformat(), "command": shlex.join(["sgl-tts", "bench", *argv]),
-              "budget": f"{plan.budget / GiB:.1f} GiB",
-              "workload": dataclasses.asdict(plan.work)}
+              "device": args.device, "budget": budget,
+              "workload": dataclasses.asdict(plan.work) if plan is not None else None,
+              "pools": {side: {name: side_flags[side][name].max_total_tokens for name in ("generator", "prm")}
+                        for side in SIDES},
+              "trace": {**dataclasses.asdict(trace), **{k: round(v, 3) for k, v in shape.items()}}}
     if args.dry_run:
         print(json.dumps(settings.to_json()))
         for side, side_specs in specs.items():
@@ -201,6 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# {side} {spec.name}")
                 print((env + " " if env else "") + shlex.join(spec.command))
         return 0
+
+    def show(records) -> None:
+        """The report on stdout: the Markdown table, or with --json the summary."""
+        text = report(records, settings, output, header)
+        print(json.dumps(summary_json(records, settings, header), indent=1) if args.json else text, flush=True)
+
     try:
         records = read_records(output, settings)
     except BenchError as exc:
@@ -208,10 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         if not records:
             return fail(f"{output} holds no records to report")
-        print(report(records, settings, output, header))
+        show(records)
         return 0
     writer = RecordWriter(output, settings, records)
     deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
+    log_out = sys.stderr if args.json else None   # stdout carries only the JSON
     left = 0
     for side in args.sides:
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
@@ -247,14 +349,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             with sigterm_stops_servers():
-                run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
+                run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop,
+                            out=log_out)
         except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
-            print(report(writer.records, settings, output, header))
+            show(writer.records)
             return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
         except KeyboardInterrupt:
             print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
             return 130
-    print(report(writer.records, settings, output, header))
+    show(writer.records)
     rows = summarize(writer.records, settings)
     if left:
         print(f"sgl-tts bench: --stop-after reached with work left ({left} searches or measurements); "
@@ -265,4 +368,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["build_parser", "main", "model_folder", "report", "settings_from_args"]
+__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "apply_device_defaults", "build_parser", "main", "model_folder",
+           "report", "settings_from_args", "summary_json"]

@@ -6,6 +6,9 @@ Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.serve` on 
   budget (``--stock-split``, the generator's share; 0.5 by default), SGLang's own batch limits;
 - ``sgl-tts``: the plugin on (``--tts-policy prefix-aware``) and the memory planner's split and batch.
 
+On the CPU (``sgl-tts bench --device cpu``) both sides get the same split and SGLang's own batch
+limits (no planning there), so they differ only in the plugin.
+
 On each side beam search and DVTS run for every n on the same synthetic problems, one problem at a
 time. Models are real architectures with random weights, so the *trace* (:mod:`sgl_tts.bench.trace`)
 fixes what a real model would decide: every step's length (the request asks for exactly that many
@@ -167,8 +170,11 @@ class TraceEndpoint(MeteredEndpoint):
     """
 
     def __init__(self, base_url: str, trace: StepTrace, registry: StepRegistry, *,
-                 context_tokens: int | None = None, tokenizer_path: str | None = None):
+                 context_tokens: int | None = None, tokenizer_path: str | None = None,
+                 banned_token_ids: Sequence[int] = ()):
         self.trace, self.registry, self.context_tokens = trace, registry, context_tokens
+        # never sampled: far below any logit (SGLang adds logit_bias to the logits before sampling)
+        self.logit_bias = {str(int(t)): -1e4 for t in banned_token_ids} or None
         super().__init__(base_url, tokenizer_path=tokenizer_path)
 
     def generate(self, s, sampling_params):
@@ -194,6 +200,8 @@ class TraceEndpoint(MeteredEndpoint):
                 tokens, ends = min(tokens, room), True
         data = self._generate_body(s, sampling_params, fields)
         data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
+        if self.logit_bias:
+            data["sampling_params"]["logit_bias"] = self.logit_bias
         obj = self.post("/generate", data)
         text, meta = obj["text"], dict(obj["meta_info"])
         got = int(meta.get("completion_tokens", -1))
@@ -246,6 +254,8 @@ class BenchSettings:
         context_tokens: the generator's context length (paths end before it); None: unlimited.
         planned_batch: the generator's planned batch (the generator-bound limit's batch).
         limit_tokens: tokens per request when the decode throughput for the limit is measured.
+        banned_token_ids: ids the generator never samples (SGLang ``logit_bias``): a word
+            tokenizer's specials, where a small vocabulary would write them into many steps.
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -259,9 +269,11 @@ class BenchSettings:
     context_tokens: int | None = None
     planned_batch: int = 256
     limit_tokens: int = 256
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
+        self.banned_token_ids = tuple(int(x) for x in self.banned_token_ids)
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
         if bad or not self.algorithms:
             raise ValueError(f"unknown algorithm {bad[0] if bad else None!r}; choose from {', '.join(ALGORITHMS)}")
@@ -333,7 +345,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     trace = settings.step_trace()
     registry = StepRegistry()
     gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
-                        tokenizer_path=generator_tokenizer)
+                        tokenizer_path=generator_tokenizer, banned_token_ids=settings.banned_token_ids)
     prm_backend = MeteredEndpoint(prm_url, tokenizer_path=prm_tokenizer)
     gen.tokenizer, prm_backend.tokenizer   # loaded now, not inside the first timed search
     done = set(done)

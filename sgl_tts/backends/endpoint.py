@@ -191,10 +191,12 @@ class SGLangEndpoint(RuntimeEndpoint):
         self._assert_success(res)
 
     def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,
-                  depth: int | None = None, priority: int | None = None) -> bool:
+                  depth: int | None = None, priority: int | None = None) -> int:
         """Change the class (``normal``, ``speculative``, ``boosted``; and optionally SGLang's
-        ``priority``) of a search group's waiting and running requests in one call, e.g. boost what MCTS expands next (sgl-tts plugin with
-        ``--tts-policy prefix-aware``). True when every scheduler applied it."""
+        ``priority``) of a search group's waiting and running requests in one call, e.g. boost what
+        MCTS expands next (sgl-tts plugin on the server). Returns how many requests the server's
+        schedulers re-classed; a refused command raises ``ValueError`` with the server's reason, a
+        server without the plugin ``RuntimeError``."""
         command: dict[str, Any] = {"group": group, "cls": cls}
         if beams is not None:
             command["beams"] = [int(b) for b in beams]
@@ -203,7 +205,19 @@ class SGLangEndpoint(RuntimeEndpoint):
         if priority is not None:
             command["priority"] = int(priority)
         res = self.post("/set_internal_state", {"server_args": {"tts_set_class": command}})
-        return bool(res) and all(res)
+        total = 0
+        for out in res if isinstance(res, list) else [res]:
+            if not isinstance(out, dict):   # SGLang's bare flag: the plugin is not loaded there
+                raise RuntimeError(f"{self.base_url} answered {res!r} to tts_set_class: is the sgl-tts "
+                                   f"plugin loaded there (SGLANG_PLUGINS)?")
+            info = (out.get("server_args") or {}).get("tts_set_class") or {}
+            if "error" in info:
+                raise ValueError(f"{self.base_url} refused the class change: {info['error']}")
+            if not out.get("updated") or "requests" not in info:
+                raise RuntimeError(f"{self.base_url} did not apply tts_set_class (is the sgl-tts plugin "
+                                   f"loaded there?); it answered {out!r}")
+            total += int(info["requests"])
+        return total
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` to ``path`` on the server and return the decoded JSON answer."""

@@ -13,7 +13,9 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``ScheduleBatch.retract_decode`` (around) and ``Scheduler.get_new_batch_prefill`` (before), with
   the policy on: speculative requests are retracted first, and stopped when normal work waits;
 - ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
-  ``/set_internal_state`` changes the class of a group's requests (e.g. MCTS boosting);
+  ``/set_internal_state`` changes the class of a group's requests (e.g. MCTS boosting), and
+  ``TokenizerManager.set_internal_state`` (around) answers such a command with each scheduler's
+  reply (how many requests it re-classed) instead of SGLang's bare ``updated`` flags;
 - ``SamplingBatchInfo.from_schedule_batch`` (after), with ``--tts-seeded-sampling``: every
   request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.seeding`), and
   ``multinomial_with_seed`` (around) draws seeded samples on the CPU, where SGLang's Triton hash
@@ -43,6 +45,7 @@ TARGETS = {
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
     "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
+    "set_state_reply": "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.set_internal_state",
     "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
     "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
 }
@@ -141,6 +144,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
     HookRegistry.register(TARGETS["retract"], policy.retract_decode, HookType.AROUND)
     HookRegistry.register(TARGETS["set_state"], policy.set_internal_state, HookType.AROUND)
+    HookRegistry.register(TARGETS["set_state_reply"], policy.set_internal_state_reply, HookType.AROUND)
     HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
     HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)

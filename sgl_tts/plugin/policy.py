@@ -219,6 +219,18 @@ def set_internal_state(original, self, recv_req, *args, **kwargs):
     return SetInternalStateReqOutput(updated=True, server_args={"tts_set_class": {"requests": changed}})
 
 
+async def set_internal_state_reply(original, self, obj, *args, **kwargs):
+    """AROUND hook on ``TokenizerManager.set_internal_state`` (HTTP side): for a ``tts_set_class``
+    command, return each scheduler's ``{"updated", "server_args"}`` (SGLang 0.5.15 returns only the
+    ``updated`` flags, dropping the count :func:`set_internal_state` sends back)."""
+    command = getattr(obj, "server_args", None) or {}
+    if set(command) != {"tts_set_class"}:
+        return await original(self, obj, *args, **kwargs)
+    self.auto_create_handle_loop()
+    responses = await self.set_internal_state_communicator(obj)
+    return [{"updated": bool(r.updated), "server_args": r.server_args} for r in responses]
+
+
 def before_prefill(scheduler, *args, **kwargs):
     """BEFORE hook on ``Scheduler.get_new_batch_prefill``: preempt speculative work when normal
     work waits (prefix-aware policy only)."""
@@ -250,4 +262,5 @@ def add_one_req(original, self, req, *args, **kwargs):
 
 __all__ = ["CLASS_RANK", "TTSPolicyState", "add_one_req", "before_prefill", "calc_priority", "enable",
            "preempt_speculative", "request_class", "retract_decode", "set_class", "set_internal_state",
+           "set_internal_state_reply",
            "tag_of", "tokens_of"]

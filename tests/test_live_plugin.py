@@ -1,0 +1,200 @@
+"""The sgl-tts scheduler plugin inside live SGLang servers: attached in the scheduler process, its order
+raises the prefix-cache share, a group abort empties the server, set_class reaches the scheduler, and
+with its flags off the server answers byte for byte as stock SGLang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from programs.beam_search import beam_search
+from sgl_tts import task
+from sgl_tts.backends import LocalBackend, SGLangEndpoint
+from sgl_tts.models import shipped_model
+from sgl_tts.prm import StepTagPRM
+from sgl_tts.tts_request import SearchTag
+
+pytestmark = pytest.mark.server
+
+
+def loads(url: str) -> dict:
+    with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
+        return json.loads(res.read())["loads"][0]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def metrics_since(live, name: str, start: int) -> list[dict]:
+    """The metrics records ``name``'s scheduler wrote after the first ``start`` ones (the plugin
+    flushes about every second)."""
+    time.sleep(1.5)
+    return live.metrics_records(name)[start:]
+
+
+@pytest.fixture(scope="module")
+def local_prm():
+    backend = LocalBackend(str(shipped_model("prm")))
+    yield StepTagPRM(backend)
+    backend.shutdown()
+
+
+def test_policy_attaches_in_the_scheduler_process(live):
+    for name, policy in (("generator", "prefix-aware"), ("generator_off", "off")):
+        live.url(name)
+        starts = [r for r in live.metrics_records(name) if r["event"] == "start"]
+        assert len(starts) == 1, starts
+        rec = starts[0]
+        assert rec["policy"] == policy and rec["seeded_sampling"] is True and rec["dedup_tokens"] == 32
+        # written by SGLang's scheduler process itself (not the launcher that parsed the flags)
+        comm = Path(f"/proc/{rec['pid']}/comm").read_text().strip()
+        assert comm.startswith("sglang::schedul"), comm
+
+
+def _workload(backend, prm, tag: str) -> list:
+    problems = task.test_split()[10:16]
+    states = beam_search.run_batch(
+        [{"question": p.question, "prm": prm, "num_beams": 16, "beam_width": 4, "max_depth": 12,
+          "search_group": f"{tag}-{i}"} for i, p in enumerate(problems)],
+        backend=backend, num_threads=len(problems))
+    for st in states:
+        assert st.error() is None, st.error()
+    return [st.ret_value for st in states]
+
+
+def _share(records: list[dict], tag: str) -> tuple[int, int]:
+    cached = computed = 0
+    for rec in records:
+        if rec["event"] != "prefill":
+            continue
+        for req in rec["requests"]:
+            if req["rid"].startswith(f"tts/{tag}-"):
+                cached += req["cached"]
+                computed += req["computed"]
+    return cached, computed
+
+
+def test_prefix_aware_order_raises_the_cached_share_and_keeps_the_same_beams(live, local_prm):
+    results, shares = {}, {}
+    for name, tag in (("generator_off", "share-off"), ("generator", "share-on")):
+        backend = SGLangEndpoint(live.url(name))
+        start = len(live.metrics_records(name))
+        results[name] = _workload(backend, local_prm, tag)
+        cached, computed = _share(metrics_since(live, name, start), tag)
+        assert cached + computed > 0
+        shares[name] = cached / (cached + computed)
+    # the same seeds on both servers (--tts-seeded-sampling): the same samples, so the order policy
+    # must not change a single kept beam
+    for off, on in zip(results["generator_off"], results["generator"]):
+        assert [(t.steps, t.step_scores, t.answer) for t in on.trajectories] == \
+               [(t.steps, t.step_scores, t.answer) for t in off.trajectories]
+        assert on.answer == off.answer
+    assert shares["generator"] > shares["generator_off"], shares
+
+
+async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
+    import aiohttp
+
+    # no connection limit (aiohttp's default is 100): every request is in flight at once
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(body):
+            async with session.post(url + "/generate", json=body) as res:
+                return await res.json()
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def _tagged_bodies(group: str, n: int, tokens: int) -> list[dict]:
+    q = task.test_split()[0].question + "\n\n"
+    bodies = []
+    for i in range(n):
+        tag = SearchTag(group=group, depth=0, parent=-1, beam=i)
+        bodies.append({"text": q, "rid": tag.rid(), "sampling_params": {
+            "max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0,
+            "custom_params": tag.custom_params()}})
+    return bodies
+
+
+def test_group_abort_of_1000_live_requests_empties_the_server(live):
+    url = live.url("generator")
+    endpoint = SGLangEndpoint(url)
+    bodies = _tagged_bodies("abort1000", 1000, 400)
+    results: list = []
+
+    async def scenario():
+        task_ = asyncio.ensure_future(_post_all(url, bodies))
+        # every request has reached the scheduler (running or queued) before the abort
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_for(
+            lambda: (lambda ld: ld["num_running_reqs"] + ld["num_waiting_reqs"] >= 1000)(loads(url)),
+            300, "1000 live requests"))
+        assert loads(url)["num_running_reqs"] > 0
+        await asyncio.get_running_loop().run_in_executor(None, endpoint.abort_group, "abort1000")
+        results.extend(await task_)
+
+    asyncio.run(scenario())
+    assert len(results) == 1000
+    reasons = [r["meta_info"]["finish_reason"]["type"] for r in results]
+    assert reasons.count("abort") == 1000, {k: reasons.count(k) for k in set(reasons)}
+    # read back from the server: nothing running or waiting, no KV held by a request
+    final = wait_for(lambda: (lambda ld: ld if ld["num_running_reqs"] == 0 and ld["num_waiting_reqs"] == 0
+                                         and ld["num_used_tokens"] == 0 else None)(loads(url)),
+                     60, "an empty server")
+    assert final["queues"]["waiting"] == 0 and final["queues"]["retracted"] == 0
+
+
+def test_set_class_reaches_the_scheduler(live):
+    url = live.url("generator")
+    endpoint = SGLangEndpoint(url)
+    bodies = _tagged_bodies("boost", 12, 300)
+    got: dict = {}
+
+    async def scenario():
+        task_ = asyncio.ensure_future(_post_all(url, bodies))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_for(
+            lambda: (lambda ld: ld["num_running_reqs"] + ld["num_waiting_reqs"] >= 12)(loads(url)),
+            120, "12 live requests"))
+        got["all"] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: endpoint.set_class("boost", "boosted"))
+        got["some"] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: endpoint.set_class("boost", "speculative", beams=[0, 5, 7]))
+        got["none"] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: endpoint.set_class("no-such-group", "boosted"))
+        endpoint.abort_group("boost")
+        await task_
+
+    asyncio.run(scenario())
+    # the scheduler answers with how many of its requests it re-classed
+    assert got == {"all": 12, "some": 3, "none": 0}
+    with pytest.raises(ValueError, match="unknown request class 'gold'"):
+        endpoint.set_class("boost", "gold")
+
+
+def test_plugin_loaded_with_flags_off_answers_byte_for_byte_as_stock(live):
+    off, stock = live.url("generator_off"), live.url("generator_stock")
+    q = [p.question + "\n\n" for p in task.test_split()[:16]]
+    body = {"text": q, "sampling_params": {"max_new_tokens": 120, "temperature": 0.0},
+            "return_logprob": True}
+    # tagged like a search's requests, too: the plugin must ignore the tags when off
+    tagged = dict(body, sampling_params=dict(body["sampling_params"],
+                                             custom_params=SearchTag("g", 0, -1, 0).custom_params()))
+    for payload in (body, tagged):
+        a = asyncio.run(_post_all(off, [payload]))[0]
+        b = asyncio.run(_post_all(stock, [payload]))[0]
+        assert [r["text"] for r in a] == [r["text"] for r in b]
+        assert [[t[1] for t in r["meta_info"]["output_token_logprobs"]] for r in a] == \
+               [[t[1] for t in r["meta_info"]["output_token_logprobs"]] for r in b]
+        assert [r["meta_info"]["output_token_logprobs"] for r in a] == \
+               [r["meta_info"]["output_token_logprobs"] for r in b]

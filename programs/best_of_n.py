@@ -20,7 +20,7 @@ import sglang as sgl
 
 import sgl_tts
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
-                            derive_seed, extract_answer, new_group, split_steps, top_k, vote)
+                            derive_seed, extract_answer, new_group, read_var, split_steps, top_k, vote)
 
 
 @sgl.function
@@ -39,7 +39,7 @@ def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: st
                          rid=f"{tag.rid()}/{uuid.uuid4().hex[:8]}")
     texts, done_at = [], []
     for f in forks:  # read in order: a sample's time is when it and every earlier one had finished
-        texts.append(f["solution"])
+        texts.append(read_var(f, "solution"))
         done_at.append(time.perf_counter() - t0)
     tokens = [int((f.get_meta_info("solution") or {}).get("completion_tokens", 0)) for f in forks]
     forks.join()

@@ -705,6 +705,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         import transformers
+        import warnings
+
+        # a failed request is reported once, by the error line below; SGLang's interpreter would also
+        # print a traceback per fork worker it stopped
+        warnings.filterwarnings("ignore", message="Error in stream_executor")
 
         transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
     t0 = time.perf_counter()

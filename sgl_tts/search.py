@@ -152,6 +152,15 @@ def is_final(text: str, finish_reason: Mapping[str, Any] | None, pattern: str = 
     return reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
 
 
+def read_var(state: Any, name: str) -> str:
+    """``state[name]``, or the state's own error when its generation failed (SGLang's interpreter
+    would raise ``KeyError(name)`` instead, hiding e.g. which server stopped answering)."""
+    err = state.error()
+    if err is not None:
+        raise err if isinstance(err, BaseException) else RuntimeError(str(err))
+    return state[name]
+
+
 def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: float,
              seeds: Sequence[int] | None = None, delimiter: str = STEP_DELIMITER,
              answer_pattern: str = BOXED, custom_params: Sequence[Mapping[str, Any]] | None = None,
@@ -175,7 +184,7 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
                           seed=None if seeds is None else seeds[i], custom_params=params, rid=rid)
     out = []
     for st in states:
-        text = st[name]
+        text = read_var(st, name)
         meta = st.get_meta_info(name) or {}
         reason = meta.get("finish_reason")
         out.append(Step(text.strip(), int(meta.get("completion_tokens", 0)),
@@ -229,5 +238,5 @@ class SearchResult:
 
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
-           "aggregate", "continue_path", "derive_seed", "expand", "expand_proportional",
+           "aggregate", "continue_path", "derive_seed", "read_var", "expand", "expand_proportional",
            "extract_answer", "gen_step", "is_final", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]

@@ -1,9 +1,11 @@
-"""``sgl-tts smoke``: the shortest proof that SGLang, the plugin and a program work together on a GPU.
+"""``sgl-tts smoke``: the shortest proof that SGLang, the plugin and a program work together.
 
-Starts one SGLang server with the shipped tiny generator and the sgl-tts plugin (``--tts-policy
-prefix-aware``, metrics to a file), runs PRM beam search through the endpoint backend on a few test
-problems (the tiny PRM scores on this machine through transformers), checks that the plugin saw the
-search's requests, and prints the timings and ``OK``; any failure prints the reason and exits 1.
+On a GPU (``--device cuda``, the default) it starts one SGLang server with the shipped tiny generator
+and the sgl-tts plugin (``--tts-policy prefix-aware``, metrics to a file); the tiny PRM scores on this
+machine through transformers. On the CPU (``--device cpu``) it starts both tiny models as SGLang
+servers the way ``sgl-tts serve --device cpu`` does, and the PRM scores through its server. Then it
+runs PRM beam search through the endpoint backend on a few test problems, checks that the plugin saw
+the search's requests, and prints the timings and ``OK``; any failure prints the reason and exits 1.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sgl_tts.models import shipped_model
 
     ap = argparse.ArgumentParser(prog="sgl-tts smoke", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: generator and PRM as CPU SGLang servers (sgl-tts serve --device cpu)")
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--prm-port", type=int, default=30001, help="with --device cpu: the PRM server's port")
     ap.add_argument("--problems", type=int, default=4)
     ap.add_argument("--beams", type=int, default=8)
     ap.add_argument("--mem-fraction", type=float, default=0.2, help="--mem-fraction-static (default 0.2)")
@@ -48,16 +53,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("sgl-tts smoke: error: need --problems >= 1 and --beams >= 2", file=sys.stderr)
         return 1
     metrics = str(Path(tempfile.mkdtemp(prefix="sgl-tts-smoke-")) / "plugin-metrics.jsonl")
-    cmd = server_command(str(gen), args.port, metrics, args.mem_fraction, args.server_args)
+    if args.device == "cpu":
+        from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
+        from sgl_tts.serve import build_specs
+
+        specs = build_specs(str(gen), str(prm_path), cpu_pair_flags(gen, prm_path, "256MiB"), host="127.0.0.1",
+                            ports={"generator": args.port, "prm": args.prm_port}, first="generator",
+                            plugin_args=["--tts-policy", "prefix-aware", "--tts-metrics-file", metrics,
+                                         "--tts-seeded-sampling"], env=dict(CPU_ENV))
+    else:
+        from sgl_tts.serve import ServerSpec
+
+        specs = [ServerSpec("generator", server_command(str(gen), args.port, metrics, args.mem_fraction,
+                                                        args.server_args),
+                            f"http://127.0.0.1:{args.port}/health")]
     if args.dry_run:
-        print(shlex.join(cmd))
+        for spec in specs:
+            prefix = " ".join(f"{k}={v}" for k, v in (spec.env or {}).items())
+            print((prefix + " " if prefix else "") + shlex.join(spec.command))
         return 0
 
     from programs.beam_search import beam_search
     from sgl_tts import task
     from sgl_tts.backends import LocalBackend, SGLangEndpoint
     from sgl_tts.prm import StepTagPRM
-    from sgl_tts.serve import ServerFailed, ServerSpec, run_servers
+    from sgl_tts.serve import ServerFailed, run_servers
 
     timings: dict[str, float] = {}
     outcome: dict[str, object] = {}
@@ -68,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             timings["server start (s)"] = time.perf_counter() - t_start
             endpoint = SGLangEndpoint(f"http://127.0.0.1:{args.port}")
-            prm = StepTagPRM(LocalBackend(str(prm_path)))
+            prm = StepTagPRM(SGLangEndpoint(f"http://127.0.0.1:{args.prm_port}") if args.device == "cpu"
+                             else LocalBackend(str(prm_path)))
             problems = task.test_split()[:args.problems]
             right, tokens, per = 0, 0, []
             for i, p in enumerate(problems):
@@ -88,8 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop.set()
 
     try:
-        run_servers([ServerSpec("generator", cmd, f"http://127.0.0.1:{args.port}/health")],
-                    health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
+        run_servers(specs, health_timeout=args.health_timeout, on_ready=work, stop_event=stop)
     except (ServerFailed, RuntimeError, ConnectionError) as exc:
         print(f"sgl-tts smoke: FAILED: {exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -16,12 +17,37 @@ def _outputs(nb) -> str:
                    if o.get("output_type") == "stream")
 
 
-def test_quickstart_notebook_runs_end_to_end(tmp_path):
+def _execute(tmp_path, env: dict[str, str] | None = None) -> str:
+    import os
+
     nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = _outputs(nb)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})   # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return _outputs(nb)
+
+
+def test_quickstart_notebook_runs_end_to_end(tmp_path):
+    text = _execute(tmp_path)
+    assert "generator: CPU backend | PRM: CPU backend" in text
     assert "scripted check passed: ['step 1', 'step 1', 'The answer is \\\\boxed{1}']" in text
     for k in (1, 2, 4, 8):
         assert f"N={k}: PRM-greedy " in text
     assert (tmp_path / "quickstart-accuracy.png").stat().st_size > 10_000
+
+
+@pytest.mark.server
+def test_quickstart_notebook_runs_on_live_servers(tmp_path, live):
+    gen, prm = live.url("generator"), live.url("prm")
+    text = _execute(tmp_path, {"TTS_GENERATOR_URL": gen, "TTS_PRM_URL": prm})
+    assert f"generator: {gen} | PRM: {prm}" in text
+    for k in (1, 2, 4, 8):
+        assert f"N={k}: PRM-greedy " in text

@@ -18,7 +18,11 @@ it the scheduler dies importing vLLM's rotary kernel). What else the CPU needs, 
   made here, per model, from its ``config.json``, because this is the one place that builds a CPU
   server's command line: both benchmark sides, ``serve``, ``smoke`` and the tests get it alike, and
   a model whose shapes agree keeps SGLang's native implementation. (A patch of SGLang's Qwen2 layer
-  in the plugin would reach only servers that load the plugin, not stock ones.)
+  in the plugin would reach only servers that load the plugin, not stock ones.) A *classifier* with
+  such shapes (``write_reward_head`` of the tiny PRM) is refused: SGLang 0.5.15's transformers
+  implementation serves ``*ForSequenceClassification`` as an embedding model (``/classify`` returns
+  the normalised last hidden state, not the score head's logits), so neither implementation gives
+  right scores; :func:`cpu_server_flags` says so instead of letting a server answer wrongly.
 """
 
 from __future__ import annotations
@@ -82,7 +86,15 @@ def cpu_server_flags(model: str | os.PathLike, kv_bytes: int, *, dtype: str | No
         raise ValueError(f"a KV budget of {kv_bytes / 2 ** 20:.1f} MiB holds {tokens} tokens of {shape.name} "
                          f"({shape.kv_bytes_per_token} bytes each), less than its context length ({longest}); "
                          f"give more memory")
-    return CPUServerFlags(tokens, "transformers" if needs_transformers_impl(_config(model)) else None, dtype)
+    config = _config(model)
+    impl = "transformers" if needs_transformers_impl(config) else None
+    arch = (config.get("architectures") or [""])[0]
+    if impl and arch.endswith(("ForSequenceClassification", "ForRewardModel")):
+        raise ValueError(f"{model}: SGLang 0.5.15 cannot serve this classifier right on the CPU: its Qwen2 layer "
+                         f"takes head_dim = hidden_size / heads there (not the config's {config.get('head_dim')}), "
+                         f"and its transformers implementation returns the last hidden state instead of the "
+                         f"head's scores; use a model whose hidden_size equals heads x head_dim, or a GPU")
+    return CPUServerFlags(tokens, impl, dtype)
 
 
 def cpu_pair_flags(generator: str | os.PathLike, prm: str | os.PathLike, kv_memory: str | int = DEFAULT_KV_MEMORY,

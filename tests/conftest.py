@@ -11,6 +11,10 @@ from sgl_tts.models import build_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):
+    # a live-server test may start servers (~20-60 s each) and run searches on 2 busy cores
+    for item in items:
+        if "server" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(1800))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
@@ -46,18 +50,19 @@ LIVE_KV_BYTES = 64 << 20     # per server: 16k tokens of the generator in float3
 
 
 @pytest.fixture(scope="session")
-def live(tmp_path_factory):
+def live(tmp_path_factory, tiny_model_path):
     """``LiveServers`` with: ``generator`` (plugin, --tts-policy prefix-aware, metrics, seeded
     sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
-    SGLANG_PLUGINS=none), ``prm`` (the step-tag PRM) and ``reward_head`` (write_reward_head's
-    classifier checkpoint, /classify). A server that cannot start fails the test with its log."""
+    SGLANG_PLUGINS=none), ``prm`` (the step-tag PRM) and ``reward_head`` (``write_reward_head`` of
+    ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
+    right on the CPU, see sgl_tts.cpu_serving). A server that cannot start fails the test with its log."""
     from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.models import shipped_model
     from sgl_tts.models.reward_head import write_reward_head
 
     work = tmp_path_factory.mktemp("live")
     gen, prm = str(shipped_model("generator")), str(shipped_model("prm"))
-    head = str(write_reward_head(prm, work / "reward-head"))
+    head = str(write_reward_head(tiny_model_path, work / "reward-head"))
     specs = {
         "generator": LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=LIVE_KV_BYTES,
                                 extra=("--tts-seeded-sampling",)),

@@ -49,7 +49,9 @@ def local_prm():
 @pytest.mark.parametrize("case", list(CASES))
 def test_program_on_live_servers_matches_local(case, live, local_prm, tmp_path):
     limit = PROBLEMS_OF.get(case, PROBLEMS)
-    base = RunConfig(**CASES[case], limit=limit, in_flight=8, progress=False, seed=3)
+    # 16 problems in flight: the server batches their requests (one request decodes ~6x slower on
+    # SGLang's CPU path than on LocalBackend; 64 at once run near the server's peak)
+    base = RunConfig(**CASES[case], limit=limit, in_flight=16, progress=False, seed=3)
     local = dataclasses.replace(base, output=str(tmp_path / "local.jsonl"))
     remote = dataclasses.replace(base, output=str(tmp_path / "live.jsonl"), generator=live.url("generator"),
                                  prm=live.url("prm"))
@@ -71,20 +73,57 @@ def test_program_on_live_servers_matches_local(case, live, local_prm, tmp_path):
     assert checked >= limit * 2
 
 
-def test_reward_head_prm_on_live_classify_scores_as_the_step_tag_prm(live, local_prm):
-    head = RewardHeadPRM(SGLangEndpoint(live.url("reward_head")))
-    remote_tag = StepTagPRM(SGLangEndpoint(live.url("prm")))
-    problems = task.test_split()[:6]
-    for p in problems:
-        good = p.solution().split("\n\n")
-        bad = list(good)
-        bad[1] = bad[1][:-1] + str((int(bad[1][-1]) + 1) % 10)   # a slipped digit in step 2
-        batch = [good, bad, good[:2]]
+def _slipped(solution: str) -> list[list[str]]:
+    good = solution.split("\n\n")
+    bad = list(good)
+    bad[1] = bad[1][:-1] + str((int(bad[1][-1]) + 1) % 10)   # a slipped digit in step 2
+    return [good, bad, good[:2]]
+
+
+def test_step_tag_prm_on_live_server_scores_as_local(live, local_prm):
+    remote = StepTagPRM(SGLangEndpoint(live.url("prm")))
+    for p in task.test_split()[:6]:
+        batch = _slipped(p.solution())
         want = local_prm.score(p.question, batch)
-        for scorer in (head, remote_tag):
-            got = scorer.score(p.question, batch)
+        got = remote.score(p.question, batch)
+        for g, w in zip(got, want):
+            assert len(g) == len(w) and max(abs(a - b) for a, b in zip(g, w)) < 1e-3, (p.question, g, w)
+        assert want[1][1] < want[0][1]   # and the scores mean something: the slipped step scores lower
+
+
+def test_reward_head_prm_on_live_classify_scores_as_the_step_tag_prm(live, tiny_model_path):
+    # the reward-head form of a (random, seeded) tiny Qwen2 served at /classify: the head's P(good)
+    # at each step end must be the step-tag P(+) of the model it was written from
+    from sgl_tts.backends.classifier import LocalClassifier
+
+    endpoint = SGLangEndpoint(live.url("reward_head"))
+    head = RewardHeadPRM(endpoint)
+    local = LocalBackend(str(tiny_model_path))
+    try:
+        tag = StepTagPRM(local)
+        for p in task.test_split()[:6]:
+            batch = _slipped(p.solution())
+            want, got = tag.score(p.question, batch), head.score(p.question, batch)
             for g, w in zip(got, want):
-                assert len(g) == len(w)
-                assert max(abs(a - b) for a, b in zip(g, w)) < 1e-3, (p.question, g, w)
-        # and the scores mean something: the slipped step is scored lower than the right one
-        assert want[1][1] < want[0][1]
+                assert len(g) == len(w) and max(abs(a - b) for a, b in zip(g, w)) < 1e-3, (p.question, g, w)
+        # the random model's P(good) underflows to 0 everywhere, so compare the head's raw logits too:
+        # /classify's two class logits at the end of every step prefix equal the local classifier's
+        ids = [endpoint.encode(p.question + "\n\n" + "\n\n".join(p.solution().split("\n\n")[:k]) + "\n\n")
+               for p in task.test_split()[:4] for k in (1, 2, 3)]
+        got_logits = endpoint.classify(ids)
+        want_logits = LocalClassifier(str(live.specs["reward_head"].model)).classify(ids)
+        assert all(len(g) == 2 for g in got_logits)
+        for g, w in zip(got_logits, want_logits):
+            assert max(abs(a - b) for a, b in zip(g, w)) < 1e-3 * max(1.0, max(abs(x) for x in w)), (g, w)
+        assert len({round(g[1] - g[0], 3) for g in got_logits}) > 3     # they vary with the input
+    finally:
+        local.shutdown()
+
+
+def test_cpu_serving_refuses_the_tiny_prms_classifier_form(tmp_path):
+    from sgl_tts.cpu_serving import cpu_server_flags
+    from sgl_tts.models.reward_head import write_reward_head
+
+    head = write_reward_head(shipped_model("prm"), tmp_path / "head")
+    with pytest.raises(ValueError, match="cannot serve this classifier right on the CPU"):
+        cpu_server_flags(head, 64 << 20)

@@ -11,7 +11,6 @@ the search's requests, and prints the timings and ``OK``; any failure prints the
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -114,14 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts smoke: FAILED: {exc}", file=sys.stderr)
         return 1
     # the plugin logs every prefill batch it admitted, with the search's request ids
-    smoke_rids = 0
-    if Path(metrics).exists():
-        for line in Path(metrics).read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") == "prefill":
-                smoke_rids += sum(str(r["rid"]).startswith("tts/smoke-") for r in rec.get("requests", []))
+    from sgl_tts.plugin.metrics import read_records
+
+    # each scheduler process writes <metrics>.<pid> (found by running it against a real server)
+    smoke_rids = sum(str(r["rid"]).startswith("tts/smoke-")
+                     for rec in read_records(sorted(Path(metrics).parent.glob(Path(metrics).name + ".*")))
+                     if rec.get("event") == "prefill" for r in rec.get("requests", []))
     if smoke_rids == 0:
-        print(f"sgl-tts smoke: FAILED: the plugin logged none of the search's requests in {metrics} "
+        print(f"sgl-tts smoke: FAILED: the plugin logged none of the search's requests in {metrics}.* "
               f"(is the sgl-tts plugin installed where the server runs?)", file=sys.stderr)
         return 1
     for k, v in timings.items():

@@ -18,6 +18,10 @@ from sgl_tts.backends.request import RequestFields, take_request_fields
 logger = logging.getLogger(__name__)
 
 
+class ServerError(RuntimeError):
+    """The SGLang server answered with an error status; the message names the server."""
+
+
 class ServerUnavailable(ConnectionError):
     """The SGLang server stopped answering (refused, reset or closed the connection); the message
     names the server and the route."""
@@ -224,6 +228,15 @@ class SGLangEndpoint(RuntimeEndpoint):
         res = self._http(path, payload)
         self._assert_success(res)
         return res.json()
+
+    def _assert_success(self, res):
+        """An error status names the server and its answer (SGLang's own raises the bare answer)."""
+        if res.status_code != 200:
+            try:
+                content = res.json()
+            except ValueError:
+                content = res.text
+            raise ServerError(f"the SGLang server at {self.base_url} answered HTTP {res.status_code}: {content}")
 
     def _http(self, path: str, payload: dict[str, Any], *, stream: bool = False):
         with self._answering(f"POST {path}"):

@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import threading
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -552,7 +553,7 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
         ax.set_title(f"{algorithm}: completion latency")
         ax.legend()
     if title:
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, 120))   # long headers (the CPU run) would be cut
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

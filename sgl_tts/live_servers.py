@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping
 
 from sgl_tts.cpu_serving import CPU_ENV, cpu_server_flags
 from sgl_tts.serve import ManagedServer, ServerFailed, ServerSpec

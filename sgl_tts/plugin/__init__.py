@@ -9,7 +9,9 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
 - ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
-  (after): metrics, recorded only when ``--tts-metrics-file`` or ``--enable-metrics`` is given;
+  (after): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
+  ``--enable-metrics`` adds ``sgl_tts_*`` Prometheus series when ``--tts-metrics-file`` or
+  ``--tts-policy prefix-aware`` is given (``--enable-metrics`` alone: none, stock SGLang);
 - ``ScheduleBatch.retract_decode`` (around) and ``Scheduler.get_new_batch_prefill`` (before), with
   the policy on: speculative requests are retracted first, and stopped when normal work waits;
 - ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
@@ -78,7 +80,8 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
         logger.info("sgl-tts: scheduler policy %s (dedup %d tokens)", settings.policy,
                     settings.dedup_tokens)
     scheduler.sgl_tts_metrics = None
-    if settings.metrics_file or getattr(server_args, "enable_metrics", False):
+    # only an explicit --tts-* flag: --enable-metrics alone leaves the server stock (no sgl_tts_*)
+    if settings.metrics_file or (settings.active and getattr(server_args, "enable_metrics", False)):
         import os
 
         from sgl_tts.plugin.metrics import SchedulerMetrics

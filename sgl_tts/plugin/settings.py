@@ -25,7 +25,9 @@ class TTSSettings:
         dedup_tokens: with ``prefix-aware``, when consecutive waiting requests share at least this
             many tokens that are not cached yet, only the first prefills them this round.
         metrics_file: write scheduler metrics (JSONL) to ``<metrics_file>.<pid>`` per scheduler
-            process (works with either policy: compare stock and prefix-aware runs).
+            process (works with either policy: compare stock and prefix-aware runs). SGLang's
+            ``--enable-metrics`` adds the ``sgl_tts_*`` Prometheus series only with this or with
+            ``policy="prefix-aware"``, never alone.
         seeded_sampling: a request's ``sampling_seed`` decides its samples (SGLang 0.5.15 honours
             seeds only with ``--enable-deterministic-inference``, which its CPU attention backends
             refuse); see :mod:`sgl_tts.plugin.seeding`.
@@ -108,8 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="write scheduler metrics (batch sizes, KV occupancy, prefill tokens per "
                             "request, prefix-cache hits, evictions, recomputed blocks) as JSONL to "
                             "PATH.<pid>, one file per scheduler process; summarise with `sgl-tts "
-                            "scheduler-stats PATH.*`. With --enable-metrics the counters are also "
-                            "sgl_tts_* Prometheus metrics")
+                            "scheduler-stats PATH.*`. With SGLang's --enable-metrics the counters are "
+                            "also sgl_tts_* Prometheus metrics on /metrics (as they are with "
+                            "--enable-metrics --tts-policy prefix-aware and no file); --enable-metrics "
+                            "alone adds none (stock SGLang)")
     group.add_argument("--tts-seeded-sampling", action="store_true",
                        default=os.environ.get("SGL_TTS_SEEDED_SAMPLING", "") == "1",
                        help="a request's sampling_seed decides its samples, whatever its batch (stock "

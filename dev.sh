@@ -7,14 +7,14 @@
 #   ./dev.sh path          print the environment's folder
 #
 # The heavy environment (sglang==0.5.15 with its CUDA torch, ~11 GB) lives outside the clone, in
-# ${SGL_TTS_CACHE:-~/.cache/sgl-tts}/venv-<key>, where <key> hashes requirements/lock.txt (top-level
+# ${SGLANG_TTS_CACHE:-~/.cache/sgl-tts}/venv-<key>, where <key> hashes requirements/lock.txt (top-level
 # pins), requirements/constraints.txt (every package's exact version) and the Python version: repeat
 # runs reuse it, a change of pins builds a new one, and a fresh machine builds it once.
 # Needs Linux x86_64 with python3 -m venv (Debian/Ubuntu: python3-venv), flock and sha256sum.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-cache=${SGL_TTS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sgl-tts}
+cache=${SGLANG_TTS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sgl-tts}
 lock="$root/requirements/lock.txt"
 constraints="$root/requirements/constraints.txt"
 

@@ -565,9 +565,9 @@ def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-           "SGL_TTS_SITE": str(tmp_path / "site"),
+           "SGLANG_TTS_SITE": str(tmp_path / "site"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-           "SGL_TTS_BENCH_EXTRA": f"--models-dir {tmp_path / 'models'}"}
+           "SGLANG_TTS_BENCH_EXTRA": f"--models-dir {tmp_path / 'models'}"}
     run = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "1.5b+1.5b", "0"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 3, run.stdout + run.stderr

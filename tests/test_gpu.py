@@ -69,8 +69,8 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
     from sgl_tts.prm import StepTagPRM
     from sgl_tts.tts_request import SearchTag
 
-    monkeypatch.setenv("SGL_TTS_POLICY", "prefix-aware")
-    monkeypatch.setenv("SGL_TTS_METRICS_FILE", str(tmp_path / "metrics"))
+    monkeypatch.setenv("SGLANG_TTS_POLICY", "prefix-aware")
+    monkeypatch.setenv("SGLANG_TTS_METRICS_FILE", str(tmp_path / "metrics"))
     server = sgl_tts.connect(shipped_model("generator"), attention_backend="triton",
                              sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.2)
     prm_backend = LocalBackend(shipped_model("prm"))

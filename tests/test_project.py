@@ -39,7 +39,7 @@ def test_pins_are_the_ones_installed_and_the_lock_covers_pyproject():
 def test_readme_main_command_compares_the_methods(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"
-    env = dict(os.environ, SGL_TTS_CACHE=str(tmp_path))
+    env = dict(os.environ, SGLANG_TTS_CACHE=str(tmp_path))
     out = subprocess.run([exe, "demo", "--json", "--problems", "3", "--ns", "1,4", "--no-plot"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr

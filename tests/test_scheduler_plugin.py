@@ -114,21 +114,21 @@ def test_launch_server_help_lists_and_validates_the_flags():
 
 
 def test_flag_values_reach_server_args_and_the_environment(monkeypatch):
-    monkeypatch.delenv("SGL_TTS_POLICY", raising=False)
-    monkeypatch.delenv("SGL_TTS_METRICS_FILE", raising=False)
+    monkeypatch.delenv("SGLANG_TTS_POLICY", raising=False)
+    monkeypatch.delenv("SGLANG_TTS_METRICS_FILE", raising=False)
     sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-dedup-tokens", "8",
                               "--tts-metrics-file", "/tmp/tts-metrics"])
     assert (sa.tts_policy, sa.tts_dedup_tokens, sa.tts_metrics_file) == ("prefix-aware", 8, "/tmp/tts-metrics")
-    assert os.environ["SGL_TTS_METRICS_FILE"] == "/tmp/tts-metrics"
-    assert os.environ["SGL_TTS_POLICY"] == "prefix-aware" and os.environ["SGL_TTS_DEDUP_TOKENS"] == "8"
+    assert os.environ["SGLANG_TTS_METRICS_FILE"] == "/tmp/tts-metrics"
+    assert os.environ["SGLANG_TTS_POLICY"] == "prefix-aware" and os.environ["SGLANG_TTS_DEDUP_TOKENS"] == "8"
     assert TTSSettings.of(sa) == TTSSettings("prefix-aware", 8, "/tmp/tts-metrics")
     assert TTSSettings.of(ServerArgs(model_path="dummy")) == TTSSettings("prefix-aware", 8, "/tmp/tts-metrics")
     with pytest.raises(ValueError, match="needs the radix cache: drop --disable-radix-cache"):
         prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--disable-radix-cache"])
     sa = prepare_server_args(["--model-path", "dummy"])
     assert sa.tts_policy == "prefix-aware"  # the environment default (an in-process Engine's way in)
-    monkeypatch.setenv("SGL_TTS_POLICY", "off")
-    monkeypatch.setenv("SGL_TTS_METRICS_FILE", "")
+    monkeypatch.setenv("SGLANG_TTS_POLICY", "off")
+    monkeypatch.setenv("SGLANG_TTS_METRICS_FILE", "")
     assert prepare_server_args(["--model-path", "dummy"]).tts_policy == "off"
 
 

@@ -86,8 +86,8 @@ def test_parts_travel_reassemble_check_and_install(tmp_path):
     assert all((house / f"part-{k:02d}" / "manifest.json").exists() for k in range(manifest["parts"]))
     assert max((house / f"part-{k:02d}" / f"wheels.tar.{k:02d}").stat().st_size
                for k in range(manifest["parts"])) <= 12_000
-    env = {"SGL_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGL_TTS_SITE": str(tmp_path / "site"),
-           "SGL_TTS_BRINGUP_IMPORTS": "smoke_pkg_a smoke_pkg_b", "PYTHON": sys.executable}
+    env = {"SGLANG_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGLANG_TTS_SITE": str(tmp_path / "site"),
+           "SGLANG_TTS_BRINGUP_IMPORTS": "smoke_pkg_a smoke_pkg_b", "PYTHON": sys.executable}
     out = _bringup("receive", str(house / "part-00"), env=env)
     assert out.returncode == 0 and f"1 of {manifest['parts']} parts" in out.stdout
     early = _bringup("install", env=env)   # a part is missing: say which, install nothing
@@ -112,7 +112,7 @@ def test_a_damaged_part_is_caught_by_the_hash(tmp_path):
     data = bytearray(part.read_bytes())
     data[10] ^= 0xFF
     part.write_bytes(bytes(data))
-    env = {"SGL_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGL_TTS_SITE": str(tmp_path / "site"),
+    env = {"SGLANG_TTS_WHEELHOUSE_STORE": str(tmp_path / "store"), "SGLANG_TTS_SITE": str(tmp_path / "site"),
            "PYTHON": sys.executable}
     for k in range(manifest["parts"]):
         _bringup("receive", str(house / f"part-{k:02d}"), env=env)

@@ -33,7 +33,7 @@ def default_model_path() -> Path:
         return shipped
     import os
 
-    root = Path(os.environ.get("SGL_TTS_CACHE", Path.home() / ".cache" / "sgl-tts")) / "models"
+    root = Path(os.environ.get("SGLANG_TTS_CACHE", Path.home() / ".cache" / "sgl-tts")) / "models"
     path = root / "tiny-untrained-v1"
     if not (path / "model.safetensors").is_file():
         tmp = root / f".tiny-untrained-v1.{os.getpid()}"

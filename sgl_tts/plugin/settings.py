@@ -1,8 +1,10 @@
 """The plugin's server flags: the "test-time scaling" group of ``python -m sglang.launch_server``.
 
 Values reach every scheduler process twice over: as attributes of the pickled ``ServerArgs`` and as
-``SGL_TTS_*`` environment variables that spawned children inherit (an in-process ``sglang.Engine``,
-which takes no plugin keywords, is configured through the same variables).
+``SGLANG_TTS_*`` environment variables that spawned children inherit (an in-process ``sglang.Engine``,
+which takes no plugin keywords, is configured through the same variables). Not ``SGL_``: SGLang
+rewrites every ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning in each of its processes
+(``sglang.srt.environ``), which also keeps the old names working there.
 """
 
 from __future__ import annotations
@@ -49,23 +51,23 @@ class TTSSettings:
         return self.policy != "off"
 
     def env(self) -> dict[str, str]:
-        env = {"SGL_TTS_POLICY": self.policy, "SGL_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
+        env = {"SGLANG_TTS_POLICY": self.policy, "SGLANG_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
         if self.metrics_file:
-            env["SGL_TTS_METRICS_FILE"] = self.metrics_file
+            env["SGLANG_TTS_METRICS_FILE"] = self.metrics_file
         if self.seeded_sampling:
-            env["SGL_TTS_SEEDED_SAMPLING"] = "1"
+            env["SGLANG_TTS_SEEDED_SAMPLING"] = "1"
         return env
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TTSSettings":
         env = os.environ if environ is None else environ
         try:
-            dedup = int(env.get("SGL_TTS_DEDUP_TOKENS", cls.dedup_tokens))
+            dedup = int(env.get("SGLANG_TTS_DEDUP_TOKENS", cls.dedup_tokens))
         except ValueError:
-            raise ValueError(f"SGL_TTS_DEDUP_TOKENS must be an integer, got "
-                             f"{env.get('SGL_TTS_DEDUP_TOKENS')!r}") from None
-        return cls(env.get("SGL_TTS_POLICY", cls.policy), dedup, env.get("SGL_TTS_METRICS_FILE") or None,
-                   env.get("SGL_TTS_SEEDED_SAMPLING", "") == "1")
+            raise ValueError(f"SGLANG_TTS_DEDUP_TOKENS must be an integer, got "
+                             f"{env.get('SGLANG_TTS_DEDUP_TOKENS')!r}") from None
+        return cls(env.get("SGLANG_TTS_POLICY", cls.policy), dedup, env.get("SGLANG_TTS_METRICS_FILE") or None,
+                   env.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1")
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
@@ -95,17 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "test-time scaling (sgl-tts)",
         "Scheduling for tree-search programs (best-of-N, beam search, DVTS, MCTS) whose requests "
         "carry sgl-tts search metadata; see sgl-tts docs/SCHEDULER_PLUGIN.md.")
-    group.add_argument("--tts-policy", choices=POLICIES, default=os.environ.get("SGL_TTS_POLICY", "off"),
+    group.add_argument("--tts-policy", choices=POLICIES, default=os.environ.get("SGLANG_TTS_POLICY", "off"),
                        help="off: stock SGLang scheduling. prefix-aware: admit siblings of one parent "
                             "together, keep parents in a stable order across iterations, greedily "
                             "maximise the prefix shared with the previous admission, boosted requests "
                             "first and speculative ones only into free slots; any queue length.")
     group.add_argument("--tts-dedup-tokens", type=_positive_int,
-                       default=int(os.environ.get("SGL_TTS_DEDUP_TOKENS", "32")),
+                       default=int(os.environ.get("SGLANG_TTS_DEDUP_TOKENS", "32")),
                        help="with --tts-policy prefix-aware: requests sharing at least this many "
                             "uncached tokens with the request before them wait one round, so the "
                             "shared prefix is prefilled once (default 32)")
-    group.add_argument("--tts-metrics-file", default=os.environ.get("SGL_TTS_METRICS_FILE") or None,
+    group.add_argument("--tts-metrics-file", default=os.environ.get("SGLANG_TTS_METRICS_FILE") or None,
                        metavar="PATH",
                        help="write scheduler metrics (batch sizes, KV occupancy, prefill tokens per "
                             "request, prefix-cache hits, evictions, recomputed blocks) as JSONL to "
@@ -115,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "--enable-metrics --tts-policy prefix-aware and no file); --enable-metrics "
                             "alone adds none (stock SGLang)")
     group.add_argument("--tts-seeded-sampling", action="store_true",
-                       default=os.environ.get("SGL_TTS_SEEDED_SAMPLING", "") == "1",
+                       default=os.environ.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1",
                        help="a request's sampling_seed decides its samples, whatever its batch (stock "
                             "SGLang 0.5.15 ignores seeds unless --enable-deterministic-inference, which "
                             "the CPU backends refuse); unseeded requests draw a random seed. Needs the "

@@ -4,9 +4,9 @@
 # CONFIG: 1.5b+1.5b (default: the acceptance run, n = 8 64 512), 1.5b+7b or 7b+1.5b. It resumes
 # bench-out/CONFIG.jsonl, starts no search after SECONDS (default 420, so the call ends inside its 10
 # minutes), and copies the records, report, plot and log to $OUT. Exit 3: work left, call again.
-# The planner uses the fixed GPU profile (SGL_TTS_GPU, default H200), not --measure: a re-measured
+# The planner uses the fixed GPU profile (SGLANG_TTS_GPU, default H200), not --measure: a re-measured
 # ceiling could change the plan between calls, and a resumed run must have the same settings.
-# SGL_TTS_BENCH_EXTRA: more sgl-tts bench flags (word-split), e.g. "--models-dir DIR".
+# SGLANG_TTS_BENCH_EXTRA: more sgl-tts bench flags (word-split), e.g. "--models-dir DIR".
 set -uo pipefail
 eval "$(bash "$(dirname "$0")/bringup.sh" env)"
 name=${1:-1.5b+1.5b}
@@ -19,8 +19,8 @@ case $name in
 esac
 mkdir -p bench-out
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "bench-out/$name.log" 2>&1
-python3 -m sgl_tts.cli bench "${args[@]}" --gpu "${SGL_TTS_GPU:-H200}" --stop-after "${2:-420}" \
-    --output "bench-out/$name.jsonl" --no-progress ${SGL_TTS_BENCH_EXTRA:-} 2>&1 | tee -a "bench-out/$name.log"
+python3 -m sgl_tts.cli bench "${args[@]}" --gpu "${SGLANG_TTS_GPU:-H200}" --stop-after "${2:-420}" \
+    --output "bench-out/$name.jsonl" --no-progress ${SGLANG_TTS_BENCH_EXTRA:-} 2>&1 | tee -a "bench-out/$name.log"
 rc=${PIPESTATUS[0]}
 for f in "bench-out/$name".{jsonl,md,summary.json,png,log}; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/"; done
 exit "$rc"

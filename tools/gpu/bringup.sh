@@ -8,10 +8,10 @@
 # Parts made here by `sgl-tts wheelhouse build`; docs/GPU_BRINGUP.md has the whole story and a log.
 set -euo pipefail
 
-STORE=${SGL_TTS_WHEELHOUSE_STORE:-/tmp/sgl-tts-wheelhouse}
-SITE=${SGL_TTS_SITE:-/tmp/site}
+STORE=${SGLANG_TTS_WHEELHOUSE_STORE:-/tmp/sgl-tts-wheelhouse}
+SITE=${SGLANG_TTS_SITE:-/tmp/site}
 PY=${PYTHON:-python3}
-IMPORTS=${SGL_TTS_BRINGUP_IMPORTS:-sglang sgl_kernel flashinfer sgl_tts.plugin sglang.srt.entrypoints.http_server}
+IMPORTS=${SGLANG_TTS_BRINGUP_IMPORTS:-sglang sgl_kernel flashinfer sgl_tts.plugin sglang.srt.entrypoints.http_server}
 
 say() { echo "[bringup $(date +%T)] $*"; }
 

@@ -8,7 +8,7 @@
 # its sm100 build, which the slim wheel drops -- Hopper loads sm90 -- so the rehearsal links it).
 set -euo pipefail
 PY312=${1:-python3.12}
-SIM=${SGL_TTS_REHEARSAL:-/tmp/sgl-tts-gpu-rehearsal}
+SIM=${SGLANG_TTS_REHEARSAL:-/tmp/sgl-tts-gpu-rehearsal}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 [ -f .wheelhouse/part-00/manifest.json ] || { echo "rehearse: build the parts first: ./dev.sh run sgl-tts wheelhouse build" >&2; exit 2; }
@@ -26,9 +26,9 @@ if [ ! -x "$SIM/venv/bin/python" ]; then
   PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= "$SIM/venv/bin/python" -m pip install -q -r "$SIM.pins"
 fi
 rm -rf "$SIM/store" "$SIM/site"
-export SGL_TTS_WHEELHOUSE_STORE="$SIM/store" SGL_TTS_SITE="$SIM/site" PYTHON="$SIM/venv/bin/python"
+export SGLANG_TTS_WHEELHOUSE_STORE="$SIM/store" SGLANG_TTS_SITE="$SIM/site" PYTHON="$SIM/venv/bin/python"
 for part in .wheelhouse/part-*; do bash tools/gpu/bringup.sh receive "$part"; done
-SGL_TTS_BRINGUP_IMPORTS="sglang flashinfer sgl_tts.plugin" bash tools/gpu/bringup.sh install
+SGLANG_TTS_BRINGUP_IMPORTS="sglang flashinfer sgl_tts.plugin" bash tools/gpu/bringup.sh install
 ln -sfn sm90 "$SIM/site/sgl_kernel/sm100"
 # the modules the wheelhouse was probed with (sgl_tts.wheelhouse.SERVER_MODULES), each in a fresh interpreter
 for m in $(PYTHONPATH="$SIM/site" "$PYTHON" -c "from sgl_tts.wheelhouse import SERVER_MODULES; print(*SERVER_MODULES)"); do

@@ -86,10 +86,11 @@ def seq(req):
 
 # ---------------------------------------------------------------------------------- registration
 def test_the_plugin_is_an_sglang_entry_point_and_its_hooks_are_applied():
+    from sgl_tts.plugin import missing_hooks
+
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert eps.get("sgl-tts") == "sgl_tts.plugin:register"
-    assert hasattr(SchedulePolicy.calc_priority, "__wrapped__")
-    assert hasattr(PrefillAdder.add_one_req, "__wrapped__")
+    assert missing_hooks() == []   # every target (tests/test_plugin_scheduling.py checks the list)
 
 
 def _launch(*args, env=None):
@@ -232,13 +233,14 @@ def test_a_queue_of_2000_requests_is_ordered_not_dropped_to_fcfs():
 
 def test_greedy_order_is_swap_optimal_on_random_trees():
     """Seed 000 Appendix A: on random prefix trees no single swap of two requests increases the sum
-    of prefixes shared by consecutive requests, and each pick shares the longest prefix available."""
+    of prefixes shared by consecutive requests, and each pick shares the longest prefix available
+    (every request its own family here: families are kept together, see the mixed-depth test)."""
     rng = random.Random(2)
     for trial in range(40):
         paths = [[1, 2, 3]]
         for _ in range(rng.randrange(2, 10)):
             paths.append(rng.choice(paths) + [rng.randrange(3) for _ in range(rng.randrange(0, 4))])
-        reqs = [make_req(f"x{i}", p, SearchTag("g", 0, rng.randrange(3), i)) for i, p in enumerate(paths[1:])]
+        reqs = [make_req(f"x{i}", p, SearchTag("g", rng.randrange(3), i, i)) for i, p in enumerate(paths[1:])]
         pol = policy_for(Cache())
         pol.calc_priority(reqs)
         score = lambda o: sum(lcp(seq(a), seq(b)) for a, b in zip(o, o[1:]))  # noqa: E731
@@ -261,6 +263,7 @@ def test_the_first_pick_continues_the_latest_admission():
     a = make_req("a", [1] * 40 + [2] * 10, SearchTag("g", 1, 0, 0))
     b = make_req("b", [5] * 40 + [6] * 10, SearchTag("g", 1, 1, 1))
     running = ScheduleBatch(reqs=[make_req("run", [5] * 40 + [6] * 5)])
+    cache.insert([5] * 40 + [6] * 5)   # a running request's prefill is in the radix cache
     queue = [a, b]
     pol.calc_priority(queue, running)
     assert [r.rid for r in queue] == ["b", "a"]  # shares 45 tokens with the running request
@@ -451,11 +454,12 @@ def test_a_group_prefix_abort_reaches_the_scheduler_once_per_live_request_of_tha
 
 
 # ------------------------------------------------------------------ speculative retraction/preemption
-def decode_state(kv_size, waves):
+def decode_state(kv_size, waves, fill=True):
     """A real decode-time ScheduleBatch on CPU pools, built the way the scheduler builds it:
     admission (prefix match + lock + extend range), prepare_for_extend, one sampled token and
     cache_unfinished_req per request, merge into the running batch, decode steps. ``waves`` is a
-    list of (requests, decode steps after the wave)."""
+    list of (requests, decode steps after the wave); ``fill``: then decode until the next step
+    would not fit."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -500,7 +504,7 @@ def decode_state(kv_size, waves):
             running.merge_batch(batch)
         for _ in range(steps):
             decode(running)
-    while running.check_decode_mem():
+    while fill and running.check_decode_mem():
         decode(running)
     return running, tree, allocator
 
@@ -529,21 +533,6 @@ def test_speculative_requests_are_retracted_first():
     assert ours[2] > 0 and ours[3] == []                                   # its KV was freed
 
 
-def test_waiting_normal_work_stops_running_speculative_requests():
-    spec = make_req("spec", [1, 2, 3], SearchTag("g", 2, 0, 0, "speculative"), output=[5, 6, 7])
-    norm = make_req("norm", [1, 2, 4], SearchTag("g", 2, 0, 1), output=[8])
-    batch = ScheduleBatch(reqs=[spec, norm])
-    for r in (spec, norm):
-        r.sampling_params.normalize(None)
-    assert tts_policy.preempt_speculative(batch, [make_req("s2", [9], SearchTag("g", 3, 0, 0, "speculative"))]) == []
-    stopped = tts_policy.preempt_speculative(batch, [make_req("n2", [9], SearchTag("h", 0, -1, 0))])
-    assert stopped == [spec]
-    for r in (spec, norm):
-        r.update_finish_state()     # the next step's bookkeeping, as SGLang runs it
-    assert spec.finished() and spec.finished_reason.to_json() == {"type": "length", "length": 3}
-    assert not norm.finished()
-
-
 def test_one_call_changes_a_groups_class_and_the_next_order():
     """MCTS boosting: SGLang's Scheduler.set_internal_state with {"tts_set_class": ...} (what
     SGLangEndpoint.set_class posts to /set_internal_state) re-classes exactly that group's waiting
@@ -557,6 +546,7 @@ def test_one_call_changes_a_groups_class_and_the_next_order():
     waiting = [make_req(f"a{i}", [1, 2, i], SearchTag("a", 1, 0, i)) for i in range(3)] + \
               [make_req(f"b{i}", [7, 8, i], SearchTag("b", 1, 0, i)) for i in range(3)]
     scheduler = object.__new__(Scheduler)   # the real class; only the state this call reads
+    scheduler.enable_priority_scheduling = False
     scheduler.waiting_queue = waiting
     scheduler.running_batch = ScheduleBatch(reqs=[make_req("b-run", [7, 8, 9], SearchTag("b", 0, -1, 0))])
     out = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
@@ -565,6 +555,11 @@ def test_one_call_changes_a_groups_class_and_the_next_order():
     pol.calc_priority(waiting)
     # boosted first; the normal ones then continue from the last boosted prefix (b0 shares 7, 8)
     assert [r.rid for r in waiting] == ["b1", "b2", "b0", "a0", "a1", "a2"]
+    refused = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
+        server_args={"tts_set_class": {"group": "b", "cls": "speculative", "depth": 0, "priority": 5}}))
+    assert not refused.updated and "needs a server started with --enable-priority-scheduling" in \
+        refused.server_args["tts_set_class"]["error"]
+    scheduler.enable_priority_scheduling = True
     out = Scheduler.set_internal_state(scheduler, SetInternalStateReq(
         server_args={"tts_set_class": {"group": "b", "cls": "speculative", "depth": 0, "priority": 5}}))
     assert out.server_args == {"tts_set_class": {"requests": 1}}

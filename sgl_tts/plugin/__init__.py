@@ -12,8 +12,12 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   (after): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
   ``--enable-metrics`` adds ``sgl_tts_*`` Prometheus series when ``--tts-metrics-file`` or
   ``--tts-policy prefix-aware`` is given (``--enable-metrics`` alone: none, stock SGLang);
-- ``ScheduleBatch.retract_decode`` (around) and ``Scheduler.get_new_batch_prefill`` (before), with
-  the policy on: speculative requests are retracted first, and stopped when normal work waits;
+- ``Scheduler.get_new_batch_prefill`` (after), ``Req.update_finish_state`` and
+  ``ScheduleBatch.retract_decode`` (around), with the policy on: speculative requests are stopped
+  when normal work was refused room, a stop never hides a natural finish, and retraction takes
+  speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.preemption`);
+- ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` (around), with the policy on: waiting
+  requests' ``num_matched_prefix_tokens`` are filled before ``/v1/loads`` reads them;
 - ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
   ``/set_internal_state`` changes the class of a group's requests (e.g. MCTS boosting), and
   ``TokenizerManager.set_internal_state`` (around) answers such a command with each scheduler's
@@ -26,7 +30,9 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
-out of it and none of this loads.
+out of it and none of this loads. SGLang's hook registry only logs a hook it could not apply; with
+any ``--tts-*`` flag on, the launcher and every scheduler process check that every hook is in place
+and refuse to serve otherwise (:func:`check_attached`), rather than run stock SGLang silently.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ TARGETS = {
     "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+    "finish_state": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+    "loads": "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer."
+             "get_num_waiting_uncached_tokens",
     "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
     "set_state_reply": "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.set_internal_state",
     "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
@@ -63,8 +72,78 @@ def _add_cli_args(result, parser, *args, **kwargs):
 def _from_cli_args(server_args, cls, args, *rest, **kwargs):
     from sgl_tts.plugin.settings import apply
 
-    apply(server_args, args)
+    settings = apply(server_args, args)
+    if settings.any_on:
+        check_attached()
     return server_args
+
+
+def hook_table() -> list[tuple[str, object, str]]:
+    """(target, hook function, hook type) of every hook the plugin registers."""
+    from sgl_tts.plugin import abort, policy, preemption, seeding
+
+    return [
+        (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
+        (TARGETS["from_cli_args"], _from_cli_args, "AFTER"),
+        (TARGETS["scheduler_init"], _scheduler_init, "AFTER"),
+        (TARGETS["calc_priority"], policy.calc_priority, "AROUND"),
+        (TARGETS["add_one_req"], policy.add_one_req, "AROUND"),
+        (TARGETS["prefill"], preemption.after_prefill, "AFTER"),
+        (TARGETS["prefill"], _after_prefill, "AFTER"),
+        (TARGETS["retract"], preemption.retract_decode, "AROUND"),
+        (TARGETS["finish_state"], preemption.update_finish_state, "AROUND"),
+        (TARGETS["loads"], policy.fill_matched_prefixes, "AROUND"),
+        (TARGETS["set_state"], policy.set_internal_state, "AROUND"),
+        (TARGETS["set_state_reply"], policy.set_internal_state_reply, "AROUND"),
+        (TARGETS["next_batch"], _after_next_batch, "AFTER"),
+        (TARGETS["evict"], _after_evict, "AFTER"),
+        (TARGETS["abort"], abort.abort_request, "AROUND"),
+        (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
+        (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
+    ]
+
+
+def _hooks_in(fn) -> set:
+    """The hook functions found in ``fn``'s chain of SGLang hook wrappers (``__wrapped__``)."""
+    found = set()
+    fn = getattr(fn, "__func__", fn)
+    while fn is not None:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                found.add(cell.cell_contents)
+            except ValueError:   # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return found
+
+
+def missing_hooks() -> list[str]:
+    """Targets on which one of the plugin's hooks is not in place in this process."""
+    import pkgutil
+
+    missing: list[str] = []
+    for target, hook, _ in hook_table():
+        owner, name = target.rsplit(".", 1)
+        try:
+            present = _hooks_in(getattr(pkgutil.resolve_name(owner), name))
+        except (ImportError, AttributeError, ValueError):
+            present = set()
+        if hook not in present and target not in missing:
+            missing.append(target)
+    return missing
+
+
+def check_attached() -> None:
+    """Refuse to serve (``RuntimeError``) if a hook of the plugin is not in place in this process:
+    SGLang's registry logs a hook it could not apply and goes on, which would run stock scheduling
+    under ``--tts-*`` flags without a word."""
+    missing = missing_hooks()
+    if missing:
+        raise RuntimeError(
+            "sgl-tts: --tts-* flags are set but the plugin's hooks are not in place on "
+            + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; is this "
+            "SGLang 0.5.15?). Refusing to serve stock scheduling under sgl-tts flags; drop the "
+            "--tts-* flags to run stock SGLang.")
 
 
 def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
@@ -74,8 +153,14 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     from sgl_tts.plugin import seeding
 
     settings = TTSSettings.of(server_args)
+    if settings.any_on:
+        check_attached()
     seeding.ENABLED = settings.seeded_sampling
     state = enable(scheduler.policy, settings)
+    if state is not None and getattr(scheduler, "load_inquirer", None) is not None:
+        from sgl_tts.plugin.policy import LOAD_INQUIRERS
+
+        LOAD_INQUIRERS[id(scheduler.load_inquirer)] = scheduler
     if state is not None:
         logger.info("sgl-tts: scheduler policy %s (dedup %d tokens)", settings.policy,
                     settings.dedup_tokens)
@@ -136,23 +221,8 @@ def register() -> None:
     """Register the hooks (SGLang applies them after every plugin has registered)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_tts.plugin import abort, policy, seeding
-
-    HookRegistry.register(TARGETS["add_cli_args"], _add_cli_args, HookType.AFTER)
-    HookRegistry.register(TARGETS["from_cli_args"], _from_cli_args, HookType.AFTER)
-    HookRegistry.register(TARGETS["scheduler_init"], _scheduler_init, HookType.AFTER)
-    HookRegistry.register(TARGETS["calc_priority"], policy.calc_priority, HookType.AROUND)
-    HookRegistry.register(TARGETS["add_one_req"], policy.add_one_req, HookType.AROUND)
-    HookRegistry.register(TARGETS["prefill"], policy.before_prefill, HookType.BEFORE)
-    HookRegistry.register(TARGETS["prefill"], _after_prefill, HookType.AFTER)
-    HookRegistry.register(TARGETS["retract"], policy.retract_decode, HookType.AROUND)
-    HookRegistry.register(TARGETS["set_state"], policy.set_internal_state, HookType.AROUND)
-    HookRegistry.register(TARGETS["set_state_reply"], policy.set_internal_state_reply, HookType.AROUND)
-    HookRegistry.register(TARGETS["next_batch"], _after_next_batch, HookType.AFTER)
-    HookRegistry.register(TARGETS["evict"], _after_evict, HookType.AFTER)
-    HookRegistry.register(TARGETS["abort"], abort.abort_request, HookType.AROUND)
-    HookRegistry.register(TARGETS["sampling_info"], seeding.seeded_batch_info, HookType.AFTER)
-    HookRegistry.register(TARGETS["seeded_draw"], seeding.multinomial_with_seed, HookType.AROUND)
+    for target, hook, kind in hook_table():
+        HookRegistry.register(target, hook, HookType[kind])
 
 
-__all__ = ["TARGETS", "register"]
+__all__ = ["TARGETS", "check_attached", "hook_table", "missing_hooks", "register"]

@@ -18,6 +18,7 @@ shares the deepest prefix still available: the greedy invariant, by construction
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from typing import Any, Sequence
 
@@ -56,17 +57,24 @@ def prefix_aware_order(seqs: Sequence[bytes], keys: Sequence[Any], anchor: bytes
                        ) -> list[int]:
     """Indices of ``seqs`` in admission order (see the module docstring). ``keys`` must be mutually
     comparable; ``anchor`` (optional) is the sequence admitted last, which the first pick continues."""
+    return ordered_walk(seqs, keys, anchor)[0]
+
+
+def ordered_walk(seqs: Sequence[bytes], keys: Sequence[Any], anchor: bytes | None = None
+                 ) -> tuple[list[int], list[int]]:
+    """:func:`prefix_aware_order` and, for each placed sequence, the tokens it shares with the one
+    placed before it (with ``anchor`` for the first; 0 without one), read off the trie."""
     n = len(seqs)
     if n != len(keys):
         raise ValueError("seqs and keys must have the same length")
     if n == 0:
-        return []
+        return [], []
     by_seq = sorted(range(n), key=lambda i: (seqs[i], keys[i]))
     root = _Node(0)
     stack = [root]
     leaves: dict[int, _Node] = {}
     for j, i in enumerate(by_seq):
-        leaf = _Node(-1, i)
+        leaf = _Node(len(seqs[i]) // 8, i)
         leaf.key = keys[i]
         leaves[i] = leaf
         stack[-1].children.append(leaf)
@@ -83,17 +91,46 @@ def prefix_aware_order(seqs: Sequence[bytes], keys: Sequence[Any], anchor: bytes
             stack[-1].children.append(node)
             stack.append(node)
     _finish(root)
+    first_shared = 0
     if anchor is None:
         start = leaves[min(range(n), key=lambda i: keys[i])]
     else:  # the greedy first pick: the longest prefix shared with the anchor, then the key
-        start = leaves[min(range(n), key=lambda i: (-common_prefix(seqs[i], anchor), keys[i]))]
+        ordered = [seqs[i] for i in by_seq]
+        at = bisect.bisect_left(ordered, anchor)   # the longest prefix is shared with a neighbour
+        first_shared = max(common_prefix(anchor, ordered[j]) for j in (at - 1, at) if 0 <= j < n)
+        prefix = anchor[:first_shared * 8]
+        lo = bisect.bisect_left(ordered, prefix)   # the sequences starting with it: a contiguous run
+        hi, top = lo, n
+        while hi < top:
+            mid = (hi + top) // 2
+            if ordered[mid].startswith(prefix):
+                hi = mid + 1
+            else:
+                top = mid
+        start = leaves[min(by_seq[lo:hi], key=lambda i: keys[i])]
     order: list[int] = []
     node: _Node | None = start
     while node is not None:  # climb to the nearest ancestor with unplaced leaves, place them
         if node.todo:
             _place(node, order)
         node = node.parent
-    return order
+    shared = [first_shared]
+    for a, b in zip(order, order[1:]):
+        shared.append(_lca_depth(leaves[a], leaves[b]))
+    return order, shared
+
+
+def _lca_depth(a: _Node, b: _Node) -> int:
+    """Tokens two leaves share: the depth of their lowest common ancestor in the trie."""
+    up = set()
+    node: _Node | None = a.parent
+    while node is not None:
+        up.add(id(node))
+        node = node.parent
+    node = b.parent
+    while node is not None and id(node) not in up:
+        node = node.parent
+    return node.depth if node is not None else 0
 
 
 def _finish(root: _Node) -> None:
@@ -136,4 +173,48 @@ def _place(node: _Node, order: list[int]) -> None:
         up = up.parent
 
 
-__all__ = ["as_bytes", "common_prefix", "prefix_aware_order"]
+def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[Any],
+                 anchor: bytes | None = None) -> tuple[list[int], list[int]]:
+    """:func:`prefix_aware_order` with **families kept contiguous**: requests with the same family
+    id (siblings: one search, depth and parent) are placed one after another, whatever the other
+    requests in the queue (e.g. a deeper request of an MCTS tree that shares more with one sibling
+    than the siblings share with each other would otherwise be placed between them).
+
+    Families are ordered greedily by their shared prefixes (the longest common prefix of their
+    members, ties to the smallest key below), starting from the family that shares the most with
+    ``anchor``; within a family, members are ordered greedily from the request placed before.
+    Returns the order and, for each placed request, the tokens it shares with the sequence placed
+    before it (the anchor for the first; 0 without one)."""
+    n = len(seqs)
+    if not (n == len(keys) == len(families)):
+        raise ValueError("seqs, keys and families must have the same length")
+    members: dict[Any, list[int]] = {}
+    for i, fam in enumerate(families):
+        members.setdefault(fam, []).append(i)
+    fams = list(members)
+    prefixes, fkeys = [], []
+    for fam in fams:
+        idx = members[fam]
+        if len(idx) == 1:
+            prefixes.append(seqs[idx[0]])
+        else:  # the longest prefix of all members: that of the smallest and the largest
+            lo, hi = min(seqs[i] for i in idx), max(seqs[i] for i in idx)
+            prefixes.append(lo[:common_prefix(lo, hi) * 8])
+        fkeys.append(min(keys[i] for i in idx))
+    order: list[int] = []
+    shared: list[int] = []
+    prev = anchor
+    for f in prefix_aware_order(prefixes, fkeys, anchor):
+        idx = members[fams[f]]
+        if len(idx) > 1:
+            local, local_shared = ordered_walk([seqs[i] for i in idx], [keys[i] for i in idx], prev)
+            idx = [idx[j] for j in local]
+        else:
+            local_shared = [common_prefix(prev, seqs[idx[0]]) if prev is not None else 0]
+        order.extend(idx)
+        shared.extend(local_shared)
+        prev = seqs[idx[-1]]
+    return order, shared
+
+
+__all__ = ["as_bytes", "common_prefix", "family_order", "ordered_walk", "prefix_aware_order"]

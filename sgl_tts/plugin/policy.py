@@ -5,33 +5,51 @@ plugin's hook on ``SchedulePolicy.calc_priority`` then calls :meth:`TTSPolicySta
 SGLang's policy. The order, for any queue length (SGLang's ``lpm`` falls back to FCFS above 128
 waiting requests):
 
-1. request classes: boosted requests first, then normal ones, then speculative ones (which thus only
-   get slots no normal request can use);
-2. within a class, :func:`~sgl_tts.plugin.ordering.prefix_aware_order` over each request's tokens
-   (prompt + output so far) with the key (search group in first-seen order, depth, parent beam,
-   beam), anchored on the last request of the running batch (the latest admission);
-3. a normal or boosted request that shares at least ``dedup_tokens`` uncached tokens with the
-   request before it is deferred: placed after the others, and the plugin's ``PrefillAdder`` hook
-   stops admission at the first deferred request, so one sibling prefills the shared prefix and the
-   others reuse it from the radix cache next round.
+1. **aged** requests first: a normal or boosted request that has waited ``max_wait`` seconds or
+   more goes before everything else, oldest first (so no request waits much longer than
+   ``max_wait`` plus the time FCFS would make it wait: see docs/SCHEDULER_PLUGIN.md);
+2. then buckets: the request class (boosted, normal, speculative: speculative requests thus only
+   get slots no normal request can use), and within a class SGLang's ``priority`` when the server
+   runs ``--enable-priority-scheduling`` (its sign convention: ``--schedule-low-priority-values-first``);
+3. within a bucket, :func:`~sgl_tts.plugin.ordering.family_order`: siblings (one search, depth and
+   parent) contiguous, families and siblings in the greedy longest-shared-prefix order with the key
+   (search group in first-seen order, depth, parent beam, beam), anchored on the last request of the
+   running batch; each bucket continues from the last request of the one before;
+4. a normal or boosted request that shares at least ``dedup_tokens`` uncached tokens with the
+   request placed before it, or with a request of the last prefill batch (whose prefill may not be
+   in the radix cache yet: SGLang's overlap scheduler forms round t+1 before round t's results are
+   processed), is **deferred**: placed after the others (before speculative ones), and the plugin's
+   ``PrefillAdder`` hook stops admission at the first deferred request, so one request prefills the
+   shared prefix and the others reuse it from the radix cache next round.
 
-Untagged requests (no sgl-tts metadata) are each their own group, in arrival order.
+Cost: each request's tag, key and token bytes are cached on the request (until its output grows
+or :func:`set_class` changes it); the sort is redone only when the queue changed; the deferral
+check matches the radix cache once per run of requests sharing a prefix, and not at all while the
+cache is unchanged. ``docs/benchmarks/ordering_cost.md`` has the figures.
+
+Untagged requests (no sgl-tts metadata) are each their own family and group, in arrival order.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import itertools
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
-from sgl_tts.plugin.ordering import as_bytes, common_prefix, prefix_aware_order
+from sgl_tts.plugin.ordering import as_bytes, common_prefix, family_order
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.tts_request import SearchTag
 
 logger = logging.getLogger(__name__)
 
 CLASS_RANK = {"boosted": 0, "normal": 1, "speculative": 2}
+SPECULATIVE = CLASS_RANK["speculative"]
 DEFERRED = "_sgl_tts_deferred"   # attribute set on a Req deferred this round
+INFO = "_sgl_tts_info"           # a Req's cached RequestInfo
+SINCE = "_sgl_tts_since"         # (output length, time) a Req started waiting, for aging
 MAX_GROUPS = 100_000             # first-seen ranks kept (oldest forgotten first)
 
 
@@ -50,16 +68,68 @@ def tokens_of(req: Any) -> bytes:
     return as_bytes(req.origin_input_ids) + as_bytes(req.output_ids)
 
 
-class TTSPolicyState:
-    """Per-scheduler state of the prefix-aware policy: settings, group ranks, last order's stats."""
+@dataclasses.dataclass(slots=True)
+class RequestInfo:
+    """What the order needs of one waiting request, computed once per request and output length."""
 
-    def __init__(self, settings: TTSSettings):
+    serial: int          # unique per (request, output length, class change): the queue's identity
+    out_len: int
+    rank: int            # class rank (CLASS_RANK)
+    key: tuple           # (group rank, depth, parent, beam, rid)
+    family: tuple        # siblings share it
+    seq: bytes           # prompt + output so far, 8 bytes per token
+    since: float         # when the policy first saw it waiting (aging)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The last computed order, reused while the queue and the anchor's first pick are unchanged."""
+
+    sig: tuple                   # serials of the queue as written back + aged serials
+    reqs: list                   # the walk (aged first, then the buckets), before deferral
+    infos: list
+    shared_prev: list[int]       # tokens shared with the request before in the walk
+    first_deferrable: int        # walk positions before it are aged (never deferred)
+    anchor_rid: Any = None
+    anchor_len: int = 0
+    anchor_best: int = 0         # the longest prefix any waiting request shares with the anchor
+    prefill_version: int = -1    # shared_last computed for this last-prefill batch
+    shared_last: list[int] = dataclasses.field(default_factory=list)
+    tree_fp: Any = None          # radix-cache fingerprint the cached lengths were matched on
+    cached: dict = dataclasses.field(default_factory=dict)  # position -> cached tokens of its prefix
+
+
+def tree_fingerprint(tree: Any) -> Any:
+    """Changes whenever the radix cache's content can have changed: SGLang's ``TreeNode`` counter
+    grows with every node created (insertions, splits, a reset) and the cached size shrinks with
+    every eviction. ``None`` (never equal) for a cache without these fields."""
+    root = getattr(tree, "root_node", None)
+    counter = getattr(type(root), "counter", None)
+    if counter is None or not hasattr(tree, "evictable_size_"):
+        return object()
+    return (counter, tree.evictable_size_ + getattr(tree, "protected_size_", 0), id(root))
+
+
+class TTSPolicyState:
+    """Per-scheduler state of the prefix-aware policy: settings, group ranks, the cached plan and
+    the last order's statistics."""
+
+    def __init__(self, settings: TTSSettings, *, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
+        self.clock = clock
         self._group_rank: dict[str, int] = {}
         self._counter = itertools.count()
+        self._serials = itertools.count()
+        self._plan: _Plan | None = None
+        self.last_prefill: list[bytes] = []   # sorted token bytes of the last prefill batch
+        self.prefill_version = 0
         self.last_deferred = 0
         self.last_queue_len = 0
+        self.last_aged = 0
+        self.rounds = 0      # order() calls
+        self.sorts = 0       # of which re-sorted the queue
 
+    # ------------------------------------------------------------------------- per request
     def group_rank(self, group: str) -> int:
         rank = self._group_rank.get(group)
         if rank is None:
@@ -70,54 +140,190 @@ class TTSPolicyState:
         return rank
 
     def key(self, req: Any) -> tuple:
-        tag = tag_of(req)
-        if tag is None:
-            return (self.group_rank("rid:" + str(req.rid)), 0, 0, 0, str(req.rid))
-        return (self.group_rank(tag.group), tag.depth, tag.parent, tag.beam, str(req.rid))
+        return self.info(req).key
 
+    def info(self, req: Any) -> RequestInfo:
+        """The request's cached :class:`RequestInfo` (recomputed when its output grew, e.g. after
+        a retraction, or after :func:`set_class` dropped it)."""
+        info = getattr(req, INFO, None)
+        out_len = len(req.output_ids)
+        if info is not None and info.out_len == out_len:
+            return info
+        tag = tag_of(req)
+        rid = str(req.rid)
+        if tag is None:
+            key = (self.group_rank("rid:" + rid), 0, 0, 0, rid)
+            family, rank = ("rid", rid), CLASS_RANK["normal"]
+        else:
+            key = (self.group_rank(tag.group), tag.depth, tag.parent, tag.beam, rid)
+            family, rank = (tag.group, tag.depth, tag.parent), CLASS_RANK.get(tag.cls, 1)
+        waiting = getattr(req, SINCE, None)
+        if waiting is None or waiting[0] != out_len:   # new, or back after a retraction
+            waiting = (out_len, self.clock())
+            setattr(req, SINCE, waiting)
+        since = waiting[1]
+        info = RequestInfo(next(self._serials), out_len, rank, key, family,
+                           as_bytes(req.origin_input_ids) + as_bytes(req.output_ids), since)
+        setattr(req, INFO, info)
+        return info
+
+    # ------------------------------------------------------------------------------ order
     def order(self, policy: Any, waiting_queue: list, running_batch: Any = None) -> None:
         """Sort ``waiting_queue`` in place (SGLang's ``calc_priority`` contract)."""
-        from sglang.srt.managers.schedule_policy import match_prefix_for_req
-
+        self.rounds += 1
         self.last_queue_len = len(waiting_queue)
         if not waiting_queue:
+            self.last_deferred = self.last_aged = 0
             return
-        for req in waiting_queue:   # groups get their rank in arrival order
-            self.key(req)
-        anchor = None
+        infos = [self.info(r) for r in waiting_queue]
+        max_wait = self.settings.max_wait
+        aged: list[int] = []
+        if max_wait is not None:
+            now = self.clock()
+            aged = [i for i, f in enumerate(infos) if f.rank != SPECULATIVE and now - f.since >= max_wait]
+        anchor_req = None
         if running_batch is not None and getattr(running_batch, "reqs", None):
-            anchor = tokens_of(running_batch.reqs[-1])
-        by_class: dict[int, list] = {}
-        for req in waiting_queue:
-            by_class.setdefault(CLASS_RANK.get(request_class(req), 1), []).append(req)
-        ordered, deferred = [], []
-        for rank in sorted(by_class):
-            reqs = by_class[rank]
-            seqs = [tokens_of(r) for r in reqs]
-            idx = prefix_aware_order(seqs, [self.key(r) for r in reqs], anchor)
-            prev: bytes | None = None
-            for i in idx:
-                req, seq = reqs[i], seqs[i]
-                setattr(req, DEFERRED, False)
-                if prev is not None and rank < CLASS_RANK["speculative"] and not policy.tree_cache.disable:
-                    shared = common_prefix(prev, seq)
-                    if shared >= self.settings.dedup_tokens:
-                        match_prefix_for_req(policy.tree_cache, req)
-                        if shared - len(req.prefix_indices) >= self.settings.dedup_tokens:
-                            setattr(req, DEFERRED, True)
-                            deferred.append(req)
-                            prev = seq
-                            continue
+            anchor_req = running_batch.reqs[-1]
+        sig = (tuple(f.serial for f in infos), tuple(infos[i].serial for i in aged))
+        plan = self._plan
+        if plan is None or plan.sig != sig or not self._anchor_still_valid(plan, anchor_req):
+            plan = self._plan = self._make_plan(policy, waiting_queue, infos, aged, anchor_req)
+        deferred = self._deferred_positions(policy, plan)
+        ordered: list = []
+        later: list = []
+        spec: list = []
+        for pos, (req, info) in enumerate(zip(plan.reqs, plan.infos)):
+            is_deferred = pos in deferred
+            setattr(req, DEFERRED, is_deferred)
+            if is_deferred:
+                later.append(req)
+            elif info.rank == SPECULATIVE and pos >= plan.first_deferrable:
+                spec.append(req)
+            else:
                 ordered.append(req)
-                prev = seq
-            if rank == CLASS_RANK["normal"] or (rank < CLASS_RANK["normal"] and
-                                                CLASS_RANK["normal"] not in by_class):
-                ordered.extend(deferred)   # before speculative requests: normal work comes first
-                deferred = []
-            anchor = seqs[idx[-1]]
-        ordered.extend(deferred)
-        self.last_deferred = sum(getattr(r, DEFERRED, False) for r in waiting_queue)
-        waiting_queue[:] = ordered
+        self.last_deferred = len(later)
+        self.last_aged = plan.first_deferrable
+        waiting_queue[:] = ordered + later + spec
+        # what the next round receives if nothing was admitted and nothing arrived
+        plan.sig = (tuple(getattr(r, INFO).serial for r in waiting_queue), sig[1])
+
+    def _anchor_still_valid(self, plan: _Plan, anchor_req: Any) -> bool:
+        """The anchor picks the first request; a running request's sequence only grows, and a
+        growth can change its longest shared prefix only if a waiting request shared all of it."""
+        if anchor_req is None or plan.anchor_rid is None:
+            return anchor_req is None and plan.anchor_rid is None
+        return anchor_req.rid == plan.anchor_rid and plan.anchor_best < plan.anchor_len
+
+    def _make_plan(self, policy: Any, queue: list, infos: list[RequestInfo], aged: list[int],
+                   anchor_req: Any) -> _Plan:
+        self.sorts += 1
+        anchor = None
+        if anchor_req is not None:
+            anchor = as_bytes(anchor_req.origin_input_ids) + as_bytes(anchor_req.output_ids)
+        walk: list[int] = sorted(aged, key=lambda i: (infos[i].since, infos[i].key))
+        shared: list[int] = []
+        prev = anchor
+        for i in walk:
+            shared.append(common_prefix(prev, infos[i].seq) if prev is not None else 0)
+            prev = infos[i].seq
+        first_deferrable = len(walk)
+        aged_set = set(aged)
+        sign = getattr(policy, "priority_sign", 1) if getattr(policy, "enable_priority_scheduling", False) else 0
+        buckets: dict[tuple, list[int]] = {}
+        for i, f in enumerate(infos):
+            if i in aged_set:
+                continue
+            prio = 0
+            if sign:
+                p = getattr(queue[i], "priority", None)
+                prio = 0 if p is None else p * sign
+            buckets.setdefault((f.rank, prio), []).append(i)
+        for bucket in sorted(buckets):
+            idx = buckets[bucket]
+            local, local_shared = family_order([infos[i].seq for i in idx], [infos[i].key for i in idx],
+                                               [infos[i].family for i in idx], prev)
+            walk.extend(idx[j] for j in local)
+            shared.extend(local_shared)
+            prev = infos[walk[-1]].seq
+        plan = _Plan(sig=(), reqs=[queue[i] for i in walk], infos=[infos[i] for i in walk],
+                     shared_prev=shared, first_deferrable=first_deferrable)
+        if anchor is not None:
+            plan.anchor_rid, plan.anchor_len = anchor_req.rid, len(anchor) // 8
+            everything = sorted(f.seq for f in infos)   # the longest prefix is shared with a neighbour
+            at = bisect.bisect_left(everything, anchor)
+            plan.anchor_best = max((common_prefix(anchor, everything[j]) for j in (at - 1, at)
+                                    if 0 <= j < len(everything)), default=0)
+        return plan
+
+    def _deferred_positions(self, policy: Any, plan: _Plan) -> set[int]:
+        """Walk positions deferred this round (see the module docstring, 4.)."""
+        dedup = self.settings.dedup_tokens
+        tree = getattr(policy, "tree_cache", None)
+        if tree is None or getattr(tree, "disable", False):
+            return set()
+        if plan.prefill_version != self.prefill_version:
+            plan.prefill_version = self.prefill_version
+            plan.shared_last = [self._shared_with_last_prefill(f.seq) if f.rank != SPECULATIVE else 0
+                                for f in plan.infos]
+        fp = tree_fingerprint(tree)
+        if fp != plan.tree_fp:
+            plan.cached = {}
+        deferred: set[int] = set()
+        carry_pos, carry_len = -1, 0   # the last position matched and the prefix length it covers
+        for pos in range(plan.first_deferrable, len(plan.reqs)):
+            info = plan.infos[pos]
+            if info.rank == SPECULATIVE:
+                continue
+            s = max(plan.shared_prev[pos], plan.shared_last[pos])
+            if s < dedup:
+                continue
+            cached = plan.cached.get(pos)
+            if cached is None or cached[0] != s:
+                if carry_pos == pos - 1 and plan.shared_prev[pos] >= s and s <= carry_len:
+                    # the same prefix as the request before (it shares at least s tokens with it)
+                    hit = min(plan.cached[carry_pos][1], s)
+                else:
+                    hit = self._cached_tokens(tree, plan.reqs[pos], info.seq, s)
+                cached = plan.cached[pos] = (s, hit)
+            carry_pos, carry_len = pos, s
+            if s - cached[1] >= dedup:
+                deferred.add(pos)
+        plan.tree_fp = tree_fingerprint(tree)   # after matching (a match can split a node)
+        return deferred
+
+    def _shared_with_last_prefill(self, seq: bytes) -> int:
+        """Tokens ``seq`` shares with the request of the last prefill batch it shares most with
+        (among sorted sequences, the longest common prefix is with a neighbour)."""
+        last = self.last_prefill
+        if not last:
+            return 0
+        at = bisect.bisect_left(last, seq)
+        best = 0
+        for j in (at - 1, at):
+            if 0 <= j < len(last):
+                best = max(best, common_prefix(last[j], seq))
+        return best
+
+    @staticmethod
+    def _cached_tokens(tree: Any, req: Any, seq: bytes, length: int) -> int:
+        """Tokens of ``seq[:length]`` in the radix cache (SGLang's own prefix match)."""
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        ids = array("q")
+        ids.frombytes(seq[:length * 8])
+        result = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids,
+                                                                  extra_key=getattr(req, "extra_key", None))))
+        return len(result.device_indices)
+
+    # ---------------------------------------------------------------------- prefill batch
+    def on_prefill_batch(self, reqs: Sequence[Any]) -> None:
+        """The requests of the prefill batch just formed: until the next one, waiting requests are
+        also checked against them (their prefill may not be in the radix cache yet)."""
+        self.last_prefill = sorted(tokens_of(r) for r in reqs)
+        self.prefill_version += 1
 
 
 def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
@@ -130,60 +336,20 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
     return state
 
 
-def retract_decode(original, self, server_args, *args, **kwargs):
-    """AROUND hook on ``ScheduleBatch.retract_decode``: under memory pressure speculative requests
-    go first (fewest output tokens first, the least work lost), one at a time until the next decode
-    step fits; only if that is not enough does SGLang's own retraction take the rest."""
-    if getattr(self.tree_cache, "sgl_tts_policy", None) is None:
-        return original(self, server_args, *args, **kwargs)
-    spec = [i for i, r in enumerate(self.reqs) if request_class(r) == "speculative"]
-    if not spec or len(spec) == len(self.reqs):
-        return original(self, server_args, *args, **kwargs)
-    spec.sort(key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)))
-    keep = list(range(len(self.reqs)))
-    retracted = []
-    for i in spec:
-        keep.remove(i)
-        retracted.append(self.reqs[i])
-        self.release_req(i, len(keep), server_args)
-        if self.check_decode_mem(selected_indices=keep):
-            break
-    self.filter_batch(keep_indices=keep)
-    if self.check_decode_mem():
-        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
-
-        return retracted, NewTokenRatioTracker.estimate_new_token_ratio_after_retract(self.reqs), []
-    more, ratio, aborted = original(self, server_args, *args, **kwargs)
-    return retracted + list(more), ratio, aborted
-
-
-def preempt_speculative(running_batch: Any, waiting_queue: Sequence[Any]) -> list:
-    """Two-phase scheduling (seed 000 §4.1.2): when a normal or boosted request waits, every running
-    speculative request stops at its next step with what it has generated (finish reason
-    ``length``, so a program sees a cut step it can continue). Returns the stopped requests."""
-    if running_batch is None or not getattr(running_batch, "reqs", None):
-        return []
-    if not any(request_class(r) != "speculative" for r in waiting_queue):
-        return []
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-
-    stopped = []
-    for req in running_batch.reqs:
-        if request_class(req) == "speculative" and not req.finished() and req.to_finish is None:
-            req.to_finish = FINISH_LENGTH(length=len(req.output_ids))
-            stopped.append(req)
-    return stopped
-
-
 def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None = None,
               depth: int | None = None, priority: int | None = None) -> int:
     """Change the class (and, if given, SGLang's ``priority``) of a search group's waiting and
     running requests (all, or those at ``depth`` / with a beam in ``beams``), e.g. boost the subtree
-    MCTS is about to expand. Returns how many requests changed. Takes effect at the next round."""
+    MCTS is about to expand. Returns how many requests changed. Takes effect at the next round.
+    A priority needs a server started with ``--enable-priority-scheduling`` (it orders requests of
+    one class; without the flag SGLang ignores priorities)."""
     from sgl_tts.tts_request import CLASSES
 
-    if priority is not None and not isinstance(priority, int):
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
         raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority is not None and not getattr(scheduler, "enable_priority_scheduling", False):
+        raise ValueError("a priority needs a server started with --enable-priority-scheduling "
+                         "(without it SGLang ignores priorities); use cls='boosted' instead")
     if cls not in CLASSES:
         raise ValueError(f"unknown request class {cls!r}; choose one of {', '.join(CLASSES)}")
     wanted = None if beams is None else {int(b) for b in beams}
@@ -198,6 +364,8 @@ def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None 
         req.sampling_params.custom_params["tts_class"] = cls
         if priority is not None:
             req.priority = priority
+        if hasattr(req, INFO):
+            delattr(req, INFO)   # its class (and so the queue's order) changed
         changed += 1
     return changed
 
@@ -231,16 +399,6 @@ async def set_internal_state_reply(original, self, obj, *args, **kwargs):
     return [{"updated": bool(r.updated), "server_args": r.server_args} for r in responses]
 
 
-def before_prefill(scheduler, *args, **kwargs):
-    """BEFORE hook on ``Scheduler.get_new_batch_prefill``: preempt speculative work when normal
-    work waits (prefix-aware policy only)."""
-    if getattr(scheduler.policy, "sgl_tts", None) is not None:
-        stopped = preempt_speculative(scheduler.running_batch, scheduler.waiting_queue)
-        if stopped:
-            logger.debug("sgl-tts: stopped %d speculative requests for waiting normal work", len(stopped))
-    return None
-
-
 def calc_priority(original, self, waiting_queue, running_batch=None, *args, **kwargs):
     """AROUND hook on ``SchedulePolicy.calc_priority``: the prefix-aware order when enabled on this
     policy object, SGLang's own otherwise."""
@@ -260,7 +418,25 @@ def add_one_req(original, self, req, *args, **kwargs):
     return original(self, req, *args, **kwargs)
 
 
-__all__ = ["CLASS_RANK", "TTSPolicyState", "add_one_req", "before_prefill", "calc_priority", "enable",
-           "preempt_speculative", "request_class", "retract_decode", "set_class", "set_internal_state",
-           "set_internal_state_reply",
-           "tag_of", "tokens_of"]
+def fill_matched_prefixes(original, self, *args, **kwargs):
+    """AROUND hook on ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` (``/v1/loads``, load
+    snapshots): with the prefix-aware policy, each waiting request's ``num_matched_prefix_tokens`` is
+    matched against the radix cache first, as SGLang's ``lpm`` policy fills it at schedule time (the
+    prefix-aware order does not need it, so it is filled when read, not every round)."""
+    scheduler = LOAD_INQUIRERS.get(id(self))
+    if scheduler is not None and getattr(scheduler.policy, "sgl_tts", None) is not None:
+        from sglang.srt.managers.schedule_policy import match_prefix_for_req
+
+        tree = scheduler.tree_cache
+        if tree is not None and not getattr(tree, "disable", False):
+            for req in scheduler.waiting_queue:
+                match_prefix_for_req(tree, req)
+    return original(self, *args, **kwargs)
+
+
+LOAD_INQUIRERS: dict[int, Any] = {}   # id(scheduler.load_inquirer) -> scheduler, this process
+
+
+__all__ = ["CLASS_RANK", "RequestInfo", "TTSPolicyState", "add_one_req", "calc_priority", "enable",
+           "fill_matched_prefixes", "request_class", "set_class", "set_internal_state",
+           "set_internal_state_reply", "tag_of", "tokens_of", "tree_fingerprint"]

@@ -33,22 +33,32 @@ class TTSSettings:
         seeded_sampling: a request's ``sampling_seed`` decides its samples (SGLang 0.5.15 honours
             seeds only with ``--enable-deterministic-inference``, which its CPU attention backends
             refuse); see :mod:`sgl_tts.plugin.seeding`.
+        max_wait: with ``prefix-aware``, a normal or boosted request that has waited this many
+            seconds goes first (oldest first): the aging bound against starvation. ``None``: never.
     """
 
     policy: str = "off"
     dedup_tokens: int = 32
     metrics_file: str | None = None
     seeded_sampling: bool = False
+    max_wait: float | None = 5.0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"--tts-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not isinstance(self.dedup_tokens, int) or self.dedup_tokens < 1:
             raise ValueError(f"--tts-dedup-tokens must be a positive integer, got {self.dedup_tokens!r}")
+        if self.max_wait is not None and not (isinstance(self.max_wait, (int, float)) and self.max_wait > 0):
+            raise ValueError(f"--tts-max-wait must be a positive number of seconds or 'off', got {self.max_wait!r}")
 
     @property
     def active(self) -> bool:
         return self.policy != "off"
+
+    @property
+    def any_on(self) -> bool:
+        """Whether any ``--tts-*`` flag asks the plugin to act (all off: stock SGLang)."""
+        return self.active or bool(self.metrics_file) or self.seeded_sampling
 
     def env(self) -> dict[str, str]:
         env = {"SGLANG_TTS_POLICY": self.policy, "SGLANG_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
@@ -56,6 +66,7 @@ class TTSSettings:
             env["SGLANG_TTS_METRICS_FILE"] = self.metrics_file
         if self.seeded_sampling:
             env["SGLANG_TTS_SEEDED_SAMPLING"] = "1"
+        env["SGLANG_TTS_MAX_WAIT"] = "off" if self.max_wait is None else repr(float(self.max_wait))
         return env
 
     @classmethod
@@ -67,7 +78,8 @@ class TTSSettings:
             raise ValueError(f"SGLANG_TTS_DEDUP_TOKENS must be an integer, got "
                              f"{env.get('SGLANG_TTS_DEDUP_TOKENS')!r}") from None
         return cls(env.get("SGLANG_TTS_POLICY", cls.policy), dedup, env.get("SGLANG_TTS_METRICS_FILE") or None,
-                   env.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1")
+                   env.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1",
+                   parse_max_wait(env.get("SGLANG_TTS_MAX_WAIT", str(cls.max_wait))))
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
@@ -75,8 +87,22 @@ class TTSSettings:
         if hasattr(server_args, "tts_policy"):
             return cls(server_args.tts_policy, server_args.tts_dedup_tokens,
                        getattr(server_args, "tts_metrics_file", None),
-                       bool(getattr(server_args, "tts_seeded_sampling", False)))
+                       bool(getattr(server_args, "tts_seeded_sampling", False)),
+                       getattr(server_args, "tts_max_wait", cls.max_wait))
         return cls.from_env()
+
+
+def parse_max_wait(text: str) -> float | None:
+    """``--tts-max-wait``: seconds (> 0), or ``off``."""
+    if str(text).strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (> 0) or 'off', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (> 0) or 'off', got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -122,13 +148,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "SGLang 0.5.15 ignores seeds unless --enable-deterministic-inference, which "
                             "the CPU backends refuse); unseeded requests draw a random seed. Needs the "
                             "pytorch sampling backend (the CPU default; --sampling-backend pytorch on a GPU)")
+    group.add_argument("--tts-max-wait", type=parse_max_wait, metavar="SECONDS",
+                       default=parse_max_wait(os.environ.get("SGLANG_TTS_MAX_WAIT", "5")),
+                       help="with --tts-policy prefix-aware: a normal or boosted request that has "
+                            "waited this long is admitted before anything else, oldest first (the "
+                            "bound against one search starving another; default 5, 'off' for none)")
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     """Validate the parsed flags against the rest of the server's settings, store them on
     ``server_args`` and mirror them into the environment for child processes."""
     settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32),
-                           getattr(args, "tts_metrics_file", None), bool(getattr(args, "tts_seeded_sampling", False)))
+                           getattr(args, "tts_metrics_file", None), bool(getattr(args, "tts_seeded_sampling", False)),
+                           getattr(args, "tts_max_wait", TTSSettings.max_wait))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
@@ -139,6 +171,7 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
                          f"{server_args.sampling_backend!r}, which ignores or refuses per-request seeds)")
     server_args.tts_metrics_file = settings.metrics_file
     server_args.tts_seeded_sampling = settings.seeded_sampling
+    server_args.tts_max_wait = settings.max_wait
     os.environ.update(settings.env())
     return settings
 

@@ -1,0 +1,423 @@
+"""The plugin inside SGLang 0.5.15's own scheduling code (CPU, no model run): ``Scheduler.
+get_new_batch_prefill`` (SGLang's admission loop with the plugin's hooks) on real pools, radix
+cache and decode batches; ``Req.update_finish_state``; ``ScheduleBatch.retract_decode``; the
+load inquirer behind ``/v1/loads``. Issue 16's problems, each with the case that showed it.
+
+``scheduler_for`` builds a real ``Scheduler`` object (SGLang's class and methods) with the state its
+admission path reads; the model-facing parts it does not reach (grammar manager, TP worker, load
+inquirer) are inert stand-ins, because building them loads a model."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+from test_scheduler_plugin import (SERVER_ARGS, Cache, Req, SamplingParams, ScheduleBatch, SchedulePolicy,
+                                   SearchTag, TTSSettings, decode_state, lcp, make_req, policy_for, seq, tts_policy)
+
+from sgl_tts.plugin import preemption
+
+def scheduler_for(running, tree, allocator, waiting, settings=TTSSettings("prefix-aware", 32), *,
+                  priority=False, low_first=False):
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    from sgl_tts.models import shipped_model
+
+    SERVER_ARGS.pp_max_micro_batch_size = SERVER_ARGS.pp_max_micro_batch_size or 64
+    set_global_server_args_for_scheduler(SERVER_ARGS)   # what the scheduler process holds
+    s = object.__new__(Scheduler)
+    s.server_args = SERVER_ARGS
+    s.policy = SchedulePolicy("fcfs", tree, False, priority, low_first)
+    tts_policy.enable(s.policy, settings)
+    s.tree_cache, s.token_to_kv_pool_allocator = tree, allocator
+    s.req_to_token_pool = running.req_to_token_pool
+    s.running_batch, s.waiting_queue = running, waiting
+    s.enable_priority_scheduling = priority
+    s.enable_hierarchical_cache = s.enable_priority_preemption = s.is_hybrid_swa = False
+    s.chunked_req = s.min_free_slots_delayer = s.prefill_delayer = s.chunked_prefill_size = None
+    s.enable_dynamic_chunking = s.is_mixed_chunk = s.enable_lora = s.enable_hicache_storage = False
+    s.enable_overlap = False
+    s.page_size = 1
+    s.new_token_ratio_tracker = NewTokenRatioTracker.__new__(NewTokenRatioTracker)
+    s.new_token_ratio_tracker.current = 0.5
+    s.max_prefill_tokens = 16384
+    s.priority_scheduling_preemption_threshold = 10
+    s.max_prefill_bs = 0
+    s.max_running_requests = 64
+    s.dllm_config = None
+    s.disaggregation_mode = DisaggregationMode.NULL
+    s.truncation_align_size = None
+    s.model_config = ModelConfig(model_path=str(shipped_model("generator")))
+    s.spec_algorithm = SpeculativeAlgorithm.NONE
+    # not reached by admission with the settings above, or model-bound
+    s.grammar_manager = types.SimpleNamespace(has_waiting_grammars=lambda: False)
+    s.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(prefill_aware_swa=False))
+    s.load_inquirer = types.SimpleNamespace(_get_num_pending_tokens=lambda chunk_deduct=0: 0)
+    return s
+
+
+def tokens(seed, n):
+    return [(seed * 31 + 7 * i) % 270 + 1 for i in range(n)]
+
+
+def spec_req(rid, seed, n=12, max_new=60):
+    return make_req(rid, tokens(seed, n), SearchTag("g", 0, -1, seed, "speculative"), max_new=max_new)
+
+
+def rids(reqs):
+    return [r.rid for r in reqs]
+
+
+# ------------------------------------------------------------- 6: stop speculative work only when refused
+def test_speculative_work_is_stopped_only_when_normal_work_is_refused_room():
+    # room: a normal request, an untagged one (a /health_generate probe is one) and a deferred
+    # sibling all wait; none is refused for room, so the running speculative request goes on
+    running, tree, allocator = decode_state(400, [([spec_req("spec", 1)], 3)], fill=False)
+    prompt = tokens(40, 60)
+    waiting = [make_req("n", tokens(9, 20), SearchTag("h", 0, -1, 0)), make_req("probe", [5, 6, 7]),
+               make_req("s0", prompt + [1], SearchTag("k", 0, -1, 0)), make_req("s1", prompt + [2], SearchTag("k", 0, -1, 1))]
+    s = scheduler_for(running, tree, allocator, waiting)
+    batch = s.get_new_batch_prefill()
+    assert rids(batch.reqs) == ["n", "probe", "s0"] and rids(s.waiting_queue) == ["s1"]
+    assert getattr(s.waiting_queue[0], tts_policy.DEFERRED)
+    assert not preemption.stopping(running.reqs[0])
+    # no room: the decode batch fills the pool, a normal request gets no KV tokens -> stop
+    running, tree, allocator = decode_state(60, [([spec_req("spec", 1), make_req("norm", tokens(2, 12),
+                                                   SearchTag("g", 0, -1, 2), max_new=60)], 6)])
+    s = scheduler_for(running, tree, allocator, [make_req("late", tokens(3, 30), SearchTag("h", 0, -1, 0))])
+    assert s.get_new_batch_prefill() is None and running.batch_is_full
+    assert [preemption.stopping(r) for r in running.reqs] == [True, False]   # the normal one runs on
+    # a waiting speculative request refused room stops nothing
+    running, tree, allocator = decode_state(60, [([spec_req("spec", 1)], 6)])
+    s = scheduler_for(running, tree, allocator, [spec_req("spec2", 5, 30)])
+    assert s.get_new_batch_prefill() is None and not preemption.stopping(running.reqs[0])
+
+
+# ------------------------------------------------------------- 2: a stop never hides a natural finish
+def stopped_req(**sampling):
+    from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+    from sgl_tts.models import shipped_model
+
+    tok = get_tokenizer(str(shipped_model("generator")))   # as the scheduler loads it
+    req = Req(rid="spec", origin_input_text="", origin_input_ids=tok.encode("a step:", add_special_tokens=False),
+              sampling_params=SamplingParams(max_new_tokens=50, **sampling), vocab_size=284)
+    req.tokenizer = tok
+    req.sampling_params.normalize(tok)
+    for t in tok.encode("ab", add_special_tokens=False):   # two tokens already generated
+        req.output_ids.append(t)
+        req.update_finish_state()
+    assert not req.finished()
+    setattr(req, preemption.STOP, True)   # what the plugin marks when normal work is refused
+    return req, tok
+
+
+@pytest.mark.parametrize("case", ["eos", "stop token", "stop string", "max_new_tokens", "plain"])
+def test_a_stopped_request_reports_its_natural_finish_when_its_next_token_ends_it(case):
+    """The next step's token, appended and checked as SGLang's decode does: a stop token, EOS, a
+    stop string or the length limit is reported as such (trimmed as SGLang trims it); only a token
+    that ends nothing gives the plugin's ``length`` stop, with every generated token."""
+    sampling = {"stop": ["\n\n"]} if case == "stop string" else {"stop_token_ids": [99]} if case == "stop token" else {}
+    req, tok = stopped_req(**sampling)
+    if case == "max_new_tokens":
+        req.sampling_params.max_new_tokens = 3
+    nxt = {"eos": tok.eos_token_id, "stop token": 99, "stop string": tok.encode("\n\n", add_special_tokens=False)[0],
+           "max_new_tokens": 100, "plain": 100}[case]
+    req.output_ids.append(nxt)
+    req.update_finish_state()
+    got = req.finished_reason.to_json()
+    expected = {"eos": {"type": "stop", "matched": tok.eos_token_id},
+                "stop token": {"type": "stop", "matched": 99},
+                "stop string": {"type": "stop", "matched": "\n\n"},
+                "max_new_tokens": {"type": "length", "length": 3},
+                "plain": {"type": "length", "length": 3}}[case]
+    assert got == expected
+    assert req.finished_len == 3 and list(req.output_ids) == tok.encode("ab", add_special_tokens=False) + [nxt]
+
+
+# --------------------------------------------------------- 3: a request being stopped is never retracted
+def test_retraction_never_takes_a_request_being_stopped():
+    def req(rid, seed, n, cls):
+        return make_req(rid, tokens(seed, n), SearchTag("g", 0, -1, seed, cls), max_new=60)
+
+    stopped, other = req("stopped", 1, 12, "speculative"), req("spec2", 4, 12, "speculative")
+    first, late = req("norm", 2, 12, "normal"), req("late", 3, 10, "normal")
+    running, tree, allocator = decode_state(70, [([stopped, other, first], 5), ([late], 0)])
+    s = scheduler_for(running, tree, allocator, [])   # attaches the policy to this tree
+    setattr(stopped, preemption.STOP, True)
+    retracted, _, aborted = running.retract_decode(SERVER_ARGS)
+    assert "stopped" not in rids(retracted) and "stopped" in rids(running.reqs)
+    assert rids(retracted)[0] == "spec2" and aborted == []   # the other speculative request first
+    assert running.check_decode_mem() and s.policy.sgl_tts is not None
+
+
+# ------------------------------------------------------------ 1: dedup across overlapped prefill rounds
+def test_siblings_arriving_after_their_first_are_deferred_while_its_prefill_is_in_flight():
+    """SGLang's overlap loop forms round t+1 before round t's prefill enters the radix cache: the
+    siblings that arrive then share 60 uncached tokens with the request admitted in round t and
+    must wait for it, not prefill the prefix again (they are the first of their class this round)."""
+    running, tree, allocator = decode_state(600, [([make_req("other", tokens(90, 10), SearchTag("x", 0, -1, 0))], 1)],
+                                            fill=False)
+    prompt = tokens(50, 60)
+    s = scheduler_for(running, tree, allocator, [make_req("s0", prompt + [1], SearchTag("k", 0, -1, 0))])
+    first = s.get_new_batch_prefill()
+    assert rids(first.reqs) == ["s0"]
+    s.waiting_queue.extend(make_req(f"s{i}", prompt + [i + 1], SearchTag("k", 0, -1, i)) for i in (1, 2, 3))
+    assert s.get_new_batch_prefill() is None          # round t+1: s0's prefill not processed yet
+    assert all(getattr(r, tts_policy.DEFERRED) for r in s.waiting_queue)
+    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+    for r in first.reqs:                              # round t's result: s0's prompt enters the cache
+        r.output_ids.append(100)
+        maybe_cache_unfinished_req(r, tree)
+    second = s.get_new_batch_prefill()
+    assert rids(second.reqs) == ["s1", "s2", "s3"]
+    assert [len(r.prefix_indices) for r in second.reqs] == [60, 60, 60]
+
+
+# -------------------------------------------------------------------------- 4: cached ordering state
+def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_changes():
+    rng = random.Random(1)
+    cache = Cache()
+    pol = policy_for(cache)
+    state = pol.sgl_tts
+    prompt = [rng.randrange(200) for _ in range(80)]
+    reqs = [make_req(f"r{p}-{c}", prompt + [p] * 5 + [rng.randrange(200) for _ in range(10)], SearchTag("g", 1, p, p * 4 + c))
+            for p in range(6) for c in range(4)]
+    rng.shuffle(reqs)
+    queue = list(reqs)
+    pol.calc_priority(queue)
+    first = rids(queue)
+    assert state.sorts == 1
+    for _ in range(3):
+        pol.calc_priority(queue)
+    assert rids(queue) == first and state.sorts == 1 and state.rounds == 4
+    # the same requests in another order are another queue: sorted again, to the same order
+    shuffled = list(reqs)
+    rng.shuffle(shuffled)
+    pol.calc_priority(shuffled)
+    assert rids(shuffled) == first and state.sorts == 2
+    # set_class changes a request's class: its cached info goes, the order follows
+    from sglang.srt.managers.scheduler import Scheduler
+
+    sched = object.__new__(Scheduler)
+    sched.waiting_queue, sched.running_batch, sched.enable_priority_scheduling = shuffled, ScheduleBatch(reqs=[]), False
+    last = shuffled[-1]
+    assert tts_policy.set_class(sched, "g", "boosted", beams=[SearchTag.from_custom_params(
+        last.sampling_params.custom_params).beam]) == 1
+    pol.calc_priority(shuffled)
+    assert shuffled[0] is last and state.sorts == 3
+    # a retracted request comes back with output: its bytes are recomputed
+    back = shuffled[3]
+    back.output_ids.extend([1, 2])
+    pol.calc_priority(shuffled)
+    assert state.sorts == 4 and getattr(back, tts_policy.INFO).seq == tts_policy.tokens_of(back)
+
+
+def test_the_cached_order_equals_a_fresh_order_over_random_rounds():
+    """Admit some, add arrivals, retract some, re-class some: every round the cached state gives
+    exactly what a fresh policy state gives on the same queue and cache."""
+    rng = random.Random(7)
+    cache = Cache()
+    pol = policy_for(cache)
+    prompt = [rng.randrange(200) for _ in range(40)]
+    n = itertools.count()
+
+    def arrivals(k):
+        out = []
+        for _ in range(k):
+            p = rng.randrange(5)
+            i = next(n)
+            out.append(make_req(f"q{i}", prompt + [p] * 8 + [rng.randrange(200) for _ in range(rng.randrange(1, 12))],
+                                SearchTag(f"g{p % 2}", 1, p, i, rng.choice(["normal", "normal", "speculative"]))))
+        return out
+
+    queue = arrivals(20)
+    for rnd in range(25):
+        pol.calc_priority(queue)
+        fresh_pol = policy_for(cache)
+        fresh_pol.sgl_tts._group_rank = dict(pol.sgl_tts._group_rank)
+        fresh_pol.sgl_tts._counter = itertools.count(len(pol.sgl_tts._group_rank))
+        copy = list(queue)
+        fresh_pol.calc_priority(copy)
+        assert rids(copy) == rids(queue), f"round {rnd}"
+        action = rng.random()
+        if action < 0.3 and queue:
+            admitted = queue[:rng.randrange(1, 4)]
+            for r in admitted:
+                cache.insert(seq(r))
+            queue = queue[len(admitted):]
+        elif action < 0.6:
+            queue += arrivals(rng.randrange(1, 4))
+        elif action < 0.8 and queue:
+            queue[rng.randrange(len(queue))].output_ids.extend([rng.randrange(200)])
+        # else: an unchanged round
+    assert pol.sgl_tts.sorts < pol.sgl_tts.rounds
+
+
+# ------------------------------------------------------------------------------------- 7: priorities
+@pytest.mark.parametrize("low_first", [False, True])
+def test_priorities_order_work_inside_each_class(low_first):
+    cache = Cache()
+    pol = SchedulePolicy("fcfs", cache.tree, False, True, low_first)
+    tts_policy.enable(pol, TTSSettings("prefix-aware", 10_000))   # no deferral here
+    prompt = list(range(100, 140))
+
+    def req(rid, prio, parent, cls="normal"):
+        r = make_req(rid, prompt + [parent] * 3 + [hash(rid) % 50], SearchTag("g", 1, parent, int(rid[1:]), cls))
+        r.priority = prio
+        return r
+
+    queue = [req("a0", 1, 0), req("a1", 1, 0), req("b2", 5, 1), req("b3", 5, 1), req("c4", 3, 2),
+             req("s5", 9, 3, "speculative"), req("s6", 0, 3, "speculative"), req("x7", 5, 4, "boosted")]
+    pol.calc_priority(queue)
+    if low_first:
+        assert rids(queue) == ["x7", "a0", "a1", "c4", "b2", "b3", "s6", "s5"]
+    else:
+        assert rids(queue) == ["x7", "b2", "b3", "c4", "a0", "a1", "s5", "s6"]
+
+
+def test_num_matched_prefix_tokens_is_filled_for_v1_loads():
+    """SGLang's load inquirer counts a waiting request's uncached tokens from its
+    ``num_matched_prefix_tokens``; the plugin fills it before the read (stock lpm fills it at
+    schedule time, the prefix-aware order does not need it)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+
+    running, tree, allocator = decode_state(600, [([make_req("r", tokens(1, 10), SearchTag("x", 0, -1, 0))], 1)],
+                                            fill=False)
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    prompt = tokens(60, 50)
+    kv = allocator.alloc(50)
+    tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=kv))
+    waiting = [make_req(f"w{i}", prompt + [i, i], SearchTag("k", 0, -1, i)) for i in range(3)]
+    s = scheduler_for(running, tree, allocator, waiting)
+    fields = {f: None for f in SchedulerLoadInquirer.__dataclass_fields__}
+    fields.update(disaggregation_mode=DisaggregationMode.NULL, get_waiting_queue=lambda: s.waiting_queue,
+                  get_chunked_req=lambda: None)
+    inquirer = SchedulerLoadInquirer(**fields)
+    assert inquirer.get_num_waiting_uncached_tokens() == 3 * 52       # not known to this scheduler
+    tts_policy.LOAD_INQUIRERS[id(inquirer)] = s
+    try:
+        assert inquirer.get_num_waiting_uncached_tokens() == 3 * 2    # 50 of each are cached
+    finally:
+        del tts_policy.LOAD_INQUIRERS[id(inquirer)]
+
+
+# ------------------------------------------------------------------------------------ 9: starvation
+@pytest.mark.parametrize("max_wait", [None, 3.0])
+def test_an_adversarial_flood_cannot_starve_another_search_past_max_wait(max_wait):
+    """Search F keeps one admission slot busy with requests continuing the last admitted prefix
+    (the anchor rule picks them first); search V's request waits. Without aging it never gets in;
+    with ``max_wait`` it is admitted in the first round after it has waited that long."""
+    now = [0.0]
+    cache = Cache()
+    pol = SchedulePolicy("fcfs", cache.tree, False, False, False)
+    state = tts_policy.enable(pol, TTSSettings("prefix-aware", 1000, max_wait=max_wait))
+    state.clock = lambda: now[0]
+    flood = [7] * 30
+    victim = make_req("victim", [3] * 30 + [1], SearchTag("v", 0, -1, 0))
+    queue = [victim]
+    admitted_at = None
+    last = make_req("f-start", flood, SearchTag("f", 0, -1, 0))
+    for rnd in range(20):
+        queue.append(make_req(f"f{rnd}", flood + [rnd % 5] * (rnd + 1), SearchTag("f", rnd + 1, 0, rnd)))
+        pol.calc_priority(queue, ScheduleBatch(reqs=[last]))
+        last = queue.pop(0)                       # one slot per round (SGLang admits in queue order)
+        if last is victim:
+            admitted_at = now[0]
+            break
+        now[0] += 1.0
+    if max_wait is None:
+        assert admitted_at is None                # the hazard the aging rule removes
+    else:
+        assert admitted_at == 3.0 and state.last_aged == 1
+
+
+# ------------------------------------------------------------------------- 12: mixed-depth queues
+def test_siblings_stay_together_when_a_deeper_request_shares_more_with_one_of_them():
+    cache = Cache()
+    pol = policy_for(cache, settings=TTSSettings("prefix-aware", 10_000))
+    x = list(range(10, 40))
+    a = make_req("a", x + [1, 2, 3, 4], SearchTag("t", 2, 5, 0))        # children of node 5 at depth 2
+    b = make_req("b", x + [9, 9], SearchTag("t", 2, 5, 1))
+    deep = make_req("deep", x + [1, 2, 3, 8, 8, 8], SearchTag("t", 3, 0, 7))   # goes through a's first tokens
+    queue = [deep, b, a]
+    pol.calc_priority(queue)
+    # greedy alone gives a, deep, b (deep shares 33 tokens with a, b only 30)
+    assert rids(queue) == ["a", "b", "deep"]
+
+
+def test_families_are_contiguous_in_random_mcts_like_queues():
+    rng = random.Random(4)
+    for trial in range(60):
+        nodes = {0: [1, 2, 3]}
+        for node in range(1, 12):
+            parent = rng.randrange(node)
+            nodes[node] = nodes[parent] + [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+        queue, fam = [], {}
+        for i in range(rng.randrange(2, 25)):
+            parent = rng.randrange(12)
+            depth = len(nodes[parent])
+            r = make_req(f"q{i}", nodes[parent] + [rng.randrange(4) for _ in range(rng.randrange(1, 4))],
+                         SearchTag("t", depth, parent, i))
+            fam[r.rid] = parent
+            queue.append(r)
+        pol = policy_for(Cache(), settings=TTSSettings("prefix-aware", 10_000))
+        anchor = rng.choice([None, ScheduleBatch(reqs=[make_req("run", nodes[rng.randrange(12)])])])
+        pol.calc_priority(queue, anchor)
+        runs = [p for p, _ in itertools.groupby(fam[r.rid] for r in queue)]
+        assert len(runs) == len(set(runs)), f"siblings split in trial {trial}: {runs}"
+        for _, members in itertools.groupby(queue, key=lambda r: fam[r.rid]):   # greedy inside a family
+            members = list(members)
+            rest = list(members)
+            for prev, cur in zip(members, members[1:]):
+                rest.remove(prev)
+                assert lcp(seq(prev), seq(cur)) == max(lcp(seq(prev), seq(o)) for o in rest)
+
+
+# ------------------------------------------------------------------ 10 and 13: hooks really in place
+def test_every_hook_of_the_plugin_is_in_place_in_this_process():
+    from sgl_tts.plugin import TARGETS, hook_table, missing_hooks
+
+    assert missing_hooks() == []
+    assert {t for t, _, _ in hook_table()} == set(TARGETS.values())   # every target, not 2 of them
+
+
+BROKEN = """
+import sys
+import sgl_tts.plugin as plugin
+plugin.TARGETS["calc_priority"] = "sglang.srt.managers.schedule_policy.SchedulePolicy.no_such_method"
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+prepare_server_args(["--model-path", "dummy"] + sys.argv[1:])
+print("SERVED")
+"""
+
+
+def test_a_server_whose_hooks_did_not_attach_refuses_to_start_under_tts_flags():
+    env = {k: v for k, v in os.environ.items() if "TTS_" not in k}
+    run = lambda *a: subprocess.run([sys.executable, "-c", BROKEN, *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300, env=env)
+    bad = run("--tts-policy", "prefix-aware")
+    assert bad.returncode != 0 and "SERVED" not in bad.stdout
+    assert "hooks are not in place on sglang.srt.managers.schedule_policy.SchedulePolicy.no_such_method" in bad.stderr
+    assert "Refusing to serve stock scheduling under sgl-tts flags" in bad.stderr
+    stock = run()                        # no --tts-* flag: stock SGLang, as the docs promise
+    assert stock.returncode == 0 and "SERVED" in stock.stdout, stock.stderr[-2000:]

@@ -204,3 +204,34 @@ def test_plugin_loaded_with_flags_off_answers_byte_for_byte_as_stock(live):
         for ra, rb in zip(a, b):
             pairs = zip(ra["meta_info"]["output_token_logprobs"], rb["meta_info"]["output_token_logprobs"])
             assert max(abs(x[0] - y[0]) for x, y in pairs) < 1e-5
+
+
+def test_speculative_requests_run_on_when_arrivals_fit(live):
+    """Issue 16 item 6 on the live scheduler: untagged requests and a /health_generate probe arrive
+    while speculative requests run, and there is room for all of them: no speculative request is
+    stopped (each generates its whole max_new_tokens; the old rule stopped them at the first
+    arrival), and the arrivals are answered."""
+    url = live.url("generator")
+    q = task.test_split()[1].question + "\n\n"
+    spec = []
+    for i in range(4):
+        tag = SearchTag(group="spec-fit", depth=1, parent=0, beam=i, cls="speculative")
+        spec.append({"text": q, "rid": tag.rid(), "sampling_params": {
+            "max_new_tokens": 160, "ignore_eos": True, "temperature": 0.0, "custom_params": tag.custom_params()}})
+    plain = [{"text": p.question + "\n\n", "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+             for p in task.test_split()[20:26]]
+    out: dict = {}
+
+    async def scenario():
+        running = asyncio.ensure_future(_post_all(url, spec))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_for(
+            lambda: loads(url)["num_running_reqs"] >= 4, 120, "4 running speculative requests"))
+        out["plain"] = await _post_all(url, plain)
+        out["probe"] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: urllib.request.urlopen(url + "/health_generate", timeout=120).status)
+        out["spec"] = await running
+
+    asyncio.run(scenario())
+    assert out["probe"] == 200 and all(r["meta_info"]["completion_tokens"] == 8 for r in out["plain"])
+    assert [r["meta_info"]["completion_tokens"] for r in out["spec"]] == [160] * 4
+    assert [r["meta_info"]["finish_reason"] for r in out["spec"]] == [{"type": "length", "length": 160}] * 4

@@ -1,11 +1,8 @@
 """The plugin inside SGLang 0.5.15's own scheduling code (CPU, no model run): ``Scheduler.
 get_new_batch_prefill`` (SGLang's admission loop with the plugin's hooks) on real pools, radix
 cache and decode batches; ``Req.update_finish_state``; ``ScheduleBatch.retract_decode``; the
-load inquirer behind ``/v1/loads``. Issue 16's problems, each with the case that showed it.
-
-``scheduler_for`` builds a real ``Scheduler`` object (SGLang's class and methods) with the state its
-admission path reads; the model-facing parts it does not reach (grammar manager, TP worker, load
-inquirer) are inert stand-ins, because building them loads a model."""
+load inquirer behind ``/v1/loads``. Issue 16's problems, each with the case that showed it
+(``scheduler_for``: see tests/test_scheduler_plugin.py)."""
 
 from __future__ import annotations
 
@@ -14,58 +11,13 @@ import os
 import random
 import subprocess
 import sys
-import types
 
 import pytest
 from test_scheduler_plugin import (SERVER_ARGS, Cache, Req, SamplingParams, ScheduleBatch, SchedulePolicy,
-                                   SearchTag, TTSSettings, decode_state, lcp, make_req, policy_for, seq, tts_policy)
+                                   SearchTag, TTSSettings, decode_state, lcp, make_req, policy_for, scheduler_for,
+                                   seq, tts_policy)
 
 from sgl_tts.plugin import preemption
-
-def scheduler_for(running, tree, allocator, waiting, settings=TTSSettings("prefix-aware", 32), *,
-                  priority=False, low_first=False):
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from sglang.srt.server_args import set_global_server_args_for_scheduler
-
-    from sgl_tts.models import shipped_model
-
-    SERVER_ARGS.pp_max_micro_batch_size = SERVER_ARGS.pp_max_micro_batch_size or 64
-    set_global_server_args_for_scheduler(SERVER_ARGS)   # what the scheduler process holds
-    s = object.__new__(Scheduler)
-    s.server_args = SERVER_ARGS
-    s.policy = SchedulePolicy("fcfs", tree, False, priority, low_first)
-    tts_policy.enable(s.policy, settings)
-    s.tree_cache, s.token_to_kv_pool_allocator = tree, allocator
-    s.req_to_token_pool = running.req_to_token_pool
-    s.running_batch, s.waiting_queue = running, waiting
-    s.enable_priority_scheduling = priority
-    s.enable_hierarchical_cache = s.enable_priority_preemption = s.is_hybrid_swa = False
-    s.chunked_req = s.min_free_slots_delayer = s.prefill_delayer = s.chunked_prefill_size = None
-    s.enable_dynamic_chunking = s.is_mixed_chunk = s.enable_lora = s.enable_hicache_storage = False
-    s.enable_overlap = False
-    s.page_size = 1
-    s.new_token_ratio_tracker = NewTokenRatioTracker.__new__(NewTokenRatioTracker)
-    s.new_token_ratio_tracker.current = 0.5
-    s.max_prefill_tokens = 16384
-    s.priority_scheduling_preemption_threshold = 10
-    s.max_prefill_bs = 0
-    s.max_running_requests = 64
-    s.dllm_config = None
-    s.disaggregation_mode = DisaggregationMode.NULL
-    s.truncation_align_size = None
-    s.model_config = ModelConfig(model_path=str(shipped_model("generator")))
-    s.spec_algorithm = SpeculativeAlgorithm.NONE
-    # not reached by admission with the settings above, or model-bound
-    s.grammar_manager = types.SimpleNamespace(has_waiting_grammars=lambda: False)
-    s.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(prefill_aware_swa=False))
-    s.load_inquirer = types.SimpleNamespace(_get_num_pending_tokens=lambda chunk_deduct=0: 0)
-    return s
-
 
 def tokens(seed, n):
     return [(seed * 31 + 7 * i) % 270 + 1 for i in range(n)]
@@ -396,7 +348,7 @@ def test_every_hook_of_the_plugin_is_in_place_in_this_process():
     from sgl_tts.plugin import TARGETS, hook_table, missing_hooks
 
     assert missing_hooks() == []
-    assert {t for t, _, _ in hook_table()} == set(TARGETS.values())   # every target, not 2 of them
+    assert set(TARGETS.values()) <= {t for t, _, _ in hook_table()}   # every target, not 2 of them
 
 
 BROKEN = """

@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 from array import array
 from importlib.metadata import entry_points
 
@@ -46,7 +47,7 @@ class Cache:
     def __init__(self, size=200_000):
         self.allocator = TokenToKVPoolAllocator(size=size, dtype=torch.float16, device="cpu",
                                                 kvcache=None, need_sort=False)
-        pool = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        self.pool = pool = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
         self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
                                                token_to_kv_pool_allocator=self.allocator, page_size=1))
 
@@ -273,22 +274,70 @@ def test_the_first_pick_continues_the_latest_admission():
 
 
 # ----------------------------------------------------------------------------- dedup and classes
+def scheduler_for(running, tree, allocator, waiting, settings=TTSSettings("prefix-aware", 32), *,
+                  priority=False, low_first=False, pool=None, policy=None, max_prefill_tokens=16384):
+    """A real ``Scheduler`` object (SGLang's class and methods) with the state its admission path
+    (``get_new_batch_prefill``) reads, on real pools and radix cache; the model-facing parts that path
+    does not reach with these settings (grammar manager, TP worker, load inquirer) are inert
+    stand-ins, because building them loads a model. ``policy``: an existing (hooked) policy to use."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    from sgl_tts.models import shipped_model
+
+    SERVER_ARGS.pp_max_micro_batch_size = SERVER_ARGS.pp_max_micro_batch_size or 64
+    set_global_server_args_for_scheduler(SERVER_ARGS)   # what the scheduler process holds
+    s = object.__new__(Scheduler)
+    s.server_args = SERVER_ARGS
+    if policy is None:
+        policy = SchedulePolicy("fcfs", tree, False, priority, low_first)
+        tts_policy.enable(policy, settings)
+    s.policy = policy
+    s.tree_cache, s.token_to_kv_pool_allocator = tree, allocator
+    s.req_to_token_pool = pool if pool is not None else running.req_to_token_pool
+    s.running_batch, s.waiting_queue = running, waiting
+    s.enable_priority_scheduling = priority
+    s.enable_hierarchical_cache = s.enable_priority_preemption = s.is_hybrid_swa = False
+    s.chunked_req = s.min_free_slots_delayer = s.prefill_delayer = s.chunked_prefill_size = None
+    s.enable_dynamic_chunking = s.is_mixed_chunk = s.enable_lora = s.enable_hicache_storage = False
+    s.enable_overlap = False
+    s.page_size = 1
+    s.new_token_ratio_tracker = NewTokenRatioTracker.__new__(NewTokenRatioTracker)
+    s.new_token_ratio_tracker.current = 0.5
+    s.max_prefill_tokens = max_prefill_tokens
+    s.priority_scheduling_preemption_threshold = 10
+    s.max_prefill_bs = 0
+    s.max_running_requests = 64
+    s.dllm_config = None
+    s.disaggregation_mode = DisaggregationMode.NULL
+    s.truncation_align_size = None
+    s.model_config = ModelConfig(model_path=str(shipped_model("generator")))
+    s.spec_algorithm = SpeculativeAlgorithm.NONE
+    # not reached by admission with the settings above, or model-bound
+    s.grammar_manager = types.SimpleNamespace(has_waiting_grammars=lambda: False)
+    s.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(prefill_aware_swa=False))
+    s.load_inquirer = types.SimpleNamespace(_get_num_pending_tokens=lambda chunk_deduct=0: 0)
+    return s
+
+
 def adder_for(cache, running=None, rem=100_000):
     return PrefillAdder(page_size=1, tree_cache=cache.tree, token_to_kv_pool_allocator=cache.allocator,
                         running_batch=running or ScheduleBatch(reqs=[]), new_token_ratio=0.5,
                         rem_input_tokens=rem, rem_chunk_tokens=None)
 
 
-def admit(cache, queue, rem=100_000):
-    """SGLang's admission loop as the scheduler runs it: in queue order until a non-CONTINUE."""
-    adder = adder_for(cache, rem=rem)
-    for req in queue:
-        req.init_next_round_input(cache.tree)
-        if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != AddReqResult.CONTINUE:
-            break
-    for r in adder.can_run_list:
-        cache.tree.dec_lock_ref(r.last_node)
-    return [r.rid for r in adder.can_run_list]
+def admit(cache, pol, queue, rem=100_000):
+    """What SGLang's ``Scheduler.get_new_batch_prefill`` admits from ``queue`` (its own order call,
+    admission loop and batch), with an empty running batch and ``rem`` prefill tokens."""
+    s = scheduler_for(ScheduleBatch(reqs=[]), cache.tree, cache.allocator, list(queue), pool=cache.pool,
+                      policy=pol, max_prefill_tokens=rem)
+    batch = s.get_new_batch_prefill()
+    return [r.rid for r in batch.reqs] if batch is not None else []
 
 
 def test_one_sibling_prefills_an_uncached_shared_prefix_the_others_wait_one_round():
@@ -300,15 +349,15 @@ def test_one_sibling_prefills_an_uncached_shared_prefix_the_others_wait_one_roun
     queue = sibs[::-1] + [other]
     pol.calc_priority(queue)
     assert [r.rid for r in queue] == ["s0", "o", "s1", "s2", "s3"]   # deferred ones last
-    assert admit(cache, queue) == ["s0", "o"]
+    assert admit(cache, pol, queue) == ["s0", "o"]
     cache.insert(prompt + [0])                # s0's prefill put the prompt into the radix cache
     rest = [r for r in queue if r.rid not in ("s0", "o")]
     pol.calc_priority(rest)
-    assert admit(cache, rest) == ["s1", "s2", "s3"]
+    assert admit(cache, pol, rest) == ["s1", "s2", "s3"]
     # a short shared prefix (< dedup tokens) is not worth a round
     short = [make_req(f"t{i}", list(range(900, 910)) + [i], SearchTag("k", 0, -1, i)) for i in range(3)]
     pol.calc_priority(short)
-    assert admit(cache, short) == ["t0", "t1", "t2"]
+    assert admit(cache, pol, short) == ["t0", "t1", "t2"]
 
 
 def test_boosted_first_speculative_only_into_free_slots():
@@ -318,15 +367,16 @@ def test_boosted_first_speculative_only_into_free_slots():
     def req(rid, cls, beam, n=30):
         return make_req(rid, [beam * 1000 + k for k in range(n)], SearchTag("g", 0, -1, beam, cls))
 
-    queue = [req("spec0", "speculative", 0), req("norm1", "normal", 1), req("boost2", "boosted", 2),
-             req("norm3", "normal", 3), req("spec4", "speculative", 4)]
-    pol.calc_priority(queue)
-    assert [r.rid for r in queue] == ["boost2", "norm1", "norm3", "spec0", "spec4"]
-    assert admit(cache, list(queue)) == ["boost2", "norm1", "norm3", "spec0", "spec4"]  # room for all
-    for r in queue:
-        r.prefix_indices = torch.empty((0,), dtype=torch.int64)
+    def queue():
+        return [req("spec0", "speculative", 0), req("norm1", "normal", 1), req("boost2", "boosted", 2),
+                req("norm3", "normal", 3), req("spec4", "speculative", 4)]
+
+    q = queue()
+    pol.calc_priority(q)
+    assert [r.rid for r in q] == ["boost2", "norm1", "norm3", "spec0", "spec4"]
+    assert admit(cache, pol, q) == ["boost2", "norm1", "norm3", "spec0", "spec4"]  # room for all
     # a budget for three requests: the speculative ones get nothing while normal work waits
-    assert admit(cache, list(queue), rem=3 * 30 + 1) == ["boost2", "norm1", "norm3"]
+    assert admit(Cache(), policy_for(Cache()), queue(), rem=3 * 30 + 1) == ["boost2", "norm1", "norm3"]
 
 
 def test_untagged_requests_keep_arrival_order_between_searches():

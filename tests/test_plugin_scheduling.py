@@ -138,6 +138,21 @@ def test_siblings_arriving_after_their_first_are_deferred_while_its_prefill_is_i
     assert [len(r.prefix_indices) for r in second.reqs] == [60, 60, 60]
 
 
+def test_a_prefill_batch_defers_its_siblings_for_one_round_only():
+    """If the first request's prefix is not in the cache a round later (evicted, or it never
+    finished), its siblings do not wait on it again: the next round admits one of them, which
+    prefills the prefix, and defers the rest behind it."""
+    running, tree, allocator = decode_state(600, [([make_req("other", tokens(90, 10), SearchTag("x", 0, -1, 0))], 1)],
+                                            fill=False)
+    prompt = tokens(51, 60)
+    s = scheduler_for(running, tree, allocator, [make_req("s0", prompt + [1], SearchTag("k", 0, -1, 0))])
+    assert rids(s.get_new_batch_prefill().reqs) == ["s0"]
+    s.waiting_queue.extend(make_req(f"s{i}", prompt + [i + 1], SearchTag("k", 0, -1, i)) for i in (1, 2, 3))
+    assert s.get_new_batch_prefill() is None            # s0's prefill may be in flight: wait
+    third = s.get_new_batch_prefill()                   # s0's prefix never reached the cache
+    assert rids(third.reqs) == ["s1"] and rids(s.waiting_queue) == ["s2", "s3"]
+
+
 # -------------------------------------------------------------------------- 4: cached ordering state
 def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_changes():
     rng = random.Random(1)

@@ -16,9 +16,9 @@ waiting requests):
    (search group in first-seen order, depth, parent beam, beam), anchored on the last request of the
    running batch; each bucket continues from the last request of the one before;
 4. a normal or boosted request that shares at least ``dedup_tokens`` uncached tokens with the
-   request placed before it, or with a request of the last prefill batch (whose prefill may not be
-   in the radix cache yet: SGLang's overlap scheduler forms round t+1 before round t's results are
-   processed), is **deferred**: placed after the others (before speculative ones), and the plugin's
+   request placed before it, or (in the first round after it formed) with a request of the last
+   prefill batch (whose prefill may not be in the radix cache yet: SGLang's overlap scheduler forms
+   round t+1 before round t's results are processed), is **deferred**: placed after the others (before speculative ones), and the plugin's
    ``PrefillAdder`` hook stops admission at the first deferred request, so one request prefills the
    shared prefix and the others reuse it from the radix cache next round.
 
@@ -93,7 +93,7 @@ class _Plan:
     anchor_rid: Any = None
     anchor_len: int = 0
     anchor_best: int = 0         # the longest prefix any waiting request shares with the anchor
-    prefill_version: int = -1    # shared_last computed for this last-prefill batch
+    prefill_version: int = -2    # shared_last computed for this last-prefill batch (-1: none)
     shared_last: list[int] = dataclasses.field(default_factory=list)
     tree_fp: Any = None          # radix-cache fingerprint the cached lengths were matched on
     cached: dict = dataclasses.field(default_factory=dict)  # position -> cached tokens of its prefix
@@ -123,6 +123,7 @@ class TTSPolicyState:
         self._plan: _Plan | None = None
         self.last_prefill: list[bytes] = []   # sorted token bytes of the last prefill batch
         self.prefill_version = 0
+        self._prefill_fresh = False           # no order() since that batch formed
         self.last_deferred = 0
         self.last_queue_len = 0
         self.last_aged = 0
@@ -188,7 +189,11 @@ class TTSPolicyState:
         plan = self._plan
         if plan is None or plan.sig != sig or not self._anchor_still_valid(plan, anchor_req):
             plan = self._plan = self._make_plan(policy, waiting_queue, infos, aged, anchor_req)
-        deferred = self._deferred_positions(policy, plan)
+        # the last prefill batch counts only in the first round after it formed: then its prefill
+        # may still be in flight (overlap); later it is in the radix cache or was evicted, and
+        # waiting on it again would stall the queue
+        fresh, self._prefill_fresh = self._prefill_fresh, False
+        deferred = self._deferred_positions(policy, plan, fresh)
         ordered: list = []
         later: list = []
         spec: list = []
@@ -255,15 +260,17 @@ class TTSPolicyState:
                                     if 0 <= j < len(everything)), default=0)
         return plan
 
-    def _deferred_positions(self, policy: Any, plan: _Plan) -> set[int]:
-        """Walk positions deferred this round (see the module docstring, 4.)."""
+    def _deferred_positions(self, policy: Any, plan: _Plan, fresh: bool) -> set[int]:
+        """Walk positions deferred this round (see the module docstring, 4.); ``fresh``: the last
+        prefill batch formed after the previous round."""
         dedup = self.settings.dedup_tokens
         tree = getattr(policy, "tree_cache", None)
         if tree is None or getattr(tree, "disable", False):
             return set()
-        if plan.prefill_version != self.prefill_version:
-            plan.prefill_version = self.prefill_version
-            plan.shared_last = [self._shared_with_last_prefill(f.seq) if f.rank != SPECULATIVE else 0
+        version = self.prefill_version if fresh else -1
+        if plan.prefill_version != version:
+            plan.prefill_version = version
+            plan.shared_last = [self._shared_with_last_prefill(f.seq) if fresh and f.rank != SPECULATIVE else 0
                                 for f in plan.infos]
         fp = tree_fingerprint(tree)
         if fp != plan.tree_fp:
@@ -324,6 +331,7 @@ class TTSPolicyState:
         also checked against them (their prefill may not be in the radix cache yet)."""
         self.last_prefill = sorted(tokens_of(r) for r in reqs)
         self.prefill_version += 1
+        self._prefill_fresh = True
 
 
 def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:

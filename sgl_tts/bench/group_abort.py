@@ -1,0 +1,459 @@
+"""Group abort on a live server: how long aborting search groups takes, the plugin's two paths.
+
+Queues ``N`` requests in ``G`` search groups on a real SGLang CPU server (with the sgl-tts plugin,
+``sgl_tts.live_servers``), one HTTP ``/generate`` per request, all in flight at once; once every
+request is inside the scheduler (running or waiting) it aborts the groups one after another with
+``/abort_request {"rid": "tts/<group>/"}`` and times, per group, the abort call and the time from the
+call until every request of the group has answered. Then it checks the server is empty.
+
+Paths (the server's ``SGLANG_TTS_GROUP_ABORT``, :mod:`sgl_tts.plugin.abort`): ``one`` (the default: one
+``AbortReq`` with the group's prefix, which SGLang's scheduler matches in one pass over its queues)
+and ``per-request`` (the first version: one ``AbortReq`` per live request of the group, each scanning
+every queue).
+
+    ./dev.sh run python -m sgl_tts.bench.group_abort --sizes 1000,5000,10000 --groups 10 \\
+        --out docs/benchmarks/group_abort.json
+
+The helpers (:func:`tagged_bodies`, :func:`start_all`, :func:`loads`, ...) serve the live test
+``tests/test_live_group_abort.py`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+from sgl_tts.plugin.abort import MODE_ENV, group_prefix
+from sgl_tts.tts_request import SearchTag
+
+PATHS = ("per-request", "one")
+PROMPT_IDS = [17, 42, 101, 7, 64, 230, 15, 88, 9, 151, 33, 72, 5, 120, 61, 200]   # vocab 284
+
+
+def loads(url: str) -> dict:
+    """The (single) scheduler's ``/v1/loads`` entry: running, waiting, used KV tokens, queues."""
+    with urllib.request.urlopen(url + "/v1/loads", timeout=60) as res:
+        return json.loads(res.read())["loads"][0]
+
+
+def in_scheduler(url: str) -> int:
+    ld = loads(url)
+    return int(ld["num_running_reqs"]) + int(ld["num_waiting_reqs"])
+
+
+def is_empty(ld: dict) -> bool:
+    return (ld["num_running_reqs"] == 0 and ld["num_waiting_reqs"] == 0 and ld["num_used_tokens"] == 0
+            and not any(ld.get("queues", {}).values()))
+
+
+def tagged_bodies(group: str, n: int, tokens: int, prompt: Sequence[int] = PROMPT_IDS) -> list[dict]:
+    """``n`` greedy requests of search group ``group``, rids ``tts/<group>/0/<i>``, each generating
+    ``tokens`` tokens (EOS ignored) after a shared token-id prompt (no tokenizer work)."""
+    out = []
+    for i in range(n):
+        tag = SearchTag(group=group, depth=0, parent=-1, beam=i)
+        out.append({"input_ids": list(prompt), "rid": tag.rid(), "sampling_params": {
+            "max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0,
+            "custom_params": tag.custom_params()}})
+    return out
+
+
+def session(total_timeout: float = 1800.0):
+    import aiohttp
+
+    # no connection limit (aiohttp's default is 100): every request is in flight at once; and no
+    # connection reuse: a pooled connection idle for uvicorn's keep-alive (5 s) can be closed by the
+    # server just as the next call (an abort) goes out on it (aiohttp: ServerDisconnectedError)
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_timeout),
+                                 connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
+async def post_json(sess, url: str, path: str, body: dict) -> tuple[int, Any]:
+    async with sess.post(url + path, json=body) as res:
+        text = await res.text()
+        try:
+            return res.status, json.loads(text)
+        except ValueError:
+            return res.status, text
+
+
+class Flight:
+    """Requests in flight: one task per request, and when each answered (``time.monotonic``)."""
+
+    def __init__(self):
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.answered_at: dict[str, float] = {}
+
+    def start(self, sess, url: str, bodies: Sequence[dict]) -> None:
+        for body in bodies:
+            rid = body["rid"]
+
+            async def one(body=body, rid=rid):
+                try:
+                    return await post_json(sess, url, "/generate", body)
+                finally:
+                    self.answered_at[rid] = time.monotonic()
+            self.tasks[rid] = asyncio.ensure_future(one())
+
+    def answered(self) -> int:
+        return len(self.answered_at)
+
+    async def results(self, rids: Sequence[str]) -> dict[str, tuple[int, Any]]:
+        got = await asyncio.gather(*(self.tasks[r] for r in rids))
+        return dict(zip(rids, got))
+
+
+async def start_all(sess, url: str, groups: dict[str, list[dict]], *, timeout: float = 600.0) -> Flight:
+    """Send every body (all groups at once) and return when each request is either inside the
+    scheduler (running or waiting) or already answered."""
+    flight = Flight()
+    for bodies in groups.values():
+        flight.start(sess, url, bodies)
+    total = sum(len(b) for b in groups.values())
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout
+    while True:
+        inside = await loop.run_in_executor(None, in_scheduler, url)
+        if inside + flight.answered() >= total:
+            return flight
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {inside} of {total} requests reached the scheduler "
+                               f"({flight.answered()} answered) within {timeout:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+def finish_reason(result: tuple[int, Any]) -> str:
+    status, obj = result
+    if status != 200 or not isinstance(obj, dict):
+        return f"http {status}: {str(obj)[:200]}"
+    return obj["meta_info"]["finish_reason"]["type"]
+
+
+async def abort_group_timed(sess, url: str, flight: Flight, group: str, rids: Sequence[str], *,
+                            timeout: float | None = None) -> dict:
+    """Abort ``group`` and wait for every one of ``rids`` (at most ``timeout`` seconds): the abort
+    call's time, the time until the first and the last request answered, and the finish reasons."""
+    t0 = time.monotonic()
+    status, _ = await post_json(sess, url, "/abort_request", {"rid": group_prefix(group)})
+    t_call = time.monotonic() - t0
+    if status != 200:
+        raise RuntimeError(f"/abort_request answered {status}")
+    try:
+        results = await asyncio.wait_for(flight.results(rids), timeout)
+    except asyncio.TimeoutError:
+        left = [r for r in rids if r not in flight.answered_at]
+        raise TimeoutError(f"{len(left)} of {len(rids)} requests of group {group} had no answer "
+                           f"{timeout:.0f} s after its abort (first: {left[:3]})") from None
+    t_all = max(flight.answered_at[r] for r in rids) - t0
+    t_first = min(flight.answered_at[r] for r in rids) - t0
+    reasons: dict[str, int] = {}
+    for res in results.values():
+        reason = finish_reason(res)
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return {"group": group, "requests": len(rids), "abort_at": t0, "abort_call_s": round(t_call, 4),
+            "first_answered_s": round(max(t_first, 0.0), 4), "all_answered_s": round(max(t_all, 0.0), 4),
+            "finish_reasons": reasons}
+
+
+async def wait_empty(url: str, timeout: float = 120.0) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout
+    while True:
+        ld = await loop.run_in_executor(None, loads, url)
+        if is_empty(ld):
+            return ld
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server is not empty {timeout:.0f} s after the aborts: {ld}")
+        await asyncio.sleep(0.2)
+
+
+class SchedulerSampler:
+    """py-spy (``record --nonblocking``) on a scheduler process while the groups are aborted: how many
+    seconds of its main thread went into SGLang's ``Scheduler.abort_request`` (time the scheduler
+    did not spend on forward passes). ``None`` figures when py-spy is missing or may not attach."""
+
+    NEEDLE = "abort_request (sglang/srt/managers/scheduler.py"
+
+    def __init__(self, pid: int | None, out: Path, rate: int = 100):
+        import shutil
+
+        self.pid, self.out, self.rate = pid, out, rate
+        self.exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        self.proc = None
+
+    def __enter__(self) -> "SchedulerSampler":
+        import subprocess
+
+        if self.pid is not None and Path(self.exe).exists():
+            self.proc = subprocess.Popen([self.exe, "record", "--nonblocking", "-p", str(self.pid), "-r",
+                                          str(self.rate), "-f", "raw", "-o", str(self.out)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)   # attached before the first abort
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def seconds(self) -> dict:
+        """``sampled_s`` (the scheduler's busy samples) and ``in_abort_request_s``."""
+        if self.proc is None or not self.out.exists():
+            return {"sampled_s": None, "in_abort_request_s": None}
+        total = inside = 0
+        for line in self.out.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            total += int(count)
+            if self.NEEDLE in stack:
+                inside += int(count)
+        return {"sampled_s": round(total / self.rate, 2), "in_abort_request_s": round(inside / self.rate, 3)}
+
+
+async def run_case(url: str, n: int, n_groups: int, tokens: int, tag: str, *,
+                   scheduler_pid: int | None = None, workdir: Path | None = None) -> dict:
+    """One measurement: ``n`` requests in ``n_groups`` groups, every group aborted in turn (the
+    scheduler sampled by py-spy meanwhile when its pid is given)."""
+    per = n // n_groups
+    groups = {f"{tag}-g{g}": tagged_bodies(f"{tag}-g{g}", per, tokens) for g in range(n_groups)}
+    sampler = SchedulerSampler(scheduler_pid, Path(workdir or tempfile.gettempdir()) / f"{tag}.pyspy.txt")
+    async with session() as sess:
+        t0 = time.monotonic()
+        flight = await start_all(sess, url, groups)
+        queued_s = time.monotonic() - t0
+        ld = loads(url)
+        rows = []
+        with sampler:
+            t1 = time.monotonic()
+            for group, bodies in groups.items():
+                rows.append(await abort_group_timed(sess, url, flight, group, [b["rid"] for b in bodies]))
+            total_s = time.monotonic() - t1
+        final = await wait_empty(url)
+    for row in rows:
+        row.pop("abort_at")   # a monotonic clock reading, meaningless in a report
+    return {"requests": per * n_groups, "groups": n_groups, "max_new_tokens": tokens,
+            "queue_s": round(queued_s, 2), "running_at_abort": ld["num_running_reqs"],
+            "waiting_at_abort": ld["num_waiting_reqs"], "aborts_total_s": round(total_s, 3),
+            "scheduler": sampler.seconds(), "per_group": rows, "empty_after": is_empty(final)}
+
+
+def summarize(case: dict) -> dict:
+    rows = case["per_group"]
+    answered = [r["all_answered_s"] for r in rows]
+    calls = [r["abort_call_s"] for r in rows]
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for k, v in r["finish_reasons"].items():
+            reasons[k] = reasons.get(k, 0) + v
+    return {"requests": case["requests"], "groups": case["groups"],
+            "first_group_s": answered[0], "median_group_s": round(statistics.median(answered), 4),
+            "max_group_s": max(answered), "sum_groups_s": round(sum(answered), 3),
+            "median_call_s": round(statistics.median(calls), 4), "max_call_s": max(calls),
+            "running_at_abort": case["running_at_abort"], "waiting_at_abort": case["waiting_at_abort"],
+            "finish_reasons": reasons, "empty_after": case["empty_after"], "aborts_total_s": case["aborts_total_s"],
+            "scheduler_in_abort_s": case["scheduler"]["in_abort_request_s"],
+            "scheduler_sampled_s": case["scheduler"]["sampled_s"]}
+
+
+class _Req:
+    """What ``Scheduler.abort_request`` reads of a queued or running request."""
+
+    __slots__ = ("rid", "mamba_pool_idx", "to_finish")
+
+    def __init__(self, rid: str):
+        self.rid, self.mamba_pool_idx, self.to_finish = rid, None, None
+
+    def finished(self) -> bool:
+        return False
+
+
+def _scheduler_stub(waiting: list, running: list, sent: list):
+    """The state SGLang 0.5.15's ``Scheduler.abort_request`` touches on a plain (non-disaggregated,
+    no hicache, no chunked request) CPU server; answers to the tokenizer are pickled as ZMQ would."""
+    import pickle
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    def send_output(obj, req=None):
+        sent.append(pickle.dumps(obj))
+
+    grammar_queue: list = []
+    return SimpleNamespace(
+        chunked_req=None, waiting_queue=waiting, enable_hicache_storage=False,
+        ipc_channels=SimpleNamespace(send_to_tokenizer=SimpleNamespace(send_output=send_output)),
+        disaggregation_mode=DisaggregationMode.NULL,
+        grammar_manager=SimpleNamespace(abort_requests=lambda r: [q for q in grammar_queue if q]),
+        cur_batch=None, running_batch=SimpleNamespace(reqs=running))
+
+
+def scheduler_cost(n: int, n_groups: int, running: int = 40, repeat: int = 3) -> list[dict]:
+    """Seconds SGLang's real ``Scheduler.abort_request`` spends aborting every group in turn, on
+    ``n`` queued requests in ``n_groups`` groups (``running`` of them in the running batch, the rest
+    waiting): one ``AbortReq`` per request (``per-request``) vs one per group (``one``). All of a
+    group's AbortReqs reach the scheduler together, so this is the time one scheduler iteration
+    spends in them. Best of ``repeat``."""
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    per = n // n_groups
+    rids = [[SearchTag(f"g{g}", 0, -1, i).rid() for i in range(per)] for g in range(n_groups)]
+    out = []
+    for path in PATHS:
+        best: list[float] | None = None
+        for _ in range(repeat):
+            reqs = [_Req(r) for group in rids for r in group]
+            run, wait = reqs[:running], reqs[running:]
+            sent: list = []
+            stub = _scheduler_stub(wait, run, sent)
+            times = []
+            for g in range(n_groups):
+                msgs = ([AbortReq(rid=r) for r in rids[g]] if path == "per-request"
+                        else [AbortReq(rid=group_prefix(f"g{g}"))])
+                t = time.perf_counter()
+                for m in msgs:
+                    Scheduler.abort_request(stub, m)
+                times.append(time.perf_counter() - t)
+                stub.running_batch.reqs = [r for r in run if r.to_finish is None]   # finished next step
+            if stub.waiting_queue or stub.running_batch.reqs or len(sent) != n - running:
+                raise AssertionError(f"{path}: {len(stub.waiting_queue)} waiting, "
+                                     f"{len(stub.running_batch.reqs)} running left, {len(sent)} answers")
+            if best is None or sum(times) < sum(best):
+                best = times
+        out.append({"path": path, "requests": per * n_groups, "groups": n_groups, "running": running,
+                    "first_group_s": round(best[0], 5), "max_group_s": round(max(best), 5),
+                    "all_groups_s": round(sum(best), 5)})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sgl_tts.bench.group_abort", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1000,5000,10000", help="total requests per case (comma list)")
+    ap.add_argument("--groups", type=int, default=10, help="search groups per case")
+    ap.add_argument("--tokens", type=int, default=480, help="max_new_tokens (the model's context is 512)")
+    ap.add_argument("--paths", default=",".join(PATHS), help="plugin paths to compare: per-request,one")
+    ap.add_argument("--kv-mib", type=int, default=64, help="the server's KV pool (MiB, float32)")
+    ap.add_argument("--policy", default="off", choices=("off", "prefix-aware"),
+                    help="the plugin's --tts-policy (the abort hook is on with either; prefix-aware "
+                         "re-orders the whole waiting queue every scheduler iteration)")
+    ap.add_argument("--no-py-spy", action="store_true",
+                    help="do not sample the live scheduler with py-spy during the aborts")
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="only the in-process measurement of Scheduler.abort_request (no server)")
+    ap.add_argument("--out", default=None, help="write every record as JSON here")
+    ap.add_argument("--workdir", default=None, help="server logs (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    paths = [p for p in args.paths.split(",") if p]
+    for p in paths:
+        if p not in PATHS:
+            ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
+
+    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.models import shipped_model
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    scheduler: list[dict] = []
+    for n in sizes:
+        for rec in scheduler_cost(n, args.groups):
+            if rec["path"] in paths:
+                scheduler.append(rec)
+                print(f"[{rec['path']}] Scheduler.abort_request, {n} requests / {args.groups} groups: first "
+                      f"group {rec['first_group_s'] * 1e3:.1f} ms, all groups {rec['all_groups_s'] * 1e3:.1f} ms",
+                      file=sys.stderr, flush=True)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="group-abort-"))
+    records: list[dict] = []
+    for path in ([] if args.scheduler_only else paths):
+        # the server inherits this process's environment (ManagedServer)
+        os.environ[MODE_ENV] = path
+        # metrics on: the plugin's start record names the scheduler process (for py-spy)
+        spec = LiveServer(str(shipped_model("generator")), policy=args.policy, metrics=True,
+                          kv_bytes=args.kv_mib << 20, extra=("--tts-seeded-sampling",))
+        with LiveServers({"generator": spec}, workdir / path) as servers:
+            t = time.monotonic()
+            url = servers.url("generator")
+            print(f"[{path}] server up in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
+            starts = [r for r in servers.metrics_records("generator") if r["event"] == "start"]
+            pid = starts[0]["pid"] if starts and not args.no_py_spy else None
+            for i, n in enumerate(sizes):
+                case = asyncio.run(run_case(url, n, args.groups, args.tokens, tag=f"{path}-{i}",
+                                            scheduler_pid=pid, workdir=workdir / path))
+                case["path"] = path
+                records.append(case)
+                s = summarize(case)
+                print(f"[{path}] {n} requests / {args.groups} groups: per group median "
+                      f"{s['median_group_s']:.3f} s, max {s['max_group_s']:.3f} s, all groups "
+                      f"{s['sum_groups_s']:.2f} s; abort call median {s['median_call_s'] * 1e3:.1f} ms; "
+                      f"{s['finish_reasons']}; empty after: {s['empty_after']}; scheduler in "
+                      f"abort_request: {s['scheduler_in_abort_s']} s of {s['scheduler_sampled_s']} s sampled",
+                      file=sys.stderr, flush=True)
+    os.environ.pop(MODE_ENV, None)
+    report = {"started": started, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                              "processor": _cpu_name()},
+              "command": " ".join(["python -m sgl_tts.bench.group_abort",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "scheduler": scheduler, "records": records,
+              "summary": [dict(summarize(r), path=r["path"]) for r in records]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(scheduler_table(scheduler))
+    if records:
+        print()
+        print(table(report["summary"]))
+    return 0
+
+
+def scheduler_table(rows: Sequence[dict]) -> str:
+    lines = ["| path | requests | groups | first group | slowest group | all groups |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r['requests']} | {r['groups']} | {r['first_group_s'] * 1e3:.1f} ms | "
+                     f"{r['max_group_s'] * 1e3:.1f} ms | {r['all_groups_s'] * 1e3:.1f} ms |")
+    return "\n".join(lines)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def table(summary: Sequence[dict]) -> str:
+    lines = ["| path | requests | groups | running / waiting at abort | scheduler in abort_request "
+             "(py-spy) | per group: median | max | all groups | abort call median | finish reasons | empty after |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for s in summary:
+        spy = ("n/a" if s["scheduler_in_abort_s"] is None
+               else f"{s['scheduler_in_abort_s']:.2f} s of {s['scheduler_sampled_s']:.1f} s")
+        lines.append(f"| {s['path']} | {s['requests']} | {s['groups']} | {s['running_at_abort']} / "
+                     f"{s['waiting_at_abort']} | {spy} | {s['median_group_s']:.3f} s | {s['max_group_s']:.3f} s | "
+                     f"{s['sum_groups_s']:.2f} s | {s['median_call_s'] * 1e3:.1f} ms | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(s['finish_reasons'].items()))} | "
+                     f"{'yes' if s['empty_after'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,8 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
 - ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
-  (after): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
+  with every tree cache's own ``evict`` (:data:`EVICT_TARGETS`) (after): metrics, only when a
+  ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
   ``--enable-metrics`` adds ``sgl_tts_*`` Prometheus series when ``--tts-metrics-file`` or
   ``--tts-policy prefix-aware`` is given (``--enable-metrics`` alone: none, stock SGLang);
 - ``Scheduler.get_new_batch_prefill`` (after), ``Req.update_finish_state`` and
@@ -61,6 +62,23 @@ TARGETS = {
     "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
 }
 
+# Evictions are counted on every SGLang 0.5.15 tree cache that evicts by its own ``evict`` (a hook on
+# ``RadixCache.evict`` never sees an override that does not call it). Left out on purpose: the ones
+# whose evict ends in ``RadixCache.evict`` through ``super()`` (``PureSWARadixCache``,
+# ``LMCRadixCache``: counted there, once), the chunk caches (no tree: evict returns nothing) and
+# ``RadixCacheCpp`` (``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`` only; importing it builds a C++ extension).
+# ``StreamingSession`` wraps another cache: its own hook counts (the metrics hang on the wrapper, the
+# scheduler's ``tree_cache``), the inner cache's sees no metrics and does not.
+EVICT_TARGETS = (
+    TARGETS["evict"],
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evict",              # --enable-hierarchical-cache
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.evict",           # sliding-window hybrids
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.evict",       # Mamba hybrids
+    "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache.evict",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",   # hybrid hicache, unified tree
+    "sglang.srt.session.streaming_session.StreamingSession.evict",        # --enable-streaming-session
+)
+
 
 def _add_cli_args(result, parser, *args, **kwargs):
     from sgl_tts.plugin.settings import add_arguments
@@ -96,7 +114,7 @@ def hook_table() -> list[tuple[str, object, str]]:
         (TARGETS["set_state"], policy.set_internal_state, "AROUND"),
         (TARGETS["set_state_reply"], policy.set_internal_state_reply, "AROUND"),
         (TARGETS["next_batch"], _after_next_batch, "AFTER"),
-        (TARGETS["evict"], _after_evict, "AFTER"),
+        *((target, _after_evict, "AFTER") for target in EVICT_TARGETS),
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
@@ -211,9 +229,11 @@ def _after_next_batch(batch, scheduler, *args, **kwargs):
 
 
 def _after_evict(result, cache, *args, **kwargs):
+    # the KV tokens the call freed; a call that freed none (a Mamba-state-only evict) is not recorded
     metrics = getattr(cache, "sgl_tts_metrics", None)
-    if metrics is not None and result is not None:
-        metrics.on_evict(int(getattr(result, "num_tokens_evicted", 0)))
+    tokens = int(getattr(result, "num_tokens_evicted", 0) or 0) if result is not None else 0
+    if metrics is not None and tokens:
+        metrics.on_evict(tokens)
     return result
 
 
@@ -225,4 +245,4 @@ def register() -> None:
         HookRegistry.register(target, hook, HookType[kind])
 
 
-__all__ = ["TARGETS", "check_attached", "hook_table", "missing_hooks", "register"]
+__all__ = ["EVICT_TARGETS", "TARGETS", "check_attached", "hook_table", "missing_hooks", "register"]

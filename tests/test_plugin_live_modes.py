@@ -8,10 +8,6 @@ live CPU server where it runs the mode and through SGLang's own classes where it
 (c) retraction with speculative decoding (no algorithm starts on the CPU): SGLang 0.5.15 filters a
     speculative batch at any index, so the plugin's order (speculative requests first) can hold there.
 
-Tests marked ``xfail(strict=True)`` show a fault whose fix lies in code this file's author does not
-own: the patch is proposed in the issue; when it lands the test passes and the strict mark fails the
-run until it is removed.
-
 The ``server`` tests share one server (``--enable-mixed-chunk --enable-streaming-session``, a
 1024-token KV pool): one start (~30-90 s on 2 busy cores) and ~10-30 s of requests.
 """
@@ -257,11 +253,6 @@ def _after_prefill_hook():
     return plugin._after_prefill
 
 
-PROPOSED = ("proposed patch (report of issue 16 item 14): _after_prefill in sgl_tts/plugin/__init__.py "
-            "must leave out batch.decoding_reqs; remove this mark when it is applied")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PROPOSED)
 def test_mixed_decode_requests_are_not_admissions():
     """``--enable-mixed-chunk``: Scheduler.get_new_batch_prefill (scheduler.py ~L2992) mixes the
     running decode requests into the new prefill batch (``mix_with_running`` + ``decoding_reqs``)
@@ -350,7 +341,6 @@ def retract_speculative_batch(with_plugin):
         retracted, _, aborted = running.retract_decode(args)
     finally:
         set_global_server_args_for_scheduler(SERVER_ARGS)
-    # (pytest.fail, not assert: the xfail below waits for an AssertionError of the order alone)
     if not draft_rows_follow(running, ["norm", "spec", "late"]):
         pytest.fail("a draft row no longer belongs to its request")
     if aborted or allocator.available_size() <= free:
@@ -371,11 +361,6 @@ def test_a_speculative_batch_is_filtered_at_any_index():
     assert retract_speculative_batch(False) == (["late"], ["norm", "spec"])
 
 
-SPEC_PATCH = ("proposed patch (report of issue 16 item 14): sgl_tts/plugin/preemption.py retract_decode "
-              "steps aside when server_args.speculative_algorithm is set; remove this mark when it no longer does")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SPEC_PATCH)
 def test_retraction_under_speculative_decoding_takes_speculative_requests_first():
     """With the prefix-aware policy the speculative request goes first under speculative decoding too
     (the batch allows it, see above); the draft rows stay with their requests."""
@@ -427,7 +412,6 @@ def _records_since(servers, start, wait=1.5):
 
 
 @pytest.mark.server
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PROPOSED)
 def test_live_mixed_chunk_admissions_count_each_request_once(mixed):
     """Three long requests decode; four short ones arrive meanwhile and are prefilled in MIXED
     batches with them. Every request was admitted once: the prefill records must say 7."""

@@ -213,8 +213,12 @@ def _after_prefill(batch, scheduler, *args, **kwargs):
     metrics = getattr(scheduler, "sgl_tts_metrics", None)
     if metrics is not None and batch is not None:
         state = getattr(scheduler.policy, "sgl_tts", None)
-        metrics.on_prefill(batch.reqs, waiting=len(scheduler.waiting_queue),
-                           running=len(scheduler.running_batch.reqs),
+        # --enable-mixed-chunk: SGLang mixed the running decode requests into this batch
+        # (``decoding_reqs``) and emptied ``running_batch``: they run, they were not admitted
+        decoding = getattr(batch, "decoding_reqs", None) or []
+        mixed = {id(r) for r in decoding}
+        metrics.on_prefill([r for r in batch.reqs if id(r) not in mixed], waiting=len(scheduler.waiting_queue),
+                           running=len(scheduler.running_batch.reqs) + len(decoding),
                            deferred=state.last_deferred if state is not None else 0,
                            occupancy=occupancy(scheduler.token_to_kv_pool_allocator))
     return batch

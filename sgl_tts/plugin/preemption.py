@@ -43,10 +43,12 @@ def refused_normal_work(running_batch: Any, waiting_queue: Sequence[Any]) -> boo
     return any(not getattr(r, DEFERRED, False) and request_class(r) != "speculative" for r in waiting_queue)
 
 
-def stop_speculative(running_batch: Any) -> list:
-    """Mark every running, unfinished speculative request to stop at its next step; returns them."""
+def stop_speculative(running: Any) -> list:
+    """Mark every running, unfinished speculative request (of a batch or a list of requests) to
+    stop at its next step; returns them."""
     stopped = []
-    for req in getattr(running_batch, "reqs", None) or []:
+    reqs = running if isinstance(running, list) else getattr(running, "reqs", None) or []
+    for req in reqs:
         if request_class(req) == "speculative" and not req.finished() and not stopping(req):
             setattr(req, STOP, True)
             stopped.append(req)
@@ -60,10 +62,15 @@ def after_prefill(batch, scheduler, *args, **kwargs):
     state = getattr(scheduler.policy, "sgl_tts", None)
     if state is None:
         return batch
+    # --enable-mixed-chunk: SGLang mixed the running decode requests into the batch
+    # (``decoding_reqs``) and emptied ``running_batch`` (its ``batch_is_full`` survives)
+    decoding = (getattr(batch, "decoding_reqs", None) or []) if batch is not None else []
     if batch is not None:
-        state.on_prefill_batch(batch.reqs)
+        mixed = {id(r) for r in decoding}
+        state.on_prefill_batch([r for r in batch.reqs if id(r) not in mixed])
     if refused_normal_work(scheduler.running_batch, scheduler.waiting_queue):
-        stopped = stop_speculative(scheduler.running_batch)
+        running = list(getattr(scheduler.running_batch, "reqs", None) or []) + list(decoding)
+        stopped = stop_speculative(running)
         if stopped:
             logger.debug("sgl-tts: stopping %d speculative requests: normal work was refused room",
                          len(stopped))
@@ -86,8 +93,9 @@ def retract_decode(original, self, server_args, *args, **kwargs):
     """AROUND hook on ``ScheduleBatch.retract_decode`` (prefix-aware policy only): retract until the
     next decode step fits, speculative requests first, never a request being stopped; if only such
     requests (or one request) are left and it still does not fit, SGLang's own retraction decides."""
-    if getattr(self.tree_cache, "sgl_tts_policy", None) is None or getattr(server_args, "speculative_algorithm", None):
-        # (with speculative decoding SGLang can only drop requests from the back of the batch)
+    if getattr(self.tree_cache, "sgl_tts_policy", None) is None:
+        # (speculative decoding too: SGLang 0.5.15's filter_batch keeps the draft inputs' rows with
+        # their requests at any index, tests/test_plugin_live_modes.py)
         return original(self, server_args, *args, **kwargs)
     reqs = self.reqs
 

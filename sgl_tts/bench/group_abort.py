@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -182,7 +183,9 @@ class SchedulerSampler:
     seconds of its main thread went into SGLang's ``Scheduler.abort_request`` (time the scheduler
     did not spend on forward passes). ``None`` figures when py-spy is missing or may not attach."""
 
-    NEEDLE = "abort_request (sglang/srt/managers/scheduler.py"
+    # a frame of SGLang's Scheduler.abort_request in py-spy's raw output: py-spy 0.4 writes
+    # "Scheduler.abort_request (scheduler.py:3875)" (the file's base name, or a longer path)
+    FRAME = re.compile(r"(?:^|;)(?:Scheduler\.)?abort_request \((?:[^;()]*/)?scheduler\.py:\d+\)")
 
     def __init__(self, pid: int | None, out: Path, rate: int = 100):
         import shutil
@@ -222,7 +225,7 @@ class SchedulerSampler:
             if not count.isdigit():
                 continue
             total += int(count)
-            if self.NEEDLE in stack:
+            if self.FRAME.search(stack):
                 inside += int(count)
         return {"sampled_s": round(total / self.rate, 2), "in_abort_request_s": round(inside / self.rate, 3)}
 
@@ -304,19 +307,20 @@ def _scheduler_stub(waiting: list, running: list, sent: list):
         cur_batch=None, running_batch=SimpleNamespace(reqs=running))
 
 
-def scheduler_cost(n: int, n_groups: int, running: int = 40, repeat: int = 3) -> list[dict]:
+def scheduler_cost(n: int, n_groups: int, running: int = 40, repeat: int = 3, *,
+                   paths: Sequence[str] = PATHS, abort_groups: int | None = None) -> list[dict]:
     """Seconds SGLang's real ``Scheduler.abort_request`` spends aborting every group in turn, on
     ``n`` queued requests in ``n_groups`` groups (``running`` of them in the running batch, the rest
     waiting): one ``AbortReq`` per request (``per-request``) vs one per group (``one``). All of a
     group's AbortReqs reach the scheduler together, so this is the time one scheduler iteration
-    spends in them. Best of ``repeat``."""
+    spends in them. Best of ``repeat``; ``abort_groups``: only the first so many groups."""
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.scheduler import Scheduler
 
     per = n // n_groups
     rids = [[SearchTag(f"g{g}", 0, -1, i).rid() for i in range(per)] for g in range(n_groups)]
     out = []
-    for path in PATHS:
+    for path in paths:
         best: list[float] | None = None
         for _ in range(repeat):
             reqs = [_Req(r) for group in rids for r in group]
@@ -324,7 +328,7 @@ def scheduler_cost(n: int, n_groups: int, running: int = 40, repeat: int = 3) ->
             sent: list = []
             stub = _scheduler_stub(wait, run, sent)
             times = []
-            for g in range(n_groups):
+            for g in range(n_groups if abort_groups is None else abort_groups):
                 msgs = ([AbortReq(rid=r) for r in rids[g]] if path == "per-request"
                         else [AbortReq(rid=group_prefix(f"g{g}"))])
                 t = time.perf_counter()
@@ -332,7 +336,8 @@ def scheduler_cost(n: int, n_groups: int, running: int = 40, repeat: int = 3) ->
                     Scheduler.abort_request(stub, m)
                 times.append(time.perf_counter() - t)
                 stub.running_batch.reqs = [r for r in run if r.to_finish is None]   # finished next step
-            if stub.waiting_queue or stub.running_batch.reqs or len(sent) != n - running:
+            if abort_groups is None and (stub.waiting_queue or stub.running_batch.reqs
+                                         or len(sent) != n - running):
                 raise AssertionError(f"{path}: {len(stub.waiting_queue)} waiting, "
                                      f"{len(stub.running_batch.reqs)} running left, {len(sent)} answers")
             if best is None or sum(times) < sum(best):

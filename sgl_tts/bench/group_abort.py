@@ -4,7 +4,10 @@ Queues ``N`` requests in ``G`` search groups on a real SGLang CPU server (with t
 ``sgl_tts.live_servers``), one HTTP ``/generate`` per request, all in flight at once; once every
 request is inside the scheduler (running or waiting) it aborts the groups one after another with
 ``/abort_request {"rid": "tts/<group>/"}`` and times, per group, the abort call and the time from the
-call until every request of the group has answered. Then it checks the server is empty.
+call until every request of the group has answered, while py-spy samples how long the scheduler
+spends inside SGLang's ``Scheduler.abort_request``. Then it checks the server is empty. Before the
+servers, :func:`scheduler_cost` times SGLang's ``Scheduler.abort_request`` itself in this process
+on the same queue sizes (``--scheduler-only``: that part alone).
 
 Paths (the server's ``SGLANG_TTS_GROUP_ABORT``, :mod:`sgl_tts.plugin.abort`): ``one`` (the default: one
 ``AbortReq`` with the group's prefix, which SGLang's scheduler matches in one pass over its queues)
@@ -12,7 +15,7 @@ and ``per-request`` (the first version: one ``AbortReq`` per live request of the
 every queue).
 
     ./dev.sh run python -m sgl_tts.bench.group_abort --sizes 1000,5000,10000 --groups 10 \\
-        --out docs/benchmarks/group_abort.json
+        --out docs/benchmarks/group_abort.run1.json
 
 The helpers (:func:`tagged_bodies`, :func:`start_all`, :func:`loads`, ...) serve the live test
 ``tests/test_live_group_abort.py`` too.

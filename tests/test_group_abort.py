@@ -75,7 +75,6 @@ def _abort(tm, *rids):
 
 
 def test_a_group_abort_is_one_abort_req_whatever_the_group_size(tokenizer_manager, monkeypatch):
-    """(tests/test_scheduler_plugin.py has the stock cases around it.)"""
     tm, sched = tokenizer_manager
     monkeypatch.delenv(MODE_ENV, raising=False)
     for rid in [f"tts/g1/0/{i}" for i in range(2000)] + ["tts/g10/0/0"]:
@@ -87,6 +86,20 @@ def test_a_group_abort_is_one_abort_req_whatever_the_group_size(tokenizer_manage
     assert [m.rid for m in _received(sched)] == ["tts/g1/0/"]
     # the abort leaves the tokenizer-side states to the scheduler's answer for each request
     assert len(tm.rid_to_state) == 2001
+
+
+def test_other_aborts_behave_as_stock(tokenizer_manager, monkeypatch):
+    """Around a group abort: a group with no live request sends nothing, a plain live rid is
+    SGLang's own abort, an unknown rid is dropped (stock), ``g1`` does not reach ``g10``."""
+    tm, sched = tokenizer_manager
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    for rid in ["tts/g1/0/0/a", "tts/g1/1/3/b", "tts/g10/0/0/c", "plain-request"]:
+        tm.rid_to_state[rid] = object()
+    _abort(tm, group_prefix("g1"))
+    got = _received(sched)
+    assert [(m.rid, m.abort_all) for m in got] == [("tts/g1/", False)]
+    _abort(tm, "tts/g2/", "plain-request", "unknown")
+    assert [m.rid for m in _received(sched)] == ["plain-request"]
 
 
 def test_the_per_request_path_is_kept_for_benchmarks(tokenizer_manager, monkeypatch):

@@ -28,20 +28,20 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()  # as launch_server and every scheduler process do: the plugin's hooks are applied
 
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import SchedulePolicy  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictParams, InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
 from sgl_tts.plugin import policy as tts_policy  # noqa: E402
 from sgl_tts.plugin.metrics import SchedulerMetrics  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.tts_request import SearchTag  # noqa: E402
+from test_scheduler_plugin import build_decode_state, extend_batch, make_req  # noqa: E402
 
 # page_size and attention_backend as a CPU scheduler would resolve them (as tests/test_scheduler_plugin.py)
 SERVER_ARGS = ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native")
@@ -177,74 +177,10 @@ def test_the_hierarchical_cache_cannot_start_on_the_cpu(monkeypatch):
 
 
 # -------------------------------------------------------------------- (b) mixed chunked prefill
-def make_req(rid, tokens, tag: SearchTag | None = None, max_new=8):
-    return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
-               sampling_params=SamplingParams(max_new_tokens=max_new,
-                                              custom_params=tag.custom_params() if tag else None),
-               vocab_size=284)
-
-
 def decode_state(kv_size, waves, *, fill_pool=True):
-    """A real decode-time ScheduleBatch on CPU pools, built as the scheduler builds it (as in
-    tests/test_scheduler_plugin.py): admission, prepare_for_extend, one token and
-    cache_unfinished_req per request, merge into the running batch, decode steps. ``waves``: a list
-    of (requests, decode steps after the wave); then, with ``fill_pool``, decode until the pool is full."""
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from sgl_tts.models import shipped_model
-
-    config = ModelConfig(model_path=str(shipped_model("generator")))
-    pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(kv_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
-                                      token_to_kv_pool_allocator=allocator, page_size=1))
-    running = None
-    step = 0
-
-    def decode(batch):
-        nonlocal step
-        batch.prepare_for_decode()
-        for r in batch.reqs:
-            r.output_ids.append(150 + step % 100)
-            r.update_finish_state()
-        batch.input_ids = torch.tensor([r.output_ids[-1] for r in batch.reqs], dtype=torch.int64)
-        step += 1
-
-    for reqs, steps in waves:
-        batch = extend_batch(reqs, pool, allocator, tree, config)
-        for r in batch.reqs:
-            r.output_ids.append(100)
-            r.update_finish_state()
-            maybe_cache_unfinished_req(r, tree)
-        batch.input_ids = torch.tensor([100] * len(batch.reqs), dtype=torch.int64)
-        batch.filter_batch()
-        if running is None:
-            running = batch
-        else:
-            running.merge_batch(batch)
-        for _ in range(steps):
-            decode(running)
-    while fill_pool and running.check_decode_mem():
-        decode(running)
-    running.spec_algorithm = SpeculativeAlgorithm.NONE
-    return running, tree, allocator, pool, config
-
-
-def extend_batch(reqs, pool, allocator, tree, config):
-    """A prefill batch of ``reqs`` as Scheduler.get_new_batch_prefill forms it (before mixing)."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    for r in reqs:
-        r.sampling_params.normalize(None)
-        r.init_next_round_input(tree)
-        tree.inc_lock_ref(r.last_node)
-        r.set_extend_range(len(r.prefix_indices), len(r.full_untruncated_fill_ids))
-    batch = ScheduleBatch.init_new(reqs, pool, allocator, tree, config, enable_overlap=False,
-                                   spec_algorithm=SpeculativeAlgorithm.NONE)
-    batch.prepare_for_extend()
-    return batch
+    """tests/test_scheduler_plugin.py's real decode-time batch (running batch, tree, allocator,
+    pool, model config)."""
+    return build_decode_state(kv_size, waves, fill_pool)
 
 
 def _after_prefill_hook():

@@ -447,69 +447,29 @@ def test_scheduler_stats_command_summarises_metric_files(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------- group abort
-def test_a_group_prefix_abort_reaches_the_scheduler_as_one_abort_req():
-    """SGLang's real TokenizerManager (CPU, tiny model) with the plugin's hook: aborting
-    ``tts/g1/`` sends one AbortReq with that prefix over the real ZMQ socket to the scheduler side
-    (whose prefix match aborts g1's requests and not g10's: tests/test_group_abort.py); nothing for
-    a group with no live request; other aborts behave as stock."""
-    import zmq
-    from sglang.srt.managers.io_struct import sock_recv
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
-    from sglang.srt.server_args import PortArgs
-
-    from sgl_tts.models import shipped_model
-    from sgl_tts.plugin.abort import group_prefix
-
-    sa = ServerArgs(model_path=str(shipped_model("generator")), device="cpu")
-    pa = PortArgs.init_new(sa)
-    tm = TokenizerManager(sa, pa)
-    ctx = zmq.Context()
-    sched = ctx.socket(zmq.PULL)
-    sched.connect(pa.scheduler_input_ipc_name)
-    sched.setsockopt(zmq.RCVTIMEO, 2000)
-    live = ["tts/g1/0/0/a", "tts/g1/1/3/b", "tts/g10/0/0/c", "plain-request"]
-    for rid in live:
-        tm.rid_to_state[rid] = object()   # only the keys matter to abort_request
-
-    def received():
-        out = []
-        while True:
-            try:
-                out.append(sock_recv(sched))
-            except zmq.Again:
-                return out
-    async def in_the_server_loop(*rids):  # the tokenizer manager's sockets live in its event loop
-        for rid in rids:
-            tm.abort_request(rid)
-        await asyncio.sleep(0.2)
-
-    try:
-        asyncio.run(in_the_server_loop(group_prefix("g1")))
-        got = received()
-        assert [(m.rid, m.abort_all) for m in got] == [("tts/g1/", False)]
-        # no live request of g2: nothing; a plain live rid: stock; an unknown rid: dropped (stock)
-        asyncio.run(in_the_server_loop("tts/g2/", "plain-request", "unknown"))
-        assert [m.rid for m in received()] == ["plain-request"]
-    finally:
-        sched.close(0)
-        ctx.term()
-        # the tokenizer manager's own sockets: closed now, with no linger, or a later garbage
-        # collection of its context blocks in zmq_term on them (it hung a whole test run once)
-        tm_ctx = tm.send_to_scheduler.context
-        for sock in (tm.send_to_scheduler, tm.recv_from_detokenizer):
-            sock.close(linger=0)
-        tm_ctx.term()
-    with pytest.raises(ValueError, match="non-empty id without '/'"):
-        group_prefix("a/b")
-
-
 # ------------------------------------------------------------------ speculative retraction/preemption
-def decode_state(kv_size, waves, fill=True):
+def extend_batch(reqs, pool, allocator, tree, config):
+    """A prefill batch of ``reqs`` as Scheduler.get_new_batch_prefill forms it (admission: prefix
+    match, lock, extend range; then prepare_for_extend), before any mixing."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    for r in reqs:
+        r.sampling_params.normalize(None)
+        r.init_next_round_input(tree)
+        tree.inc_lock_ref(r.last_node)
+        r.set_extend_range(len(r.prefix_indices), len(r.full_untruncated_fill_ids))
+    batch = ScheduleBatch.init_new(reqs, pool, allocator, tree, config, enable_overlap=False,
+                                   spec_algorithm=SpeculativeAlgorithm.NONE)
+    batch.prepare_for_extend()
+    return batch
+
+
+def build_decode_state(kv_size, waves, fill=True):
     """A real decode-time ScheduleBatch on CPU pools, built the way the scheduler builds it:
-    admission (prefix match + lock + extend range), prepare_for_extend, one sampled token and
-    cache_unfinished_req per request, merge into the running batch, decode steps. ``waves`` is a
-    list of (requests, decode steps after the wave); ``fill``: then decode until the next step
-    would not fit."""
+    :func:`extend_batch`, one sampled token and cache_unfinished_req per request, merge into the
+    running batch, decode steps. ``waves`` is a list of (requests, decode steps after the wave);
+    ``fill``: then decode until the next step would not fit. Returns (running batch, tree,
+    allocator, req-to-token pool, model config)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -534,14 +494,7 @@ def decode_state(kv_size, waves, fill=True):
         step += 1
 
     for reqs, steps in waves:
-        for r in reqs:
-            r.sampling_params.normalize(None)
-            r.init_next_round_input(tree)
-            tree.inc_lock_ref(r.last_node)
-            r.set_extend_range(len(r.prefix_indices), len(r.full_untruncated_fill_ids))
-        batch = ScheduleBatch.init_new(reqs, pool, allocator, tree, config, enable_overlap=False,
-                                       spec_algorithm=SpeculativeAlgorithm.NONE)
-        batch.prepare_for_extend()
+        batch = extend_batch(reqs, pool, allocator, tree, config)
         for r in batch.reqs:
             r.output_ids.append(100)
             r.update_finish_state()
@@ -556,7 +509,13 @@ def decode_state(kv_size, waves, fill=True):
             decode(running)
     while fill and running.check_decode_mem():
         decode(running)
-    return running, tree, allocator
+    running.spec_algorithm = SpeculativeAlgorithm.NONE
+    return running, tree, allocator, pool, config
+
+
+def decode_state(kv_size, waves, fill=True):
+    """:func:`build_decode_state`'s running batch, tree and allocator."""
+    return build_decode_state(kv_size, waves, fill)[:3]
 
 
 def retraction_case(with_plugin):

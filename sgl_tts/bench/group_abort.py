@@ -37,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from sgl_tts.machine import cpu_model
 from sgl_tts.plugin.abort import MODE_ENV, group_prefix
 from sgl_tts.tts_request import SearchTag
 
@@ -415,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     os.environ.pop(MODE_ENV, None)
     report = {"started": started, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                              "processor": _cpu_name()},
+                                              "processor": cpu_model()},
               "command": " ".join(["python -m sgl_tts.bench.group_abort",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "scheduler": scheduler, "records": records,
@@ -436,16 +437,6 @@ def scheduler_table(rows: Sequence[dict]) -> str:
         lines.append(f"| {r['path']} | {r['requests']} | {r['groups']} | {r['first_group_s'] * 1e3:.1f} ms | "
                      f"{r['max_group_s'] * 1e3:.1f} ms | {r['all_groups_s'] * 1e3:.1f} ms |")
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def table(summary: Sequence[dict]) -> str:

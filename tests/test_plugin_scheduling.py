@@ -41,8 +41,7 @@ def test_speculative_work_is_stopped_only_when_normal_work_is_refused_room():
                make_req("s0", prompt + [1], SearchTag("k", 0, -1, 0)), make_req("s1", prompt + [2], SearchTag("k", 0, -1, 1))]
     s = scheduler_for(running, tree, allocator, waiting)
     batch = s.get_new_batch_prefill()
-    assert rids(batch.reqs) == ["n", "probe", "s0"] and rids(s.waiting_queue) == ["s1"]
-    assert getattr(s.waiting_queue[0], tts_policy.DEFERRED)
+    assert rids(batch.reqs) == ["n", "probe", "s0"] and rids(s.waiting_queue) == ["s1"]   # s1 deferred
     assert not preemption.stopping(running.reqs[0])
     # no room: the decode batch fills the pool, a normal request gets no KV tokens -> stop
     running, tree, allocator = decode_state(60, [([spec_req("spec", 1), make_req("norm", tokens(2, 12),
@@ -127,7 +126,7 @@ def test_siblings_arriving_after_their_first_are_deferred_while_its_prefill_is_i
     assert rids(first.reqs) == ["s0"]
     s.waiting_queue.extend(make_req(f"s{i}", prompt + [i + 1], SearchTag("k", 0, -1, i)) for i in (1, 2, 3))
     assert s.get_new_batch_prefill() is None          # round t+1: s0's prefill not processed yet
-    assert all(getattr(r, tts_policy.DEFERRED) for r in s.waiting_queue)
+    assert rids(s.waiting_queue) == ["s1", "s2", "s3"] and s.policy.sgl_tts.last_deferred == 3
     from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
 
     for r in first.reqs:                              # round t's result: s0's prompt enters the cache
@@ -388,3 +387,23 @@ def test_a_server_whose_hooks_did_not_attach_refuses_to_start_under_tts_flags():
     assert "Refusing to serve stock scheduling under sgl-tts flags" in bad.stderr
     stock = run()                        # no --tts-* flag: stock SGLang, as the docs promise
     assert stock.returncode == 0 and "SERVED" in stock.stdout, stock.stderr[-2000:]
+
+
+def test_a_malformed_tag_is_untagged_and_never_crashes_the_scheduler():
+    """``{"tts_depth": Infinity}`` is valid JSON for a client (and a float for SGLang's
+    custom_params): ``int(inf)`` raises OverflowError, which inside calc_priority would kill the
+    scheduler process. Such a request is untagged; a set_class with such a beam is refused."""
+    from sglang.srt.managers.io_struct import SetInternalStateReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    bad = make_req("bad", [1, 2, 3])
+    bad.sampling_params.custom_params = {"tts_group": "g", "tts_depth": float("inf")}
+    assert tts_policy.tag_of(bad) is None and tts_policy.request_class(bad) == "normal"
+    queue = [bad, make_req("ok", [4, 5], SearchTag("g", 0, -1, 0))]
+    policy_for(Cache()).calc_priority(queue)
+    assert sorted(rids(queue)) == ["bad", "ok"]
+    sched = object.__new__(Scheduler)
+    sched.waiting_queue, sched.running_batch, sched.enable_priority_scheduling = queue, ScheduleBatch(reqs=[]), False
+    out = Scheduler.set_internal_state(sched, SetInternalStateReq(
+        server_args={"tts_set_class": {"group": "g", "cls": "boosted", "beams": [float("inf")]}}))
+    assert not out.updated and "error" in out.server_args["tts_set_class"]

@@ -56,7 +56,12 @@ MAX_GROUPS = 100_000             # first-seen ranks kept (oldest forgotten first
 def tag_of(req: Any) -> SearchTag | None:
     """The sgl-tts search tag of an SGLang ``Req`` (from ``sampling_params.custom_params``)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return SearchTag.from_custom_params(params) if isinstance(params, dict) else None
+    if not isinstance(params, dict):
+        return None
+    try:
+        return SearchTag.from_custom_params(params)
+    except Exception:   # e.g. {"tts_depth": Infinity} from a client: untagged, never a scheduler crash
+        return None
 
 
 def request_class(req: Any) -> str:
@@ -272,6 +277,7 @@ class TTSPolicyState:
             plan.prefill_version = version
             plan.shared_last = [self._shared_with_last_prefill(f.seq) if fresh and f.rank != SPECULATIVE else 0
                                 for f in plan.infos]
+        page = max(1, int(getattr(tree, "page_size", 1) or 1))
         fp = tree_fingerprint(tree)
         if fp != plan.tree_fp:
             plan.cached = {}
@@ -282,6 +288,7 @@ class TTSPolicyState:
             if info.rank == SPECULATIVE:
                 continue
             s = max(plan.shared_prev[pos], plan.shared_last[pos])
+            s -= s % page   # the radix cache holds (and matches) whole pages only
             if s < dedup:
                 continue
             cached = plan.cached.get(pos)
@@ -389,7 +396,7 @@ def set_internal_state(original, self, recv_req, *args, **kwargs):
 
     try:
         changed = set_class(self, **command["tts_set_class"])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         logger.warning("sgl-tts: tts_set_class rejected: %s", exc)
         return SetInternalStateReqOutput(updated=False, server_args={"tts_set_class": {"error": str(exc)}})
     return SetInternalStateReqOutput(updated=True, server_args={"tts_set_class": {"requests": changed}})

@@ -74,6 +74,11 @@ def after_prefill(batch, scheduler, *args, **kwargs):
         if stopped:
             logger.debug("sgl-tts: stopping %d speculative requests: normal work was refused room",
                          len(stopped))
+    # a deferral holds for the round that decided it: a later round that returns before ordering
+    # (the batch is full) must see those requests as refused normal work
+    for req in scheduler.waiting_queue:
+        if getattr(req, DEFERRED, False):
+            setattr(req, DEFERRED, False)
     return batch
 
 

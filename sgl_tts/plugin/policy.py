@@ -145,9 +145,6 @@ class TTSPolicyState:
             rank = self._group_rank[group] = next(self._counter)
         return rank
 
-    def key(self, req: Any) -> tuple:
-        return self.info(req).key
-
     def info(self, req: Any) -> RequestInfo:
         """The request's cached :class:`RequestInfo` (recomputed when its output grew, e.g. after
         a retraction, or after :func:`set_class` dropped it)."""
@@ -168,8 +165,7 @@ class TTSPolicyState:
             waiting = (out_len, self.clock())
             setattr(req, SINCE, waiting)
         since = waiting[1]
-        info = RequestInfo(next(self._serials), out_len, rank, key, family,
-                           as_bytes(req.origin_input_ids) + as_bytes(req.output_ids), since)
+        info = RequestInfo(next(self._serials), out_len, rank, key, family, tokens_of(req), since)
         setattr(req, INFO, info)
         return info
 
@@ -229,7 +225,7 @@ class TTSPolicyState:
         self.sorts += 1
         anchor = None
         if anchor_req is not None:
-            anchor = as_bytes(anchor_req.origin_input_ids) + as_bytes(anchor_req.output_ids)
+            anchor = tokens_of(anchor_req)
         walk: list[int] = sorted(aged, key=lambda i: (infos[i].since, infos[i].key))
         shared: list[int] = []
         prev = anchor

@@ -43,12 +43,10 @@ def refused_normal_work(running_batch: Any, waiting_queue: Sequence[Any]) -> boo
     return any(not getattr(r, DEFERRED, False) and request_class(r) != "speculative" for r in waiting_queue)
 
 
-def stop_speculative(running: Any) -> list:
-    """Mark every running, unfinished speculative request (of a batch or a list of requests) to
-    stop at its next step; returns them."""
+def stop_speculative(running: Sequence[Any]) -> list:
+    """Mark every running, unfinished speculative request to stop at its next step; returns them."""
     stopped = []
-    reqs = running if isinstance(running, list) else getattr(running, "reqs", None) or []
-    for req in reqs:
+    for req in running:
         if request_class(req) == "speculative" and not req.finished() and not stopping(req):
             setattr(req, STOP, True)
             stopped.append(req)

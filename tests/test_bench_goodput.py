@@ -382,6 +382,9 @@ rng, lock = random.Random(os.getpid()), threading.Lock()
 # FAKE_DIE_AFTER: the plugin side's generator crashes after that many requests
 die_after = int(os.environ.get("FAKE_DIE_AFTER", "0")) if "--tts-policy" in sys.argv and not is_prm else 0
 served = [0]
+# FAKE_HOLD_AFTER: the plugin side's generator holds every request after that many (a search caught
+# mid-flight), and says so in FAKE_SGLANG_LOG + ".held"
+hold_after = int(os.environ.get("FAKE_HOLD_AFTER", "0")) if "--tts-policy" in sys.argv and not is_prm else 0
 
 def generate(text, sp):
     n = int(sp.get("max_new_tokens", 0))
@@ -414,6 +417,9 @@ class H(BaseHTTPRequestHandler):
         if die_after and served[0] > die_after:
             print("CUDA error: an illegal memory access was encountered", flush=True)
             os._exit(3)
+        if hold_after and served[0] > hold_after:
+            open(os.environ["FAKE_SGLANG_LOG"] + ".held", "w").close()
+            threading.Event().wait()
         if "input_ids" in body:
             self.send([logprobs(*x) for x in zip(body["input_ids"], body["logprob_start_len"],
                                                  body["token_ids_logprob"])])
@@ -543,6 +549,43 @@ def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglan
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
+    time.sleep(0.5)
+    for launch in _launches(fake_sglang):
+        with pytest.raises(ProcessLookupError):
+            os.kill(launch["pid"], 0)
+
+
+def test_sigterm_during_a_search_ends_its_forks_and_exits(tmp_path, fake_sglang, monkeypatch):
+    """A search caught mid-flight by SIGTERM: its forks' workers (SGLang's non-daemon executor threads)
+    are ended too, so the command exits with 130 instead of waiting on them forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # the first search (n=4) has its 4 first steps and one second step answered, then the rest is held:
+    # one fork waits idle for work while the others wait on the server
+    monkeypatch.setenv("FAKE_HOLD_AFTER", "5")
+    held = Path(str(fake_sglang) + ".held")
+    # A signal that lands inside ``ProgramState.__del__`` (or between a fork's executor and its state)
+    # is swallowed there, and that executor's worker is never ended; make every state's end go missing
+    # so the command cannot rely on it
+    code = ("import sys; from sglang.lang.interpreter import ProgramState; ProgramState.__del__ = lambda self: None; "
+            "from sgl_tts.cli import main; sys.exit(main())")
+    proc = subprocess.Popen([sys.executable, "-c", code, "bench", *_bench_args(tmp_path, "--sides", "sgl-tts")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held.exists(), proc.communicate(timeout=60)[1][-3000:] if proc.poll() is not None else "never held"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
     time.sleep(0.5)
     for launch in _launches(fake_sglang):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -13,6 +14,9 @@ import sglang as sgl
 
 import sgl_tts
 from sgl_tts import SGLangEndpoint
+
+
+STREAM_CHUNK_PAUSE_S = 0.3
 
 
 class RecordingServer:
@@ -53,7 +57,12 @@ class RecordingServer:
                     self.send_header("Content-Type", "text/event-stream")
                     self.end_headers()
                     for text in ("ab", "abc"):
+                        # Paced like a real server: SGLang's ``text_iter(var)`` looks for the variable's
+                        # event and then returns "" at once if the program has already finished, so a
+                        # stream answered in one burst races the iterator's start (seen under load).
+                        time.sleep(STREAM_CHUNK_PAUSE_S)
                         self.wfile.write(f"data: {json.dumps({'text': text, 'meta_info': meta})}\n\n".encode())
+                        self.wfile.flush()
                     self.wfile.write(b"data: [DONE]\n\n")
                     return
                 self._send({"text": f"<{n}>", "meta_info": meta})

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from sgl_tts.bench.goodput import (ALGORITHMS, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchError,
                                    BenchSettings, RecordWriter, format_report, measure_limit, plot_report,
-                                   read_records, run_side, summarize)
+                                   end_stream_executors, read_records, run_side, summarize)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -315,19 +315,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
     log_out = sys.stderr if args.json else None   # stdout carries only the JSON
     left = 0
-    for side in args.sides:
+
+    def bench_side(side: str) -> int | None:
+        """Start ``side``'s servers, run what it has not finished, stop them; an exit code on failure."""
+        nonlocal left
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
         need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
         need_limit = side == "sgl-tts" and {min(n, settings.planned_batch) for n in settings.n} - limits
         if need <= done and not need_limit:
-            continue
+            return None
         if deadline is not None and time.monotonic() >= deadline:
             left += len(need - done) + (1 if need_limit else 0)
-            continue
+            return None
         stop = threading.Event()
 
-        def work(servers, side=side, done=done, limits=limits):
+        def work(servers):
             nonlocal left
             try:
                 urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
@@ -348,15 +351,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop.set()
 
         try:
-            with sigterm_stops_servers():
-                run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop,
-                            out=log_out)
+            run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop,
+                        out=log_out)
         except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
+            end_stream_executors()
             show(writer.records)
             return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
-        except KeyboardInterrupt:
-            print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
-            return 130
+        return None
+
+    # one SIGTERM handler for every side: a signal between two sides stops the command the same way
+    try:
+        with sigterm_stops_servers():
+            for side in args.sides:
+                code = bench_side(side)
+                if code is not None:
+                    return code
+    except KeyboardInterrupt:
+        # A search cut short leaves its forks' workers (non-daemon threads) waiting for work; their
+        # states would end them when collected, but not when the signal landed inside that clean-up
+        # (swallowed in __del__) or a state is held in a cycle: the process would never exit
+        end_stream_executors()
+        print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
+        return 130
     show(writer.records)
     rows = summarize(writer.records, settings)
     if left:

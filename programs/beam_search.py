@@ -1,32 +1,87 @@
 """Step-wise beam search guided by a PRM (search-and-learn / FlashTTS style).
 
 N beams (``num_beams``) sample one step each (``fork`` + ``gen`` with the step delimiter as stop
-string); the PRM scores every candidate; candidates that finished (an answer, or EOS) are set aside;
-the best N/M unfinished ones are kept and each is forked M (``beam_width``) times (fewer kept → more
-children each, so N candidates are always in flight); repeat until N trajectories finished, none is
-left, or ``max_depth``. The pick is the finished trajectory with the best aggregated score (the best
-unfinished one if none finished). Ties always go to the earlier candidate.
+string); the PRM scores every candidate; candidates that finished (an answer, an end of sequence, or
+an empty step) are set aside; the best N/M unfinished ones are kept and each is forked M
+(``beam_width``) times (fewer kept → more children each, so N candidates are always in flight);
+repeat until N trajectories finished, none is left, or ``max_depth``. The pick is the finished
+trajectory with the best aggregated score (the best unfinished one if none finished). Ties always go
+to the earlier candidate.
+
+Steps are judged whole: a step cut at its token limit (``step_tokens``, which may be a per-depth
+schedule: varying granularity, e.g. ``[64, 64, 64, 2048]``) is scored as it stands and continued at
+the next depth, and the continuation is judged together with the cut text (an answer or a delimiter
+that straddles the cut is seen where it is; see :func:`sgl_tts.search.advance`).
 
 Variants (seed 000 §3.1): ``branching="proportional"`` is dynamic branching: the kept beams share the
 N children in proportion to their aggregated scores instead of equally (a low-scored beam may get
-none). ``step_tokens`` may be a per-depth schedule, varying granularity (e.g. ``[64, 64, 64,
-2048]``): a step cut at its limit is scored as it stands and continued at the next depth.
-``lookahead=k`` ranks the open candidates by the PRM score of a k-step greedy rollout from each
-(its tokens count as generated; the rollouts are not kept).
+none). ``lookahead=k`` ranks the open candidates by the PRM score of a k-step greedy rollout from
+each (its tokens count as generated; the rollouts are not kept). ``filter_duplicates=True`` drops an
+open candidate whose path (its steps) equals an earlier one's before ranking (off by default;
+search-and-learn's recipes turn it on).
+
+``semantics="search-and-learn"`` reproduces huggingface/search-and-learn's ``beam_search``
+(``src/sal/search/beam_search.py``) instead; ``max_depth`` is its ``num_iterations`` and
+``step_tokens`` its ``max_tokens``. What differs from the default, one line each:
+
+- stop string: kept in the step text (``include_stop_str_in_output``), and the PRM gets the text split
+  on the delimiter, so a path that ends in one has an empty last step (as its default RLHFlow PRM);
+- token limit: a step that reaches ``step_tokens`` completes its beam (no cut-and-continue);
+- last iteration: generates with no stop string, to EOS or ``step_tokens``, so every beam completes;
+- loop end: runs until no active beam is left (or ``max_depth``), not until N have completed;
+- empty step: completes a beam only when nothing at all was generated (the stop string counts);
+- selection: the N // M best by ``np.argsort`` (its tie order), kept in their candidate order;
+- N // M == 0 (M > N): keeps every active beam (``argsort[-0:]`` is everything), not one;
+- expansion: the kept beams are repeated cyclically to N (b0, b1, ..., b0, b1, ...), not M each;
+- result: the first N completed beams (``sort_completed=True``: the N best), refilled to N by
+  repeating them; the pick is the best aggregated score among those (ties to the first);
+- lookahead: search-and-learn generates lookahead steps its beam search never reads; not generated;
+- ``branching`` and ``lookahead`` do not apply; ``filter_duplicates`` compares whole texts.
+
+Both modes send ``question + delimiter`` as the prompt (search-and-learn applies a chat template).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
-                            continue_path, derive_seed, expand, expand_proportional, extract_answer, gen_step,
-                            new_group, step_limit, top_k, vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, SearchResult, SearchTag, Step,
+                            Trajectory, advance, aggregate, derive_seed, expand, expand_proportional,
+                            extract_answer, gen_step, new_group, step_limit, top_k, vote)
 
 BRANCHING = ("equal", "proportional")
+SEMANTICS = ("sgl-tts", "search-and-learn")
+
+
+@dataclasses.dataclass
+class Beam:
+    """An open path and the SGLang state its next step is generated on."""
+
+    state: Any
+    path: PathSoFar = PathSoFar()
+    tokens: int = 0      # generated along this path
+    parent: int = -1     # its candidate index at the previous depth
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A beam after one more generation, scored."""
+
+    index: int           # among this depth's candidates
+    beam: Beam
+    step: Step
+    grown: Advance
+    scores: list[float]
+    value: float
+
+    @property
+    def tokens(self) -> int:
+        return self.beam.tokens + self.step.tokens
 
 
 @sgl.function
@@ -34,112 +89,236 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                 step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
                 aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
                 answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0,
-                search_group: str | None = None) -> SearchResult:
-    if num_beams < 1 or beam_width < 1:
-        raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and {beam_width}")
-    if branching not in BRANCHING:
-        raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
-    if lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-    step_limit(step_tokens, 0)  # a bad schedule fails before any generation
+                search_group: str | None = None, filter_duplicates: bool = False,
+                semantics: str = "sgl-tts", sort_completed: bool = False) -> SearchResult:
+    _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics)
+    if semantics == "search-and-learn":
+        return _search_and_learn(s, question, prm, num_beams, beam_width, max_depth, step_tokens,
+                                 sampling_temperature, aggregation, seed, delimiter, answer_pattern,
+                                 search_group, filter_duplicates, sort_completed)
+    if sort_completed:
+        raise ValueError("sort_completed belongs to semantics='search-and-learn' (the default mode returns "
+                         "every finished trajectory)")
     t0 = time.perf_counter()
-    s += question + delimiter
-    group = s.fork(num_beams)
-    beams = [(st, [], "", 0) for st in group]   # (state, closed steps, pending cut step, tokens)
     tag = search_group or new_group()             # the search's id in every request (scheduler plugin)
-    parents = [-1] * num_beams                    # each beam's parent index at the previous depth
-    groups = [group]
+    s += question + delimiter
+    groups = [s.fork(num_beams)]
+    beams = [Beam(st) for st in groups[0]]
+    keep = max(1, num_beams // beam_width)
     done: list[Trajectory] = []
     best_open: Trajectory | None = None
     generated = 0
-    keep = max(1, num_beams // beam_width)
     for depth in range(max_depth):
-        seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
-        steps = gen_step([b[0] for b in beams], f"step{depth}", max_tokens=step_limit(step_tokens, depth),
-                         temperature=sampling_temperature, seeds=seeds, delimiter=delimiter,
-                         answer_pattern=answer_pattern,
-                         tags=[SearchTag(tag, depth, parents[i], i) for i in range(len(beams))])
-        generated += sum(x.tokens for x in steps)
-        cands = [(st, *continue_path(closed, pending, x), x, used + x.tokens)
-                 for (st, closed, pending, used), x in zip(beams, steps)]
-        scores = prm.score(question, [c[3] for c in cands])
-        open_idx = []
-        for i, ((st, _, _, path, x, used), sc) in enumerate(zip(cands, scores)):
-            traj = Trajectory(path, sc, aggregate(sc, aggregation),
-                              extract_answer(delimiter.join(path), answer_pattern),
-                              used, x.final or not x.text, time.perf_counter() - t0)
+        # 1. every beam samples its next step; the PRM scores every candidate path
+        cands = _grow(beams, question, prm, depth, tag, seed, step_tokens, sampling_temperature,
+                      aggregation, delimiter, answer_pattern)
+        generated += sum(c.step.tokens for c in cands)
+        # 2. finished candidates are set aside; the rest stay open
+        open_cands = []
+        for c in cands:
+            traj = _trajectory(c, delimiter, answer_pattern, t0)
             if traj.finished:
                 done.append(traj)
             else:
-                open_idx.append(i)
+                open_cands.append(c)
                 if best_open is None or traj.score > best_open.score:
                     best_open = traj
-        if len(done) >= num_beams or not open_idx:
+        if len(done) >= num_beams or not open_cands:
             break
-        values = [aggregate(scores[i], aggregation) for i in open_idx]
+        if filter_duplicates:
+            open_cands = _first_of_each_path(open_cands)
+        # 3. keep the best N/M open candidates (or their lookahead values) and expand them to N
+        values = [c.value for c in open_cands]
         if lookahead:
-            values, tokens = _lookahead_values([cands[i] for i in open_idx], question, prm, lookahead,
-                                               depth, step_tokens, aggregation, delimiter, answer_pattern,
-                                               [SearchTag(tag, depth + 1, i, i) for i in open_idx])
+            values, tokens = _lookahead_values(open_cands, question, prm, lookahead, depth, step_tokens,
+                                               aggregation, delimiter, answer_pattern,
+                                               [SearchTag(tag, depth + 1, c.index, c.index) for c in open_cands])
             generated += tokens
         ranked = top_k(values, keep)
-        if branching == "equal":
-            shares = expand(len(ranked), num_beams)
-        else:
-            shares = expand_proportional([values[r] for r in ranked], num_beams)
-        ranked, shares = [r for r, c in zip(ranked, shares) if c], [c for c in shares if c]
-        beams, parents = [], []
+        shares = (expand(len(ranked), num_beams) if branching == "equal"
+                  else expand_proportional([values[r] for r in ranked], num_beams))
+        beams, kid_groups = [], []
         for r, children in zip(ranked, shares):
-            st, closed, pending, _, _, used = cands[open_idx[r]]
-            parents += [open_idx[r]] * children
-            kids = st.fork(children)
-            groups.append(kids)
+            if not children:
+                continue
+            parent = open_cands[r]
+            kids = parent.beam.state.fork(children)
+            kid_groups.append(kids)
             for kid in kids:
-                if not pending:  # a cut step goes on where it stopped
+                if not parent.grown.continues:  # SGLang trimmed the delimiter that ended the step
                     kid += delimiter
-                beams.append((kid, closed, pending, used))
-        for g in groups[:-len(ranked)]:
+                beams.append(Beam(kid, parent.grown.path, parent.tokens, parent.index))
+        for g in groups:   # the parents' states live on in their forks
             g.join()
-        groups = groups[-len(ranked):]
+        groups = kid_groups
     for g in groups:
         g.join()
     pool = done or ([best_open] if best_open else [])
     pick = top_k([t.score for t in pool], 1)
     answer = pool[pick[0]].answer if pick else None
-    answers = {"prm_best": answer, "majority": vote([t.answer for t in pool]),
-               "prm_weighted": vote([t.answer for t in pool], [t.score for t in pool])}
-    return SearchResult(answer, answers, pool, generated, time.perf_counter() - t0)
+    return SearchResult(answer, _answers(answer, pool), pool, generated, time.perf_counter() - t0)
 
 
-def _lookahead_values(cands, question: str, prm, lookahead: int, depth: int,
+def _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics):
+    if num_beams < 1 or beam_width < 1:
+        raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and "
+                         f"{beam_width}")
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+    if branching not in BRANCHING:
+        raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    if semantics not in SEMANTICS:
+        raise ValueError(f"unknown semantics {semantics!r}; choose one of {list(SEMANTICS)}")
+    if semantics == "search-and-learn" and (branching != "equal" or lookahead):
+        raise ValueError("semantics='search-and-learn' has no branching or lookahead options (its beam search "
+                         "never reads its lookahead steps)")
+    aggregate([1.0], aggregation)      # an unknown aggregation fails before any generation
+    step_limit(step_tokens, 0)         # so does a bad schedule
+
+
+def _grow(beams: list[Beam], question: str, prm, depth: int, tag: str, seed: int, step_tokens,
+          temperature: float, aggregation: str, delimiter: str, answer_pattern: str) -> list[Candidate]:
+    seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
+    steps = gen_step([b.state for b in beams], f"step{depth}", max_tokens=step_limit(step_tokens, depth),
+                     temperature=temperature, seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern,
+                     tags=[SearchTag(tag, depth, b.parent, i) for i, b in enumerate(beams)])
+    grown = [advance(b.path, x, delimiter, answer_pattern) for b, x in zip(beams, steps)]
+    scores = prm.score(question, [g.scored for g in grown])
+    return [Candidate(i, b, x, g, sc, aggregate(sc, aggregation))
+            for i, (b, x, g, sc) in enumerate(zip(beams, steps, grown, scores))]
+
+
+def _trajectory(c: Candidate, delimiter: str, answer_pattern: str, t0: float) -> Trajectory:
+    path = c.grown.scored
+    return Trajectory(path, c.scores, c.value, extract_answer(delimiter.join(path), answer_pattern), c.tokens,
+                      c.grown.finished, time.perf_counter() - t0)
+
+
+def _first_of_each_path(cands: list[Candidate]) -> list[Candidate]:
+    seen, out = set(), []
+    for c in cands:
+        key = (c.grown.path.steps, c.grown.path.pending.strip())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _answers(answer: str | None, pool: list[Trajectory]) -> dict[str, str | None]:
+    return {"prm_best": answer, "majority": vote([t.answer for t in pool]),
+            "prm_weighted": vote([t.answer for t in pool], [t.score for t in pool])}
+
+
+def _lookahead_values(cands: list[Candidate], question: str, prm, lookahead: int, depth: int,
                       step_tokens: int | Sequence[int], aggregation: str, delimiter: str,
                       answer_pattern: str, tags: Sequence[SearchTag]) -> tuple[list[float], int]:
     """Lookahead (Snell et al.): roll every candidate ``lookahead`` steps further at temperature 0 on
     a fork of its state, score the rolled-out paths in one PRM call, and value each candidate by its
     rollout's aggregated score. The rollouts are discarded; returns the values and their tokens."""
-    roll = []
-    for (st, closed, pending, path, *_), tag in zip(cands, tags):
-        fork = st.fork(1)
-        if not pending:
-            fork[0] += delimiter
-        roll.append({"group": fork, "state": fork[0], "closed": closed, "pending": pending, "path": path,
-                     "done": False, "tag": tag})
+    groups = [c.beam.state.fork(1) for c in cands]
+    rolls = [(g[0], c.grown) for g, c in zip(groups, cands)]
+    for state, grown in rolls:
+        if not grown.continues:
+            state += delimiter
     tokens = 0
     for j in range(lookahead):
-        live = [r for r in roll if not r["done"]]
+        live = [i for i, (_, grown) in enumerate(rolls) if not grown.finished]
         if not live:
             break
-        outs = gen_step([r["state"] for r in live], f"lookahead{depth}_{j}",
+        outs = gen_step([rolls[i][0] for i in live], f"lookahead{depth}_{j}",
                         max_tokens=step_limit(step_tokens, depth + 1 + j), temperature=0.0,
                         delimiter=delimiter, answer_pattern=answer_pattern,
-                        tags=[r["tag"] for r in live], attempt=f"lookahead{j}")
+                        tags=[tags[i] for i in live], attempt=f"lookahead{j}")
         tokens += sum(x.tokens for x in outs)
-        for r, x in zip(live, outs):
-            r["closed"], r["pending"], r["path"] = continue_path(r["closed"], r["pending"], x)
-            r["done"] = x.final or not x.text
-            if not r["done"] and not r["pending"]:
-                r["state"] += delimiter
-    scores = prm.score(question, [r["path"] for r in roll])
-    for r in roll:
-        r["group"].join()
+        for i, x in zip(live, outs):
+            state, grown = rolls[i]
+            grown = advance(grown.path, x, delimiter, answer_pattern)
+            if not grown.finished and not grown.continues:
+                state += delimiter
+            rolls[i] = (state, grown)
+    scores = prm.score(question, [grown.scored for _, grown in rolls])
+    for g in groups:
+        g.join()
     return [aggregate(sc, aggregation) for sc in scores], tokens
+
+
+# ------------------------------------------------------------------------ search-and-learn semantics
+@dataclasses.dataclass
+class _SalBeam:
+    """search-and-learn's ``Beam``: its whole text (stop strings kept), last scores, tokens."""
+
+    state: Any
+    text: str = ""
+    scores: list[float] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    parent: int = -1
+    completed: bool = False
+
+
+def _search_and_learn(s, question, prm, n, m, iterations, step_tokens, temperature, aggregation, seed,
+                      delimiter, answer_pattern, search_group, filter_duplicates, sort_completed) -> SearchResult:
+    t0 = time.perf_counter()
+    tag = search_group or new_group()
+    s += question + delimiter
+    groups = [s.fork(n)]
+    active = [_SalBeam(st) for st in groups[0]]
+    completed: list[_SalBeam] = []
+    generated = 0
+    for i in range(iterations):
+        if len(active) != n:   # repeat the kept beams cyclically up to n, each copy sampling on its own
+            active, groups = _repeat_to(active, n, groups)
+        last = i == iterations - 1   # the last iteration generates to the end: no stop string
+        seeds = [derive_seed("beam_search/search-and-learn", seed, question, i, j) for j in range(n)]
+        steps = gen_step([b.state for b in active], f"step{i}", max_tokens=step_limit(step_tokens, i),
+                         temperature=temperature, seeds=seeds, delimiter=None if last else delimiter,
+                         answer_pattern=answer_pattern,
+                         tags=[SearchTag(tag, i, b.parent, j) for j, b in enumerate(active)])
+        generated += sum(x.tokens for x in steps)
+        for b, x in zip(active, steps):
+            stopped = (x.finish_reason or {}).get("matched") == delimiter and not last
+            piece = x.raw + (delimiter if stopped else "")    # include_stop_str_in_output
+            if stopped:
+                b.state += delimiter    # the state's text is the beam's text
+            b.text += piece
+            b.tokens += x.tokens
+            b.completed = not stopped or piece == ""   # EOS or the token limit (vLLM: stop_reason None)
+        scores = prm.score(question, [b.text.split(delimiter) for b in active])
+        for b, sc in zip(active, scores):
+            b.scores = list(sc)
+        completed += [b for b in active if b.completed]
+        active = [b for b in active if not b.completed]
+        if not active:
+            break
+        if filter_duplicates:
+            firsts = {}
+            for j, b in enumerate(active):
+                firsts.setdefault(b.text, j)
+            active = [active[j] for j in firsts.values()]
+        values = np.array([aggregate(b.scores, aggregation) for b in active])
+        top = set(np.argsort(values.flatten())[-(n // m):].tolist())   # n // m == 0: [-0:] keeps all
+        active = [b for j, b in enumerate(active) if j in top]
+    for g in groups:
+        g.join()
+    if sort_completed:
+        completed = sorted(completed, key=lambda b: aggregate(b.scores, aggregation), reverse=True)
+    completed = completed[:n]
+    completed = (completed * (n // len(completed) + 1))[:n]   # refilled to n by repeating
+    pool = [Trajectory([p.strip() for p in b.text.split(delimiter) if p.strip()], b.scores,
+                       aggregate(b.scores, aggregation), extract_answer(b.text, answer_pattern), b.tokens, True,
+                       time.perf_counter() - t0) for b in completed]
+    answer = pool[int(np.argmax([t.score for t in pool]))].answer
+    return SearchResult(answer, _answers(answer, pool), pool, generated, time.perf_counter() - t0)
+
+
+def _repeat_to(active: list[_SalBeam], n: int, groups: list) -> tuple[list[_SalBeam], list]:
+    """``(active * (n // len(active) + 1))[:n]`` as forks: each copy continues from its beam's state
+    and samples on its own. Returns the new beams and fork groups (the old groups are joined)."""
+    picks = (list(range(len(active))) * (n // len(active) + 1))[:n]
+    forks = {j: active[j].state.fork(picks.count(j)) for j in sorted(set(picks))}
+    copies = {j: iter(f) for j, f in forks.items()}
+    out = [_SalBeam(next(copies[j]), active[j].text, list(active[j].scores), active[j].tokens, j) for j in picks]
+    for g in groups:
+        g.join()
+    return out, list(forks.values())

@@ -6,7 +6,8 @@ forks its current path M times, samples one step per fork (``gen`` with the step
 string; all subtrees in flight together), the PRM scores every candidate in one call, and each
 subtree keeps only its own best candidate (ties to the earlier fork). A subtree ends when its pick
 is finished (an answer, or EOS); one still open at ``max_depth`` ends with its last pick.
-``step_tokens`` may be a per-depth schedule, as in beam search (a cut step is continued). Unlike
+``step_tokens`` may be a per-depth schedule, as in beam search (a cut step is continued, and judged
+whole with what continues it: :func:`sgl_tts.search.advance`). Unlike
 beam search no subtree can take over another's budget, which keeps the N/M final answers diverse.
 The pick is the best aggregated score among the subtrees' results (finished ones first).
 """
@@ -18,9 +19,8 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
-                            continue_path, derive_seed, extract_answer, gen_step, new_group, step_limit, top_k,
-                            vote)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, PathSoFar, SearchResult, SearchTag, Trajectory, advance,
+                            aggregate, derive_seed, extract_answer, gen_step, new_group, step_limit, top_k, vote)
 
 
 @sgl.function
@@ -35,17 +35,17 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
     t0 = time.perf_counter()
     s += question + delimiter
     roots = s.fork(num_beams // beam_width)
-    live = [(i, st, [], "", 0) for i, st in enumerate(roots)]  # (subtree, state, closed, pending, tokens)
+    live = [(i, st, PathSoFar(), 0) for i, st in enumerate(roots)]  # (subtree, state, path, tokens)
     tag = search_group or new_group()  # the search's id in every request (scheduler plugin)
     results: dict[int, Trajectory] = {}
     groups = [roots]
     generated = 0
     for depth in range(max_depth):
         forks, kid_groups = [], []
-        for tree, st, closed, pending, used in live:
+        for tree, st, path, used in live:
             kids = st.fork(beam_width)
             kid_groups.append(kids)
-            forks += [(tree, kid, closed, pending, used) for kid in kids]
+            forks += [(tree, kid, path, used) for kid in kids]
         for g in groups:  # the parents' groups: their states live on in the forks
             g.join()
         groups = kid_groups
@@ -57,25 +57,23 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
                          tags=[SearchTag(tag, depth, f[0] if depth else -1, f[0] * beam_width + j % beam_width)
                                for j, f in enumerate(forks)])
         generated += sum(x.tokens for x in steps)
-        grown = [continue_path(closed, pending, x)
-                 for (_, _, closed, pending, _), x in zip(forks, steps)]
-        paths = [g[2] for g in grown]
+        grown = [advance(path, x, delimiter, answer_pattern) for (_, _, path, _), x in zip(forks, steps)]
+        paths = [g.scored for g in grown]
         scores = prm.score(question, paths)
         nxt = []
         for k in range(len(live)):
             block = range(k * beam_width, (k + 1) * beam_width)
             best = block[top_k([aggregate(scores[j], aggregation) for j in block], 1)[0]]
-            tree, kid, _, _, used = forks[best]
-            closed, pending, _ = grown[best]
+            tree, kid, _, used = forks[best]
             x = steps[best]
-            finished = x.final or not x.text
+            finished = grown[best].finished
             results[tree] = Trajectory(paths[best], scores[best], aggregate(scores[best], aggregation),
                                        extract_answer(delimiter.join(paths[best]), answer_pattern),
                                        used + x.tokens, finished, time.perf_counter() - t0)
             if not finished:
-                if not pending:  # a cut step goes on where it stopped
+                if not grown[best].continues:  # SGLang trimmed the delimiter that ended the step
                     kid += delimiter
-                nxt.append((tree, kid, closed, pending, used + x.tokens))
+                nxt.append((tree, kid, grown[best].path, used + x.tokens))
         live = nxt
         if not live:
             break

@@ -106,7 +106,11 @@ def derive_seed(*parts: Any) -> int:
 
 @dataclasses.dataclass
 class Step:
-    """One generated step: its text, token count, and whether it ends the trajectory."""
+    """One generation on one fork: a whole step, or a piece of one when it hit its token limit.
+
+    ``final`` and ``text`` judge this piece alone; a search that continues cut steps judges whole
+    steps with :func:`advance` instead (a piece can complete, split or answer a step begun earlier).
+    """
 
     text: str
     tokens: int
@@ -116,8 +120,16 @@ class Step:
 
     @property
     def cut(self) -> bool:
-        """The step hit its token limit before the delimiter: the next generation continues it."""
-        return not self.final and (self.finish_reason or {}).get("type") == "length"
+        """The generation hit its token limit (SGLang checks it before stop strings and EOS, so the
+        text may even end in the delimiter): the state's text ends as generated, and the next
+        generation continues it."""
+        return (self.finish_reason or {}).get("type") == "length"
+
+    @property
+    def eos(self) -> bool:
+        """The model ended the text (an end-of-sequence or stop token, not a stop string)."""
+        reason = self.finish_reason or {}
+        return reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
 
 
 def step_limit(step_tokens: int | Sequence[int], depth: int) -> int:
@@ -129,18 +141,61 @@ def step_limit(step_tokens: int | Sequence[int], depth: int) -> int:
     return limits[min(depth, len(limits) - 1)]
 
 
-def continue_path(steps: Sequence[str], pending: str, step: Step) -> tuple[list[str], str, list[str]]:
-    """Add a generated step to a path: ``(closed steps, pending, path to score)``.
+@dataclasses.dataclass(frozen=True)
+class PathSoFar:
+    """A path's text as steps: the closed ones (stripped) and the step a cut left open.
 
-    ``steps`` are the closed steps, ``pending`` the unstripped text of a step that was cut at its
-    token limit and goes on in this generation. A cut step stays pending (it is scored as it stands,
-    as the path's last step); a step that reached the delimiter (or ended the text) is closed.
+    ``pending`` is the unstripped text after the path's last delimiter when the last generation was
+    cut at its token limit (the next generation continues it); empty otherwise.
     """
-    text = pending + step.raw
+
+    steps: tuple[str, ...] = ()
+    pending: str = ""
+
+    @property
+    def scored(self) -> list[str]:
+        """The steps a PRM scores: the closed ones, then the open one as it stands."""
+        return list(self.steps) + ([self.pending.strip()] if self.pending.strip() else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Advance:
+    """What one generation did to a path (:func:`advance`)."""
+
+    path: PathSoFar
+    finished: bool   # an answer in a whole step, an end of sequence, or an empty step
+    continues: bool  # the next generation goes on inside a step: no delimiter before it
+
+    @property
+    def scored(self) -> list[str]:
+        return self.path.scored
+
+
+def advance(path: PathSoFar, step: Step, delimiter: str = STEP_DELIMITER,
+            answer_pattern: str = BOXED) -> Advance:
+    """Judge a generation on whole steps, not on the newest piece.
+
+    The step text is the open step's ``pending`` text plus this generation. Every delimiter in it
+    closes a step (a delimiter can straddle a cut, or sit inside a cut piece: SGLang checks the token
+    limit before stop strings). A cut generation leaves its text after the last delimiter open; any
+    other generation closes it (SGLang trimmed the delimiter that stopped it). The path is finished
+    when a step holds an answer (it ends there: the text after that step is only there because the
+    cut hid the stop), the model ended the text, or the step it closed is empty as a whole (a
+    continuation that is only the delimiter completes its open step, it is not an empty step).
+    """
+    text = path.pending + step.raw
+    parts = text.split(delimiter)
+    closing, tail = (parts[:-1], parts[-1]) if step.cut else (parts, "")
+    steps = list(path.steps)
+    for part in closing:
+        if part.strip():
+            steps.append(part.strip())
+            if re.search(answer_pattern, part):
+                return Advance(PathSoFar(tuple(steps)), True, False)
+    grown = PathSoFar(tuple(steps), tail)
     if step.cut:
-        return list(steps), text, list(steps) + ([text.strip()] if text.strip() else [])
-    closed = list(steps) + ([text.strip()] if text.strip() else [])
-    return closed, "", closed
+        return Advance(grown, bool(re.search(answer_pattern, tail)), True)
+    return Advance(grown, step.eos or not text.strip(), False)
 
 
 def is_final(text: str, finish_reason: Mapping[str, Any] | None, pattern: str = BOXED) -> bool:
@@ -162,7 +217,7 @@ def read_var(state: Any, name: str) -> str:
 
 
 def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: float,
-             seeds: Sequence[int] | None = None, delimiter: str = STEP_DELIMITER,
+             seeds: Sequence[int] | None = None, delimiter: str | None = STEP_DELIMITER,
              answer_pattern: str = BOXED, custom_params: Sequence[Mapping[str, Any]] | None = None,
              tags: Sequence[SearchTag] | None = None, attempt: str = "") -> list[Step]:
     """Generate one step on every state (all in flight at once) and wait for them.
@@ -238,5 +293,5 @@ class SearchResult:
 
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
-           "aggregate", "continue_path", "derive_seed", "read_var", "expand", "expand_proportional",
+           "Advance", "PathSoFar", "advance", "aggregate", "derive_seed", "read_var", "expand", "expand_proportional",
            "extract_answer", "gen_step", "is_final", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]

@@ -23,13 +23,14 @@ Example::
     result = my_search.run(question="2+2?", prm=prm, backend=backend).ret_value
     assert prm.calls[0].steps_batch == ...   # every scoring call, in order
 
-Generation semantics (SGLang's, with one character per token): the script's text is what the model
-would write from the prefix until it stops on its own (end of sequence). Generation stops at the
-first stop string (removed from the text, ``finish_reason = {"type": "stop", "matched": stop}``), at
-``max_tokens`` characters (``{"type": "length", "length": max_tokens}``), or at the end of the
-script's text (``{"type": "stop", "matched": ScriptedBackend.EOS_TOKEN_ID}``, an end of sequence).
-``completion_tokens`` counts the characters generated, a matched stop string included, as SGLang
-counts its tokens. Sampling parameters (temperature, top-p, ...) do not change the text: the script
+Generation semantics (SGLang 0.5.15's, with one character per token and an end-of-sequence token
+after the script's text): the script's text is what the model would write from the prefix before it
+stops on its own. After each token SGLang's checks run in its order: the token limit first
+(``{"type": "length", "length": max_tokens}``, the text kept whole: a stop string or the end of
+sequence that lands on the last allowed token does not count), then stop strings (the text cut at
+the first one, ``{"type": "stop", "matched": stop}``), then the end of sequence
+(``{"type": "stop", "matched": ScriptedBackend.EOS_TOKEN_ID}``). ``completion_tokens`` counts every
+token generated, a matched stop string and the end-of-sequence token included, as SGLang does. Sampling parameters (temperature, top-p, ...) do not change the text: the script
 decides. ``draw`` is the request's sampling seed (``sgl_tts.gen(..., seed=...)``; sgl-tts programs
 derive one per fork with :func:`sgl_tts.search.derive_seed`), or ``None`` when the request has none.
 """
@@ -124,18 +125,25 @@ class ScriptedBackend(BaseBackend):
         pass
 
 
-def continuation(full: str, stop: Sequence[str], max_tokens: int,
+def continuation(full: str | Sequence[str], stop: Sequence[str], max_tokens: int,
                  eos_token_id: int = ScriptedBackend.EOS_TOKEN_ID) -> tuple[str, dict, int]:
-    """What a model that would write ``full`` returns under ``stop`` and ``max_tokens`` with one
-    character per token: ``(text, finish_reason, completion tokens)`` (see the module docstring)."""
-    for n in range(1, min(len(full), max_tokens) + 1):
-        out = full[:n]
-        for st in stop:
-            if out.endswith(st):
-                return out[:-len(st)], {"type": "stop", "matched": st}, n
-    if len(full) > max_tokens:
-        return full[:max_tokens], {"type": "length", "length": max_tokens}, max_tokens
-    return full, {"type": "stop", "matched": eos_token_id}, len(full)
+    """What a model that would write ``full`` returns under ``stop`` and ``max_tokens``, with an
+    end-of-sequence token after ``full``: ``(text, finish_reason, completion tokens)``. A string is
+    one token per character; a sequence gives each token's text. After each token the checks run in SGLang 0.5.15's order
+    (``Req.update_finish_state``): the token limit first (the text is kept whole, even when its last
+    token completed a stop string or was the end of sequence), then stop strings (the text is cut at
+    the first one), then the end of sequence."""
+    tokens = list(full) + [None]   # None: the end-of-sequence token (no text)
+    for n in range(1, len(tokens) + 1):
+        out = "".join(t for t in tokens[:n] if t is not None)
+        if n >= max_tokens:
+            return out, {"type": "length", "length": max_tokens}, n
+        matched = next((st for st in stop if st in out), None)   # the first listed, as SGLang's loop
+        if matched is not None:
+            return out[:out.find(matched)], {"type": "stop", "matched": matched}, n
+        if tokens[n - 1] is None:
+            return out, {"type": "stop", "matched": eos_token_id}, n
+    raise AssertionError("unreachable: the end-of-sequence token always ends the text")
 
 
 @dataclasses.dataclass(frozen=True)

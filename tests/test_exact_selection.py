@@ -12,6 +12,8 @@ sequence without one), beams still open at ``max_depth``, and N not divisible by
 
 from __future__ import annotations
 
+import collections
+import random
 import re
 
 import pytest
@@ -44,7 +46,8 @@ def branchy(prefix: str, draw: int | None) -> str:
 
 
 def prm_score(text: str) -> float:
-    return SCORES.get(text, 0.25)  # a step cut at its token limit scores 0.25
+    """The table's score, or one of four derived from the text (a cut step, a random script's step)."""
+    return SCORES[text] if text in SCORES else (derive_seed("score", text) % 4) / 8 + 0.1
 
 
 def agg(scores, how):
@@ -64,20 +67,53 @@ def ranked(values, k):
     return order[:k]
 
 
-def sample(prefix, draw, limit):
-    """(step text, closes the step?, finished?, tokens) of one scripted generation."""
-    text, reason, tokens = continuation(branchy(prefix, draw), [D], limit)
-    finished = bool(re.search(BOXED, text)) or isinstance(reason.get("matched"), int) or not text
-    return text, reason["type"] != "length", finished, tokens
+def sample(prefix, draw, limit, script=None):
+    """(piece, finish reason, tokens) of one scripted generation."""
+    return continuation((script or branchy)(prefix, draw), [D], limit)
 
 
-def grow(closed, pending, text, closes):
-    """(closed steps, pending text, path scored) after a generated piece of a step."""
-    whole = pending + text
-    if closes:
-        closed = closed + ([whole.strip()] if whole.strip() else [])
-        return closed, "", closed
-    return closed, whole, closed + ([whole.strip()] if whole.strip() else [])
+EVENTS: collections.Counter = collections.Counter()   # what the random scripts made happen
+
+
+def judge(body, reason):
+    """A path judged on whole steps: ``body`` is everything generated so far (with the delimiters that
+    stopped earlier generations), ``reason`` how the newest generation ended. A step is the text between
+    two delimiters; the newest one is still open when the generation was cut at its token limit. The
+    path is finished at the first step that holds an answer, at an end of sequence, or when its newest
+    step, whole, is empty. Returns (steps the PRM scores, finished, cut)."""
+    cut = reason["type"] == "length"
+    parts = body.split(D)
+    closed, open_part = (parts[:-1], parts[-1]) if cut else (parts, "")
+    steps = []
+    for part in closed:
+        if part.strip():
+            steps.append(part.strip())
+            if re.search(BOXED, part):
+                return steps, True, False
+    if cut:
+        return steps + ([open_part.strip()] if open_part.strip() else []), bool(re.search(BOXED, open_part)), True
+    return steps, isinstance(reason["matched"], int) or not parts[-1].strip(), False
+
+
+def note_events(body, piece, reason):
+    """Count the cases the whole-step rules exist for (after a cut, ``body`` does not end in D)."""
+    was_cut = body != "" and not body.endswith(D)
+    open_before = body.split(D)[-1]
+    if was_cut and open_before.strip() and piece == "" and reason.get("matched") == D:
+        EVENTS["delimiter-only continuation"] += 1
+    if was_cut and open_before.endswith("\n") and piece.startswith("\n"):
+        EVENTS["delimiter across the cut"] += 1
+    if was_cut and re.search(BOXED, open_before + piece) and not re.search(BOXED, open_before) \
+            and not re.search(BOXED, piece):
+        EVENTS["answer across the cut"] += 1
+    if reason["type"] == "length" and D in piece:
+        EVENTS["delimiter inside a cut piece"] += 1
+
+
+def extend(body, piece, reason):
+    """The body after a generation: a stop string was trimmed by SGLang and is put back."""
+    stopped = reason["type"] == "stop" and reason["matched"] == D
+    return body + piece + (D if stopped else "")
 
 
 def limit_at(step_tokens, depth):
@@ -89,25 +125,27 @@ def answer_of(path):
     return found[-1].strip() if found else None
 
 
-def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="equal", lookahead=0):
+def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="equal", lookahead=0,
+                    script=None, filter_duplicates=False):
     """Beam search as its docstring defines it. Returns (PRM calls, trajectories, generated)."""
-    beams = [(q + D, [], "", 0)] * n            # (text so far, closed, pending, tokens)
+    beams = [("", 0)] * n            # (body generated so far, tokens)
     calls, done, best_open, generated = [], [], None, 0
     keep = max(1, n // m)
     for depth in range(max_depth):
         cands = []
-        for i, (text, closed, pending, used) in enumerate(beams):
-            step, closes, fin, tok = sample(text, derive_seed("beam_search", 0, q, depth, i),
-                                            limit_at(step_tokens, depth))
+        for i, (body, used) in enumerate(beams):
+            piece, reason, tok = sample(q + D + body, derive_seed("beam_search", 0, q, depth, i),
+                                        limit_at(step_tokens, depth), script)
             generated += tok
-            c, p, path = grow(closed, pending, step, closes)
-            cands.append((text + step + (D if closes else ""), c, p, path, fin, used + tok))
-        calls.append([x[3] for x in cands])
-        scores = [[prm_score(s) for s in x[3]] for x in cands]
+            note_events(body, piece, reason)
+            path, fin, _ = judge(body + piece, reason)
+            cands.append((extend(body, piece, reason), path, fin, used + tok))
+        calls.append([x[1] for x in cands])
         opened = []
-        for x, sc in zip(cands, scores):
-            traj = (x[3], sc, agg(sc, how), answer_of(x[3]), x[5], x[4])
-            if x[4]:
+        for x in cands:
+            sc = [prm_score(s) for s in x[1]]
+            traj = (x[1], sc, agg(sc, how), answer_of(x[1]), x[3], x[2])
+            if x[2]:
                 done.append(traj)
             else:
                 opened.append((x, agg(sc, how)))
@@ -115,10 +153,15 @@ def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="e
                     best_open = traj
         if len(done) >= n or not opened:
             break
+        if filter_duplicates:
+            firsts = {}
+            for x, v in opened:
+                firsts.setdefault(tuple(x[1]), (x, v))
+            opened = list(firsts.values())
         values = [v for _, v in opened]
         if lookahead:
             values, spent, roll_paths = ref_rollouts([x for x, _ in opened], q, lookahead, depth,
-                                                     step_tokens, how)
+                                                     step_tokens, how, script)
             generated += spent
             calls.append(roll_paths)
         top = ranked(values, keep)
@@ -136,50 +179,50 @@ def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="e
                     shares[j] += 1
         beams = []
         for r, count in zip(top, shares):
-            text, c, p, _, _, used = opened[r][0]
-            beams += [(text, c, p, used)] * count
+            body, _, _, used = opened[r][0]
+            beams += [(body, used)] * count
     pool = done or ([best_open] if best_open else [])
     return calls, pool, generated
 
 
-def ref_rollouts(cands, q, k, depth, step_tokens, how):
+def ref_rollouts(cands, q, k, depth, step_tokens, how, script=None):
     """Each candidate rolled ``k`` steps further greedily (no seed); valued by the rolled path."""
     paths, spent = [], 0
-    for text, closed, pending, path, _, _ in cands:
+    for body, path, _, _ in cands:
         for j in range(k):
-            step, closes, fin, tok = sample(text, None, limit_at(step_tokens, depth + 1 + j))
+            piece, reason, tok = sample(q + D + body, None, limit_at(step_tokens, depth + 1 + j), script)
             spent += tok
-            closed, pending, path = grow(closed, pending, step, closes)
-            text += step + (D if closes else "")
+            path, fin, _ = judge(body + piece, reason)
+            body = extend(body, piece, reason)
             if fin:
                 break
         paths.append(path)
     return [agg([prm_score(s) for s in p], how) for p in paths], spent, paths
 
 
-def ref_dvts(q, n, m, max_depth, step_tokens=64, how="last"):
+def ref_dvts(q, n, m, max_depth, step_tokens=64, how="last", script=None):
     """DVTS as its docstring defines it. Returns (PRM calls, trajectories by subtree, generated)."""
-    live = [(t, q + D, [], "", 0) for t in range(n // m)]
+    live = [(t, "", 0) for t in range(n // m)]
     calls, results, generated = [], {}, 0
     for depth in range(max_depth):
         cands = []
-        for tree, text, closed, pending, used in live:
+        for tree, body, used in live:
             for j in range(m):
-                step, closes, fin, tok = sample(text, derive_seed("dvts", 0, q, tree, depth, j),
-                                                limit_at(step_tokens, depth))
+                piece, reason, tok = sample(q + D + body, derive_seed("dvts", 0, q, tree, depth, j),
+                                            limit_at(step_tokens, depth), script)
                 generated += tok
-                c, p, path = grow(closed, pending, step, closes)
-                cands.append((tree, text + step + (D if closes else ""), c, p, path, fin, used + tok))
-        calls.append([x[4] for x in cands])
+                path, fin, _ = judge(body + piece, reason)
+                cands.append((tree, extend(body, piece, reason), path, fin, used + tok))
+        calls.append([x[2] for x in cands])
         nxt = []
         for k in range(len(live)):
             block = cands[k * m:(k + 1) * m]
-            vals = [agg([prm_score(s) for s in x[4]], how) for x in block]
-            tree, text, c, p, path, fin, used = block[ranked(vals, 1)[0]]
+            vals = [agg([prm_score(s) for s in x[2]], how) for x in block]
+            tree, body, path, fin, used = block[ranked(vals, 1)[0]]
             sc = [prm_score(s) for s in path]
             results[tree] = (path, sc, agg(sc, how), answer_of(path), used, fin)
             if not fin:
-                nxt.append((tree, text, c, p, used))
+                nxt.append((tree, body, used))
         live = nxt
         if not live:
             break
@@ -292,7 +335,7 @@ def test_best_of_n_selects_exactly_by_definition():
                     tally[a] = tally.get(a, 0.0) + s
             assert r.answers["prm_weighted"] == (max(tally, key=lambda a: (tally[a], -list(tally).index(a)))
                                                  if tally else None)
-            assert r.tokens_generated == sum(len(t) for t in texts)
+            assert r.tokens_generated == sum(len(t) + 1 for t in texts)  # + the end-of-sequence token
     assert ties  # some best score is shared by different answers: the tie-break decides
 
 
@@ -316,13 +359,17 @@ def test_ties_go_to_the_earlier_beam_a_worked_example():
         [["b3", f"\\boxed{{{i}}}"] for i in range(4, 7)]
     assert len(prm.calls) == 2 and len(r.trajectories) == 7
     assert r.answer == "2" and r.answers["majority"] == "0"  # all answers once: the first wins
-    assert [t.tokens for t in r.trajectories] == [4 + 9] * 7     # "b1\n\n" + "\\boxed{i}"
+    assert [t.tokens for t in r.trajectories] == [4 + 9 + 1] * 7     # "b1\n\n" + "\\boxed{i}" + EOS
 
 
 def test_scripted_backend_applies_stop_length_and_end_of_sequence():
     assert continuation("ab\n\ncd", ["\n\n"], 64) == ("ab", {"type": "stop", "matched": "\n\n"}, 4)
     assert continuation("abcdef", ["\n\n"], 3) == ("abc", {"type": "length", "length": 3}, 3)
-    assert continuation("ab", ["\n\n"], 64) == ("ab", {"type": "stop", "matched": 0}, 2)
+    assert continuation("ab", ["\n\n"], 64) == ("ab", {"type": "stop", "matched": 0}, 3)   # EOS is a token
+    # SGLang checks the limit first: a stop string or the end of sequence on the last allowed token
+    # does not count
+    assert continuation("ab\n\ncd", ["\n\n"], 4) == ("ab\n\n", {"type": "length", "length": 4}, 4)
+    assert continuation("ab", ["\n\n"], 3) == ("ab", {"type": "length", "length": 3}, 3)
     assert continuation("ab\n\n", ["\n\n"], 3) == ("ab\n", {"type": "length", "length": 3}, 3)
     assert continuation("x:y", [":", "y"], 64) == ("x", {"type": "stop", "matched": ":"}, 2)
 
@@ -363,3 +410,114 @@ def test_every_request_carries_its_place_in_the_search(program, kwargs):
         up = steps[(depth - 1, parent)]
         assert d.prefix.startswith(up.prefix + up.text), (depth, beam)
     assert all(d.custom_params["tts_class"] == "normal" for d in draws)
+
+
+def jagged(prefix: str, draw: int | None) -> str:
+    """A random script whose pieces make cuts land anywhere: delimiters and answers straddle them,
+    continuations are only a delimiter, steps are empty, sequences end early. A prefix that ends
+    inside an answer is continued with the rest of it, as a model would."""
+    rng = random.Random(derive_seed("jagged", prefix, draw))
+    pieces = ["a", "bb", "\n", "\n\n", "\\boxed{1}", "\\boxed{2}", "c ", "\n\n"]
+    rest = next((t[k:] for t in ("\\boxed{1}", "\\boxed{2}") for k in range(len(t) - 1, 0, -1)
+                 if prefix.endswith(t[:k])), "")
+    return rest + "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+
+
+JAGGED_CASES = [
+    dict(num_beams=4, beam_width=2, max_depth=6, step_tokens=[3, 2, 5]),
+    dict(num_beams=5, beam_width=2, max_depth=6, step_tokens=2, aggregation="min"),
+    dict(num_beams=3, beam_width=5, max_depth=5, step_tokens=[4, 1, 3]),            # M > N
+    dict(num_beams=6, beam_width=4, max_depth=5, step_tokens=3, filter_duplicates=True),
+    dict(num_beams=6, beam_width=2, max_depth=5, step_tokens=[2, 4], branching="proportional"),
+    dict(num_beams=4, beam_width=2, max_depth=4, step_tokens=[3, 2], lookahead=2),
+]
+
+
+@pytest.mark.parametrize("case", JAGGED_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_beam_search_judges_whole_steps_over_random_scripts(case):
+    """Replayed against the reference over many random scripts: cut steps continued, delimiters and
+    answers across cuts, a delimiter as the last token of a cut piece, empty steps, EOS, ties."""
+    backend = ScriptedBackend(jagged)
+    for k in range(12):
+        q = f"Q{k}"
+        prm = ScriptedPRM(prm_score)
+        got = beam_search.run(question=q, prm=prm, backend=backend, **case)
+        assert got.error() is None, got.error()
+        r = got.ret_value
+        calls, pool, generated = ref_beam_search(
+            q, case["num_beams"], case["beam_width"], case["max_depth"], case["step_tokens"],
+            case.get("aggregation", "last"), case.get("branching", "equal"), case.get("lookahead", 0),
+            script=jagged, filter_duplicates=case.get("filter_duplicates", False))
+        assert [c.steps_batch for c in prm.calls] == calls, q
+        assert as_tuples(r.trajectories) == pool, q
+        assert r.answer == (pool[ranked([t[2] for t in pool], 1)[0]][3] if pool else None)
+        assert r.tokens_generated == generated
+
+
+@pytest.mark.parametrize("case", [dict(num_beams=6, beam_width=2, max_depth=6, step_tokens=[3, 2, 5]),
+                                  dict(num_beams=6, beam_width=3, max_depth=5, step_tokens=2)],
+                         ids=["schedule", "two-tokens"])
+def test_dvts_judges_whole_steps_over_random_scripts(case):
+    backend = ScriptedBackend(jagged)
+    for k in range(12):
+        q = f"Q{k}"
+        prm = ScriptedPRM(prm_score)
+        r = dvts.run(question=q, prm=prm, backend=backend, **case).ret_value
+        calls, pool, generated = ref_dvts(q, case["num_beams"], case["beam_width"], case["max_depth"],
+                                          case["step_tokens"], script=jagged)
+        assert [c.steps_batch for c in prm.calls] == calls, q
+        assert as_tuples(r.trajectories) == pool, q
+        assert r.tokens_generated == generated
+
+
+def test_the_random_scripts_reach_every_case_of_whole_steps():
+    EVENTS.clear()
+    for case in JAGGED_CASES:
+        for k in range(12):
+            ref_beam_search(f"Q{k}", case["num_beams"], case["beam_width"], case["max_depth"], case["step_tokens"],
+                            script=jagged)
+    assert set(EVENTS) == {"delimiter-only continuation", "delimiter across the cut", "answer across the cut",
+                           "delimiter inside a cut piece"}, EVENTS
+    assert min(EVENTS.values()) >= 3, EVENTS
+
+
+def _one_beam(script, step_tokens, program=beam_search, **kw):
+    prm = ScriptedPRM(prm_score)
+    args = dict(num_beams=1, beam_width=1) if program is beam_search else dict(num_beams=2, beam_width=2)
+    r = program.run(question="Q", prm=prm, backend=ScriptedBackend(script), max_depth=4,
+                    step_tokens=step_tokens, **args, **kw).ret_value
+    return r, [c.steps_batch for c in prm.calls]
+
+
+def test_a_continuation_that_is_only_the_delimiter_completes_the_cut_step():
+    texts = {"Q" + D: "abcdef", "Q" + D + "abc": D + "tail", "Q" + D + "abc" + D: "\\boxed{7}"}
+    r, calls = _one_beam(lambda prefix, draw: texts[prefix], [3, 64])
+    assert calls == [[["abc"]], [["abc"]], [["abc", "\\boxed{7}"]]]
+    assert r.answer == "7" and r.trajectories[0].steps == ["abc", "\\boxed{7}"]
+
+
+def test_an_answer_across_the_cut_ends_the_beam_where_it_is():
+    texts = {"Q" + D: "so \\boxed{42} more" + D, "Q" + D + "so \\boxed": "{42} more" + D + "x"}
+    r, calls = _one_beam(lambda prefix, draw: texts[prefix], [9, 64])
+    assert calls == [[["so \\boxed"]], [["so \\boxed{42} more"]]]
+    assert r.trajectories[0].finished and r.answer == "42"
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_a_delimiter_at_the_limit_or_across_the_cut_separates_two_steps(program):
+    at_limit = {"Q" + D: "ab" + D + "zz", "Q" + D + "ab" + D: "cd" + D + "\\boxed{1}"}
+    _, calls = _one_beam(lambda prefix, draw: at_limit.get(prefix, "\\boxed{1}"), [4, 64], program)
+    width = 1 if program is beam_search else 2
+    assert calls[:2] == [[["ab"]] * width, [["ab", "cd"]] * width]
+    across = {"Q" + D: "ab\n", "Q" + D + "ab\n": "\ncd" + D + "\\boxed{1}"}
+    _, calls = _one_beam(lambda prefix, draw: across.get(prefix, "\\boxed{1}"), [3, 64], program)
+    assert calls[:2] == [[["ab"]] * width, [["ab", "cd"]] * width]
+
+
+def test_lookahead_rollouts_judge_whole_steps():
+    """A rollout continues a cut step: the delimiter-only continuation closes it, not ends it."""
+    texts = {"Q" + D: "abcdef", "Q" + D + "abc": D + "t", "Q" + D + "abc" + D: "\\boxed{7}"}
+    prm = ScriptedPRM(prm_score)
+    beam_search.run(question="Q", prm=prm, backend=ScriptedBackend(lambda p, d: texts[p]), num_beams=1,
+                    beam_width=1, max_depth=2, step_tokens=[3, 64, 64], lookahead=2)
+    assert [c.steps_batch for c in prm.calls][:2] == [[["abc"]], [["abc", "\\boxed{7}"]]]

@@ -111,3 +111,39 @@ def test_stock_sglang_ignores_sampling_seed_on_the_cpu(remote):
     # --enable-deterministic-inference, which its CPU attention backends refuse
     seeds = list(range(100, 112))
     assert _samples(remote, seeds) != _samples(remote, seeds)
+
+
+def test_the_scripted_double_finishes_as_the_live_server_does(live):
+    """ScriptedBackend's finishing rule (``sgl_tts.testing.continuation``) against the live server:
+    the greedy completion's tokens are the script; every (stop strings, token limit) then gives the
+    server's text, finish reason and completion tokens, including a stop string or the end of
+    sequence on the last allowed token (the limit wins) and a stop string across two tokens."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from sgl_tts.testing import continuation
+
+    url = live.url("generator_stock") + "/generate"
+    tok = AutoTokenizer.from_pretrained(str(shipped_model("generator")))
+    prompt = task.test_split()[0].question + "\n\n"
+
+    def generate(limit, stop=()):
+        body = {"text": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": limit, "temperature": 0, "stop": list(stop) or None}}
+        res = requests.post(url, json=body, timeout=300)
+        assert res.status_code == 200, res.text
+        out = res.json()
+        meta = out["meta_info"]
+        return out["text"], meta["finish_reason"], meta["completion_tokens"], [x[1] for x in meta["output_token_logprobs"]]
+
+    _, reason, n, ids = generate(200)
+    assert reason == {"type": "stop", "matched": EOS_ID} and ids[-1] == EOS_ID, reason
+    pieces = [tok.decode([i]) for i in ids[:-1]]
+    k = next(i for i, p in enumerate(pieces) if i > 2 and p.strip() and pieces[i + 1].strip())
+    cases = [((), n - 1), ((), n), ((), n + 5), (("\n\n",), n), ((pieces[k],), k + 1), ((pieces[k],), k + 2),
+             ((pieces[k] + pieces[k + 1][:1],), n), ((pieces[k] + pieces[k + 1][:1],), k + 2), ((), 1)]
+    if "\n\n" in pieces:
+        at = pieces.index("\n\n")
+        cases += [(("\n\n",), at + 1), (("\n\n",), at + 2)]
+    for stop, limit in cases:
+        assert generate(limit, stop)[:3] == continuation(pieces, stop, limit, EOS_ID), (stop, limit)

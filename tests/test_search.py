@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_tts.search import (Step, aggregate, continue_path, derive_seed, expand, expand_proportional,
+from sgl_tts.search import (Advance, PathSoFar, Step, advance, aggregate, derive_seed, expand, expand_proportional,
                             extract_answer, is_final, split_steps, step_limit, top_k, vote)
 
 
@@ -46,20 +46,62 @@ def test_expand_proportional_splits_the_budget_by_score():
         expand_proportional([0.5], -1)
 
 
-def test_step_limit_schedules_and_continue_path_joins_cut_steps():
+def test_step_limit_schedules():
     assert [step_limit([64, 64, 64, 2048], d) for d in range(6)] == [64, 64, 64, 2048, 2048, 2048]
     assert step_limit(32, 9) == 32
     for bad in ([], [64, 0], 0, [1.5]):
         with pytest.raises(ValueError, match="step token limits must be positive integers"):
             step_limit(bad, 0)
-    cut = {"type": "length", "length": 3}
-    closed, pending, path = continue_path(["Step 1: 1+2=3"], "", Step("Step 2:", 3, False, cut, "Step 2: "))
-    assert (closed, pending, path) == (["Step 1: 1+2=3"], "Step 2: ", ["Step 1: 1+2=3", "Step 2:"])
-    stop = {"type": "stop", "matched": "\n\n"}
-    closed, pending, path = continue_path(closed, pending, Step("3*4=12", 6, False, stop, "3*4=12"))
-    assert closed == path == ["Step 1: 1+2=3", "Step 2: 3*4=12"] and pending == ""
-    final = Step("The answer is \\boxed{12}", 9, True, cut, "The answer is \\boxed{12}")
-    assert not final.cut and continue_path(closed, "", final)[1] == ""
+
+
+CUT = {"type": "length", "length": 3}
+STOP = {"type": "stop", "matched": "\n\n"}
+EOS = {"type": "stop", "matched": 0}
+
+
+def piece(raw, reason):
+    return Step(raw.strip(), len(raw), False, reason, raw)
+
+
+def test_advance_joins_a_cut_step_with_its_continuation():
+    grown = advance(PathSoFar(("Step 1: 1+2=3",)), piece("Step 2: ", CUT))
+    assert grown == Advance(PathSoFar(("Step 1: 1+2=3",), "Step 2: "), False, True)
+    assert grown.scored == ["Step 1: 1+2=3", "Step 2:"]
+    grown = advance(grown.path, piece("3*4=12", STOP))
+    assert grown == Advance(PathSoFar(("Step 1: 1+2=3", "Step 2: 3*4=12")), False, False)
+
+
+def test_advance_a_continuation_that_is_only_the_delimiter_closes_its_step():
+    grown = advance(PathSoFar((), "Step 1: 1+2=3"), piece("", STOP))
+    assert grown == Advance(PathSoFar(("Step 1: 1+2=3",)), False, False)
+    # an empty step as a whole ends the path
+    assert advance(PathSoFar(("a",)), piece("", STOP)).finished
+    assert advance(PathSoFar(("a",)), piece("  ", STOP)).finished
+
+
+def test_advance_sees_an_answer_that_straddles_the_cut():
+    grown = advance(PathSoFar((), "so \\boxed{1"), piece("2} done", STOP))
+    assert grown.finished and grown.scored == ["so \\boxed{12} done"]
+
+
+def test_advance_splits_at_a_delimiter_inside_or_across_a_cut():
+    # the delimiter straddles the cut: two steps
+    grown = advance(PathSoFar((), "a\n"), piece("\nb", STOP))
+    assert grown == Advance(PathSoFar(("a", "b")), False, False)
+    # the delimiter is the last thing in a cut piece (SGLang checks the limit first): the step is
+    # closed, nothing is open, and no delimiter is added before the next generation
+    grown = advance(PathSoFar(), piece("a\n\n", CUT))
+    assert grown == Advance(PathSoFar(("a",)), False, True)
+    grown = advance(PathSoFar(), piece("a\n\nb", CUT))
+    assert grown == Advance(PathSoFar(("a",), "b"), False, True) and grown.scored == ["a", "b"]
+
+
+def test_advance_ends_a_path_at_the_step_that_holds_the_answer():
+    grown = advance(PathSoFar(), piece("\\boxed{3}\n\nmore", CUT))
+    assert grown == Advance(PathSoFar(("\\boxed{3}",)), True, False)
+    assert advance(PathSoFar(), piece("x \\boxed{3", CUT)).finished is False
+    assert advance(PathSoFar(), piece("x \\boxed{3}", CUT)).finished     # an answer in the open step
+    assert advance(PathSoFar(), piece("no answer", EOS)) == Advance(PathSoFar(("no answer",)), True, False)
 
 
 def test_answers_and_votes():

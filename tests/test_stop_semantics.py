@@ -107,3 +107,27 @@ def test_length_finish_keeps_a_stop_string_in_the_last_token(tokenizers):
     # SGLang checks the length limit first: a stop string completed by the last allowed token stays.
     assert ours_run(tok, ids, 4, ("\n\n",), (), False, False) == (
         3, {"type": "length", "length": 4}, "ab\n\n")
+
+
+def test_the_scripted_double_finishes_as_sglang_does(tokenizers):
+    """``sgl_tts.testing.continuation`` (what ScriptedBackend answers) against SGLang's own
+    ``Req.update_finish_state`` and detokenizer trimming, one character per token (the tiny tokenizer
+    has a token for each of these characters) and the end-of-sequence token after the text: the same
+    text, finish reason and token count, the token limit checked before stop strings and EOS."""
+    from sgl_tts.testing import continuation
+
+    sgl_tok, hf_tok = tokenizers
+    chars = {c: hf_tok.convert_tokens_to_ids(t) for c, t in [("a", "a"), ("b", "b"), (" ", "Ġ"), ("\n", "Ċ")]}
+    rng = random.Random("scripted-double")
+    kinds = set()
+    for _ in range(400):
+        full = "".join(rng.choice("ab \n") for _ in range(rng.randint(0, 9)))
+        stop = rng.choice([(), ("\n\n",), ("ab", "b\n"), ("a",)])
+        limit = rng.randint(1, 11)
+        step, reason, text = sglang_run(sgl_tok, [chars[c] for c in full] + [EOS], limit, stop, (), False, False)
+        ours = continuation(full, stop, limit, eos_token_id=EOS)
+        assert ours == (text, reason, step + 1), (full, stop, limit)
+        kinds.add((reason["type"], isinstance(reason.get("matched"), int)))
+        if reason["type"] == "length" and any(full[:limit].endswith(s) for s in stop):
+            kinds.add("stop string on the last allowed token")
+    assert kinds == {("length", False), ("stop", False), ("stop", True), "stop string on the last allowed token"}

@@ -34,7 +34,8 @@ search-and-learn's recipes turn it on).
 - N // M == 0 (M > N): keeps every active beam (``argsort[-0:]`` is everything), not one;
 - expansion: the kept beams are repeated cyclically to N (b0, b1, ..., b0, b1, ...), not M each;
 - result: the first N completed beams (``sort_completed=True``: the N best), refilled to N by
-  repeating them; the pick is the best aggregated score among those (ties to the first);
+  repeating them; the pick is the best aggregated score among those (ties to the first); each
+  trajectory's steps are its text split on the delimiter, as its PRM scored them;
 - lookahead: search-and-learn generates lookahead steps its beam search never reads; not generated;
 - ``branching`` and ``lookahead`` do not apply; ``filter_duplicates`` compares whole texts.
 
@@ -305,7 +306,8 @@ def _search_and_learn(s, question, prm, n, m, iterations, step_tokens, temperatu
         completed = sorted(completed, key=lambda b: aggregate(b.scores, aggregation), reverse=True)
     completed = completed[:n]
     completed = (completed * (n // len(completed) + 1))[:n]   # refilled to n by repeating
-    pool = [Trajectory([p.strip() for p in b.text.split(delimiter) if p.strip()], b.scores,
+    # steps as its PRM saw them (step_scores[i] scores steps[i]): split on the delimiter, unstripped
+    pool = [Trajectory(b.text.split(delimiter), b.scores,
                        aggregate(b.scores, aggregation), extract_answer(b.text, answer_pattern), b.tokens, True,
                        time.perf_counter() - t0) for b in completed]
     answer = pool[int(np.argmax([t.score for t in pool]))].answer

@@ -64,6 +64,10 @@ class RunConfig:
         aggregation: step scores to one score: ``last``, ``min``, ``prod`` or ``mean``.
         branching: beam search children per beam: ``equal`` or ``proportional`` (dynamic branching).
         lookahead: beam search lookahead rollout steps (0: none).
+        filter_duplicates: beam search drops an open candidate whose path equals an earlier one's.
+        semantics: beam search as sgl-tts defines it (``sgl-tts``) or as huggingface/search-and-learn
+            runs it (``search-and-learn``; see ``programs/beam_search.py`` for every difference).
+        sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
         seed: sampling seed of the run (each sample's seed derives from it).
         delimiter: step delimiter.
         answer_pattern: regex whose first group is the answer.
@@ -94,6 +98,9 @@ class RunConfig:
     aggregation: str = "last"
     branching: str = "equal"
     lookahead: int = 0
+    filter_duplicates: bool = False
+    semantics: str = "sgl-tts"
+    sort_completed: bool = False
     seed: int = 0
     delimiter: str = STEP_DELIMITER
     answer_pattern: str = BOXED
@@ -113,6 +120,10 @@ class RunConfig:
     # dataset's path is one: a resumed run checks each written problem's question instead.
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
         "problems", "output", "limit", "in_flight", "plot", "progress", "runtime")
+    # Settings added after runs were written: at their default they stay out of the run key, so an
+    # earlier run (which behaved as the default) still resumes.
+    KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
+        "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False}
 
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
@@ -147,6 +158,16 @@ class RunConfig:
             bad(f"lookahead must be >= 0, got {self.lookahead}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
+        if self.semantics not in ("sgl-tts", "search-and-learn"):
+            bad(f"unknown semantics {self.semantics!r}; choose sgl-tts or search-and-learn")
+        if self.program != "beam_search" and (self.semantics != "sgl-tts" or self.filter_duplicates
+                                              or self.sort_completed):
+            bad("semantics, filter_duplicates and sort_completed are beam_search settings")
+        if self.semantics == "search-and-learn" and (self.branching != "equal" or self.lookahead):
+            bad("semantics search-and-learn has no branching or lookahead (its beam search never reads "
+                "its lookahead steps)")
+        if self.sort_completed and self.semantics != "search-and-learn":
+            bad("sort_completed needs semantics search-and-learn")
         if self.prm_kind not in PRM_KINDS:
             bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}")
         if self.program == "dvts" and self.n < self.beam_width:
@@ -162,7 +183,8 @@ class RunConfig:
 
     def run_key(self) -> str:
         """A short hash of every setting that changes results (a resumed run must match it)."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY
+                  and not (k in self.KEYED_WHEN_SET and v == self.KEYED_WHEN_SET[k])}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
@@ -176,7 +198,9 @@ class RunConfig:
         tree = dict(common, prm=prm, num_beams=self.n, beam_width=self.beam_width,
                     max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation)
         if self.program == "beam_search":
-            tree.update(branching=self.branching, lookahead=self.lookahead)
+            tree.update(branching=self.branching, lookahead=self.lookahead,
+                        filter_duplicates=self.filter_duplicates, semantics=self.semantics,
+                        sort_completed=self.sort_completed)
         return tree
 
 

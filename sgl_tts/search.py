@@ -224,7 +224,7 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
 
     Each state gets ``sgl_tts.gen(name, stop=delimiter, ...)``; the stop string is not kept in the
     state's text (SGLang trims it), so a program appends ``delimiter`` before the next step, unless
-    the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`continue_path`). ``tags`` put
+    the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`advance`). ``tags`` put
     each request's place in the search (:class:`~sgl_tts.tts_request.SearchTag`) into its
     ``custom_params`` and ``rid`` (``attempt`` distinguishes repeated requests at one place), which the
     sgl-tts scheduler plugin orders by; stock servers ignore them.

@@ -6,6 +6,8 @@ the end-to-end ones use the shipped tiny models on the CPU backend, including a 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -83,6 +85,12 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     assert (cfg.program, cfg.n, cfg.beam_width, cfg.step_tokens, cfg.prm, cfg.temperature, cfg.progress) == \
         ("dvts", 6, 3, [8, 8, 32], "/models/prm", 0.5, False)
     assert cfg.max_depth == RunConfig.max_depth  # untouched default
+    args = ap.parse_args(["--config", str(conf), "--program", "beam_search", "--semantics", "search-and-learn",
+                          "--filter-duplicates", "--sort-completed"])
+    sal = experiment.config_from_args(args)
+    assert {k: v for k, v in sal.program_arguments("Q", None).items() if k in ("semantics", "filter_duplicates",
+                                                                           "sort_completed")} == \
+        {"semantics": "search-and-learn", "filter_duplicates": True, "sort_completed": True}
     args = ap.parse_args(["--config", str(conf)])
     from_yaml = experiment.config_from_args(args)
     assert (from_yaml.n, from_yaml.step_tokens, from_yaml.prm) == (12, [16, 64], "/models/a")
@@ -98,6 +106,11 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     ({"n": 0}, "n must be a positive integer, got 0"),
     ({"aggregation": "max"}, "unknown aggregation 'max'; choose one of last, min, prod, mean"),
     ({"program": "dvts", "n": 2, "beam_width": 4}, "dvts needs n >= beam_width, got n=2 and beam_width=4"),
+    ({"semantics": "sal"}, "unknown semantics 'sal'; choose sgl-tts or search-and-learn"),
+    ({"program": "dvts", "semantics": "search-and-learn"}, "semantics, filter_duplicates and sort_completed are "
+                                                            "beam_search settings"),
+    ({"semantics": "search-and-learn", "lookahead": 2}, "semantics search-and-learn has no branching or lookahead"),
+    ({"sort_completed": True}, "sort_completed needs semantics search-and-learn"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, content, message):
     conf = tmp_path / "run.yaml"
@@ -110,6 +123,13 @@ def test_bad_settings_name_the_setting(tmp_path, content, message):
 def test_settings_that_change_results_change_the_run_key(tmp_path):
     a = cfg_for(tmp_path)
     assert a.run_key() == cfg_for(tmp_path, in_flight=1, output="elsewhere.jsonl", plot="x.png").run_key()
+    beam = cfg_for(tmp_path, program="beam_search")
+    assert beam.run_key() != cfg_for(tmp_path, program="beam_search", semantics="search-and-learn").run_key()
+    assert beam.run_key() != cfg_for(tmp_path, program="beam_search", filter_duplicates=True).run_key()
+    # a setting added later stays out of the key at its default: runs written before it still resume
+    fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
+              and k not in ("filter_duplicates", "semantics", "sort_completed")}
+    assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     assert a.run_key() != cfg_for(tmp_path, n=4).run_key()
     assert a.run_key() != cfg_for(tmp_path, seed=1).run_key()
 

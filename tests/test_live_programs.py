@@ -25,11 +25,14 @@ CASES = {
     "beam_search_proportional": dict(program="beam_search", n=4, beam_width=2, branching="proportional"),
     "beam_search_schedule": dict(program="beam_search", n=4, beam_width=2, step_tokens=[8, 64]),
     "beam_search_lookahead": dict(program="beam_search", n=4, beam_width=2, lookahead=1),
+    "beam_search_search_and_learn": dict(program="beam_search", n=4, beam_width=2, semantics="search-and-learn",
+                                         filter_duplicates=True, max_depth=8),
     "dvts": dict(program="dvts", n=4, beam_width=2),
     "best_of_n": dict(program="best_of_n", n=4),
 }
 # the variants cost more per problem (lookahead rolls out every candidate): fewer problems
-PROBLEMS_OF = {"beam_search_lookahead": 20, "beam_search_schedule": 20, "beam_search_proportional": 20}
+PROBLEMS_OF = {"beam_search_lookahead": 20, "beam_search_schedule": 20, "beam_search_proportional": 20,
+               "beam_search_search_and_learn": 20}
 
 
 def binomial_tolerance(p: float, n: int) -> float:

@@ -143,8 +143,9 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
             if _answers(spec.health_url):   # e.g. a server left running by a killed earlier run
                 raise ServerFailed(f"something already answers at {spec.health_url}; stop it (or pick another "
                                    f"port) before starting the {spec.name} server")
-            server = ManagedServer(spec, out=out, env=spec.env)
-            started.append(server)
+            with signals_held():   # a server that was started is always in ``started``, so stopped
+                server = ManagedServer(spec, out=out, env=spec.env)
+                started.append(server)
             deadline = time.monotonic() + health_timeout
             while not server.healthy():
                 if not server.alive():
@@ -162,6 +163,27 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
     finally:
         for server in reversed(started):
             server.stop(grace)
+
+
+@contextlib.contextmanager
+def signals_held(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)):
+    """Within it, Ctrl-C and SIGTERM wait: they are delivered on the way out, to the handlers in place
+    before, so a step such as "start a server, then register it for clean-up" is never cut in two (a
+    server started but not registered would outlive the command: it runs in its own process group).
+    Blocking the signals instead would be inherited by the children. Main thread only; elsewhere a
+    no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(got):
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager

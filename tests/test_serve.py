@@ -5,6 +5,7 @@ start, no orphan (grandchildren included), and the planned commands."""
 from __future__ import annotations
 
 import os
+import signal
 import re
 import socket
 import sys
@@ -110,6 +111,27 @@ def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
     assert "[generator] ready" in text and "[prm] ready" in text
     assert text.index("[generator] ready") < text.index("[prm] starting")   # the second waits for the first
     assert all(gone(pid) for pid in grandchildren(text))
+
+
+def test_a_sigterm_that_lands_just_after_a_server_started_still_stops_it(stand_in, monkeypatch):
+    """The signal comes right after the child was spawned, before run_servers has registered it (the
+    wrapper below places it there every time): the server must still be stopped on the way out."""
+    from sgl_tts import serve
+
+    spawned = []
+    real_init = serve.ManagedServer.__init__
+
+    def init_then_signal(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        spawned.append(self.proc)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(serve.ManagedServer, "__init__", init_then_signal)
+    log = Log()
+    with pytest.raises(KeyboardInterrupt):
+        with serve.sigterm_stops_servers():
+            run_servers([stand_in("generator", "ok")], health_timeout=30, poll=0.1, out=log, grace=5)
+    assert len(spawned) == 1 and spawned[0].poll() is not None, "the server outlived the command"
 
 
 def test_a_port_that_already_answers_is_refused_before_anything_starts(stand_in):

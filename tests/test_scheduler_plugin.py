@@ -44,12 +44,12 @@ set_global_server_args_for_scheduler(SERVER_ARGS)
 class Cache:
     """SGLang's RadixCache with real CPU pools (what a scheduler's tree cache is)."""
 
-    def __init__(self, size=200_000):
+    def __init__(self, size=200_000, page_size=1):
         self.allocator = TokenToKVPoolAllocator(size=size, dtype=torch.float16, device="cpu",
                                                 kvcache=None, need_sort=False)
         self.pool = pool = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
         self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
-                                               token_to_kv_pool_allocator=self.allocator, page_size=1))
+                                               token_to_kv_pool_allocator=self.allocator, page_size=page_size))
 
     def insert(self, tokens):
         ids = array("q", tokens)
@@ -358,6 +358,25 @@ def test_one_sibling_prefills_an_uncached_shared_prefix_the_others_wait_one_roun
     short = [make_req(f"t{i}", list(range(900, 910)) + [i], SearchTag("k", 0, -1, i)) for i in range(3)]
     pol.calc_priority(short)
     assert admit(cache, pol, short) == ["t0", "t1", "t2"]
+
+
+def test_a_shared_prefix_shorter_than_a_page_defers_nobody():
+    """With --page-size 64 the radix cache holds whole pages only: 60 shared tokens are never cached,
+    so deferring the siblings for them would only make them wait (until aging) for nothing. Deferred
+    siblings go behind other work: the order shows who was deferred."""
+    cache = Cache(page_size=64)
+    pol = policy_for(cache)
+    prompt = list(range(100, 160))            # 60 shared tokens: more than dedup (32), less than a page
+    sibs = [make_req(f"s{i}", prompt + [i], SearchTag("g", 0, -1, i)) for i in range(4)]
+    queue = sibs[::-1] + [make_req("o", list(range(500, 520)), SearchTag("h", 0, -1, 0))]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["s0", "s1", "s2", "s3", "o"]
+    # 130 shared tokens hold two whole pages: the siblings wait for the first one's prefill
+    long_prompt = list(range(1000, 1130))
+    sibs = [make_req(f"t{i}", long_prompt + [i], SearchTag("k", 0, -1, i)) for i in range(3)]
+    queue = sibs[::-1] + [make_req("x", list(range(600, 620)), SearchTag("m", 0, -1, 0))]
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue] == ["t0", "x", "t1", "t2"]
 
 
 def test_boosted_first_speculative_only_into_free_slots():

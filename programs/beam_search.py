@@ -20,6 +20,12 @@ each (its tokens count as generated; the rollouts are not kept). ``filter_duplic
 open candidate whose path (its steps) equals an earlier one's before ranking (off by default;
 search-and-learn's recipes turn it on).
 
+Every step request's sampling seed is keyed by (depth, parent candidate, child ordinal), so the same
+seed gives the same samples however the search is scheduled. ``speculative=True`` (speculative beam
+extension with LookAhead verification) and ``overlap_verification=True`` hide generation and
+verification latency without changing a kept beam (:mod:`sgl_tts.pipeline`); ``speculative="truncate"``
+is FlashTTS's approximate R mode.
+
 ``semantics="search-and-learn"`` reproduces huggingface/search-and-learn's ``beam_search``
 (``src/sal/search/beam_search.py``) instead; ``max_depth`` is its ``num_iterations`` and
 ``step_tokens`` its ``max_tokens``. What differs from the default, one line each:
@@ -51,38 +57,13 @@ from typing import Any, Sequence
 import numpy as np
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, SearchResult, SearchTag, Step,
-                            Trajectory, advance, aggregate, derive_seed, expand, expand_proportional,
-                            extract_answer, gen_step, new_group, step_limit, top_k, vote)
+from sgl_tts.pipeline import Beam, Candidate, Speculation, StepPipeline
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
+                            derive_seed, expand, expand_proportional, extract_answer, gen_step, new_group,
+                            step_limit, top_k, vote)
 
 BRANCHING = ("equal", "proportional")
 SEMANTICS = ("sgl-tts", "search-and-learn")
-
-
-@dataclasses.dataclass
-class Beam:
-    """An open path and the SGLang state its next step is generated on."""
-
-    state: Any
-    path: PathSoFar = PathSoFar()
-    tokens: int = 0      # generated along this path
-    parent: int = -1     # its candidate index at the previous depth
-
-
-@dataclasses.dataclass
-class Candidate:
-    """A beam after one more generation, scored."""
-
-    index: int           # among this depth's candidates
-    beam: Beam
-    step: Step
-    grown: Advance
-    scores: list[float]
-    value: float
-
-    @property
-    def tokens(self) -> int:
-        return self.beam.tokens + self.step.tokens
 
 
 @sgl.function
@@ -91,8 +72,12 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                 aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
                 answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0,
                 search_group: str | None = None, filter_duplicates: bool = False,
-                semantics: str = "sgl-tts", sort_completed: bool = False) -> SearchResult:
+                semantics: str = "sgl-tts", sort_completed: bool = False,
+                speculative: "bool | str | Speculation" = False, overlap_verification: bool = False) -> SearchResult:
     _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics)
+    if semantics == "search-and-learn" and (speculative or overlap_verification):
+        raise ValueError("semantics='search-and-learn' runs search-and-learn's own loop; speculative and "
+                         "overlap_verification belong to the default semantics")
     if semantics == "search-and-learn":
         return _search_and_learn(s, question, prm, num_beams, beam_width, max_depth, step_tokens,
                                  sampling_temperature, aggregation, seed, delimiter, answer_pattern,
@@ -100,64 +85,55 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     if sort_completed:
         raise ValueError("sort_completed belongs to semantics='search-and-learn' (the default mode returns "
                          "every finished trajectory)")
+    policy = Speculation.of(speculative)
     t0 = time.perf_counter()
     tag = search_group or new_group()             # the search's id in every request (scheduler plugin)
     s += question + delimiter
-    groups = [s.fork(num_beams)]
-    beams = [Beam(st) for st in groups[0]]
+    pipe = StepPipeline(question, prm, tag, temperature=sampling_temperature, aggregation=aggregation,
+                        delimiter=delimiter, answer_pattern=answer_pattern, bins=beam_width, seed=seed,
+                        seed_of=lambda depth, parent, j: derive_seed("beam_search", seed, question, depth, parent, j),
+                        limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
+                        speculation=policy, overlap=overlap_verification, t0=t0)
+    beams = [Beam(st, ordinal=i) for i, st in enumerate(s.fork(num_beams))]
     keep = max(1, num_beams // beam_width)
     done: list[Trajectory] = []
     best_open: Trajectory | None = None
-    generated = 0
-    for depth in range(max_depth):
-        # 1. every beam samples its next step; the PRM scores every candidate path
-        cands = _grow(beams, question, prm, depth, tag, seed, step_tokens, sampling_temperature,
-                      aggregation, delimiter, answer_pattern)
-        generated += sum(c.step.tokens for c in cands)
-        # 2. finished candidates are set aside; the rest stay open
-        open_cands = []
-        for c in cands:
-            traj = _trajectory(c, delimiter, answer_pattern, t0)
-            if traj.finished:
-                done.append(traj)
-            else:
-                open_cands.append(c)
-                if best_open is None or traj.score > best_open.score:
-                    best_open = traj
-        if len(done) >= num_beams or not open_cands:
-            break
-        if filter_duplicates:
-            open_cands = _first_of_each_path(open_cands)
-        # 3. keep the best N/M open candidates (or their lookahead values) and expand them to N
-        values = [c.value for c in open_cands]
-        if lookahead:
-            values, tokens = _lookahead_values(open_cands, question, prm, lookahead, depth, step_tokens,
-                                               aggregation, delimiter, answer_pattern,
-                                               [SearchTag(tag, depth + 1, c.index, c.index) for c in open_cands])
-            generated += tokens
-        ranked = top_k(values, keep)
-        shares = (expand(len(ranked), num_beams) if branching == "equal"
-                  else expand_proportional([values[r] for r in ranked], num_beams))
-        beams, kid_groups = [], []
-        for r, children in zip(ranked, shares):
-            if not children:
-                continue
-            parent = open_cands[r]
-            kids = parent.beam.state.fork(children)
-            kid_groups.append(kids)
-            for kid in kids:
-                if not parent.grown.continues:  # SGLang trimmed the delimiter that ended the step
-                    kid += delimiter
-                beams.append(Beam(kid, parent.grown.path, parent.tokens, parent.index))
-        for g in groups:   # the parents' states live on in their forks
-            g.join()
-        groups = kid_groups
-    for g in groups:
-        g.join()
+    try:
+        for depth in range(max_depth):
+            # 1. every beam samples its next step; the PRM scores every candidate path
+            cands = pipe.run_depth(beams, depth)
+            beams = []
+            # 2. finished candidates are set aside; the rest stay open
+            open_cands = []
+            for c in cands:
+                traj = _trajectory(c, delimiter, answer_pattern)
+                if traj.finished:
+                    done.append(traj)
+                else:
+                    open_cands.append(c)
+                    if best_open is None or traj.score > best_open.score:
+                        best_open = traj
+            if len(done) >= num_beams or not open_cands:
+                break
+            if filter_duplicates:
+                open_cands = _first_of_each_path(open_cands)
+            # 3. keep the best N/M open candidates (or their lookahead values) and expand them to N
+            values = [c.value for c in open_cands]
+            if lookahead:
+                values, tokens = _lookahead_values(open_cands, question, prm, lookahead, depth, step_tokens,
+                                                   aggregation, delimiter, answer_pattern,
+                                                   [SearchTag(tag, depth + 1, c.index, c.index) for c in open_cands])
+                pipe.costs.tokens_normal += tokens
+            ranked = top_k(values, keep)
+            shares = (expand(len(ranked), num_beams) if branching == "equal"
+                      else expand_proportional([values[r] for r in ranked], num_beams))
+            beams = pipe.expand([(open_cands[r], children) for r, children in zip(ranked, shares) if children], depth)
+    finally:
+        pipe.finish(beams)
     pool = done or ([best_open] if best_open else [])
     pick = top_k([t.score for t in pool], 1)
     answer = pool[pick[0]].answer if pick else None
-    return SearchResult(answer, _answers(answer, pool), pool, generated, time.perf_counter() - t0)
+    return SearchResult.of(answer, _answers(answer, pool), pool, pipe.costs, time.perf_counter() - t0)
 
 
 def _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics):
@@ -179,22 +155,10 @@ def _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching
     step_limit(step_tokens, 0)         # so does a bad schedule
 
 
-def _grow(beams: list[Beam], question: str, prm, depth: int, tag: str, seed: int, step_tokens,
-          temperature: float, aggregation: str, delimiter: str, answer_pattern: str) -> list[Candidate]:
-    seeds = [derive_seed("beam_search", seed, question, depth, i) for i in range(len(beams))]
-    steps = gen_step([b.state for b in beams], f"step{depth}", max_tokens=step_limit(step_tokens, depth),
-                     temperature=temperature, seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern,
-                     tags=[SearchTag(tag, depth, b.parent, i) for i, b in enumerate(beams)])
-    grown = [advance(b.path, x, delimiter, answer_pattern) for b, x in zip(beams, steps)]
-    scores = prm.score(question, [g.scored for g in grown])
-    return [Candidate(i, b, x, g, sc, aggregate(sc, aggregation))
-            for i, (b, x, g, sc) in enumerate(zip(beams, steps, grown, scores))]
-
-
-def _trajectory(c: Candidate, delimiter: str, answer_pattern: str, t0: float) -> Trajectory:
+def _trajectory(c: Candidate, delimiter: str, answer_pattern: str) -> Trajectory:
     path = c.grown.scored
     return Trajectory(path, c.scores, c.value, extract_answer(delimiter.join(path), answer_pattern), c.tokens,
-                      c.grown.finished, time.perf_counter() - t0)
+                      c.grown.finished, c.seconds)
 
 
 def _first_of_each_path(cands: list[Candidate]) -> list[Candidate]:

@@ -10,6 +10,9 @@ is finished (an answer, or EOS); one still open at ``max_depth`` ends with its l
 whole with what continues it: :func:`sgl_tts.search.advance`). Unlike
 beam search no subtree can take over another's budget, which keeps the N/M final answers diverse.
 The pick is the best aggregated score among the subtrees' results (finished ones first).
+``speculative`` and ``overlap_verification`` work as in beam search (:mod:`sgl_tts.pipeline`): a
+candidate whose step ended speculates the next steps of its subtree; they are kept only if it is the
+subtree's pick.
 """
 
 from __future__ import annotations
@@ -19,70 +22,69 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (BOXED, STEP_DELIMITER, PathSoFar, SearchResult, SearchTag, Trajectory, advance,
-                            aggregate, derive_seed, extract_answer, gen_step, new_group, step_limit, top_k, vote)
+from sgl_tts.pipeline import Beam, Speculation, StepPipeline
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
+                            new_group, step_limit, top_k, vote)
 
 
 @sgl.function
 def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
          step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
          aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-         answer_pattern: str = BOXED, search_group: str | None = None) -> SearchResult:
+         answer_pattern: str = BOXED, search_group: str | None = None,
+         speculative: "bool | str | Speculation" = False, overlap_verification: bool = False) -> SearchResult:
     if beam_width < 1 or num_beams < beam_width:
         raise ValueError(f"DVTS needs beam_width >= 1 and num_beams >= beam_width, got num_beams="
                          f"{num_beams} and beam_width={beam_width}")
     step_limit(step_tokens, 0)  # a bad schedule fails before any generation
+    policy = Speculation.of(speculative)
     t0 = time.perf_counter()
     s += question + delimiter
-    roots = s.fork(num_beams // beam_width)
-    live = [(i, st, PathSoFar(), 0) for i, st in enumerate(roots)]  # (subtree, state, path, tokens)
     tag = search_group or new_group()  # the search's id in every request (scheduler plugin)
+    trees = num_beams // beam_width
+    # a candidate's subtree: its parent's at every depth after the first (root beam i is subtree i)
+    tree_of: dict[tuple[int, int], int] = {}   # (depth, candidate index) -> subtree
+    pipe = StepPipeline(question, prm, tag, temperature=sampling_temperature, aggregation=aggregation,
+                        delimiter=delimiter, answer_pattern=answer_pattern, bins=beam_width, seed=seed,
+                        seed_of=lambda depth, parent, j: derive_seed(
+                            "dvts", seed, question, *((j // beam_width, depth, j % beam_width) if depth == 0
+                                                      else (tree_of[(depth - 1, parent)], depth, j))),
+                        limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
+                        speculation=policy, overlap=overlap_verification, t0=t0)
+    # the root forks once per subtree and each subtree's root forks its M candidates, as at every depth
+    beams = []
+    for tree, st in enumerate(s.fork(trees)):
+        beams += [Beam(kid, ordinal=tree * beam_width + j) for j, kid in enumerate(st.fork(beam_width))]
+        st.stream_executor.end()   # the subtree's root lives on in its forks
     results: dict[int, Trajectory] = {}
-    groups = [roots]
-    generated = 0
-    for depth in range(max_depth):
-        forks, kid_groups = [], []
-        for tree, st, path, used in live:
-            kids = st.fork(beam_width)
-            kid_groups.append(kids)
-            forks += [(tree, kid, path, used) for kid in kids]
-        for g in groups:  # the parents' groups: their states live on in the forks
-            g.join()
-        groups = kid_groups
-        seeds = [derive_seed("dvts", seed, question, f[0], depth, j % beam_width)
-                 for j, f in enumerate(forks)]
-        steps = gen_step([f[1] for f in forks], f"step{depth}",
-                         max_tokens=step_limit(step_tokens, depth), temperature=sampling_temperature,
-                         seeds=seeds, delimiter=delimiter, answer_pattern=answer_pattern,
-                         tags=[SearchTag(tag, depth, f[0] if depth else -1, f[0] * beam_width + j % beam_width)
-                               for j, f in enumerate(forks)])
-        generated += sum(x.tokens for x in steps)
-        grown = [advance(path, x, delimiter, answer_pattern) for (_, _, path, _), x in zip(forks, steps)]
-        paths = [g.scored for g in grown]
-        scores = prm.score(question, paths)
-        nxt = []
-        for k in range(len(live)):
-            block = range(k * beam_width, (k + 1) * beam_width)
-            best = block[top_k([aggregate(scores[j], aggregation) for j in block], 1)[0]]
-            tree, kid, _, used = forks[best]
-            x = steps[best]
-            finished = grown[best].finished
-            results[tree] = Trajectory(paths[best], scores[best], aggregate(scores[best], aggregation),
-                                       extract_answer(delimiter.join(paths[best]), answer_pattern),
-                                       used + x.tokens, finished, time.perf_counter() - t0)
-            if not finished:
-                if not grown[best].continues:  # SGLang trimmed the delimiter that ended the step
-                    kid += delimiter
-                nxt.append((tree, kid, grown[best].path, used + x.tokens))
-        live = nxt
-        if not live:
-            break
-    for g in groups:
-        g.join()
+    try:
+        for depth in range(max_depth):
+            for i, b in enumerate(beams):
+                tree_of[(depth, i)] = b.ordinal // beam_width if depth == 0 else tree_of[(depth - 1, b.parent)]
+            cands = pipe.run_depth(beams, depth)
+            beams = []
+            kept = []
+            for tree in range(trees):
+                block = [c for c in cands if tree_of[(depth, c.index)] == tree]
+                if not block:
+                    continue
+                best = block[top_k([c.value for c in block], 1)[0]]
+                finished = best.grown.finished
+                path = best.path
+                results[tree] = Trajectory(path, best.scores, best.value,
+                                           extract_answer(delimiter.join(path), answer_pattern),
+                                           best.tokens, finished, best.seconds)
+                if not finished:
+                    kept.append((best, beam_width))
+            if not kept:
+                break
+            beams = pipe.expand(kept, depth)
+    finally:
+        pipe.finish(beams)
     pool = [results[t] for t in sorted(results)]
     eligible = [i for i, t in enumerate(pool) if t.finished] or list(range(len(pool)))
     ranked = top_k([pool[i].score for i in eligible], 1)
     answer = pool[eligible[ranked[0]]].answer if ranked else None
     answers = {"prm_best": answer, "majority": vote([t.answer for t in pool]),
                "prm_weighted": vote([t.answer for t in pool], [t.score for t in pool])}
-    return SearchResult(answer, answers, pool, generated, time.perf_counter() - t0)
+    return SearchResult.of(answer, answers, pool, pipe.costs, time.perf_counter() - t0)

@@ -68,6 +68,10 @@ class RunConfig:
         semantics: beam search as sgl-tts defines it (``sgl-tts``) or as huggingface/search-and-learn
             runs it (``search-and-learn``; see ``programs/beam_search.py`` for every difference).
         sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
+        speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
+            trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
+            with LookAhead verification (see :mod:`sgl_tts.pipeline`).
+        overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         seed: sampling seed of the run (each sample's seed derives from it).
         delimiter: step delimiter.
         answer_pattern: regex whose first group is the answer.
@@ -101,6 +105,8 @@ class RunConfig:
     filter_duplicates: bool = False
     semantics: str = "sgl-tts"
     sort_completed: bool = False
+    speculative: str = "off"
+    overlap_verification: bool = False
     seed: int = 0
     delimiter: str = STEP_DELIMITER
     answer_pattern: str = BOXED
@@ -123,7 +129,12 @@ class RunConfig:
     # Settings added after runs were written: at their default they stay out of the run key, so an
     # earlier run (which behaved as the default) still resumes.
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
-        "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False}
+        "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False,
+        # never change a kept beam (exact); truncate changes samples, so it is keyed
+        "speculative": "off", "overlap_verification": False}
+    # Settings that never change a result: the same key with them on or off (a run may resume either way).
+    SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
+        "speculative": ("off", "exact"), "overlap_verification": (False, True)}
 
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
@@ -168,6 +179,11 @@ class RunConfig:
                 "its lookahead steps)")
         if self.sort_completed and self.semantics != "search-and-learn":
             bad("sort_completed needs semantics search-and-learn")
+        if self.speculative not in ("off", "exact", "truncate"):
+            bad(f"unknown speculative mode {self.speculative!r}; choose off, exact or truncate")
+        if (self.speculative != "off" or self.overlap_verification) and (
+                self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
+            bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)")
         if self.prm_kind not in PRM_KINDS:
             bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}")
         if self.program == "dvts" and self.n < self.beam_width:
@@ -184,7 +200,12 @@ class RunConfig:
     def run_key(self) -> str:
         """A short hash of every setting that changes results (a resumed run must match it)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY
-                  and not (k in self.KEYED_WHEN_SET and v == self.KEYED_WHEN_SET[k])}
+                  and not (k in self.KEYED_WHEN_SET and v == self.KEYED_WHEN_SET[k])
+                  and not (k in self.SAME_RESULTS and v in self.SAME_RESULTS[k])}
+        if self.program == "beam_search" and self.semantics == "sgl-tts":
+            # its step seeds are keyed by (depth, parent, child) since issue 18 (before: by beam index),
+            # so a run written before samples differently and does not resume into this one
+            fields["seeds"] = SEED_SCHEME
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
@@ -197,11 +218,18 @@ class RunConfig:
                         aggregation=self.aggregation, max_tokens=self.max_tokens)
         tree = dict(common, prm=prm, num_beams=self.n, beam_width=self.beam_width,
                     max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation)
+        if self.speculative != "off":
+            tree.update(speculative=self.speculative)
+        if self.overlap_verification:
+            tree.update(overlap_verification=True)
         if self.program == "beam_search":
             tree.update(branching=self.branching, lookahead=self.lookahead,
                         filter_duplicates=self.filter_duplicates, semantics=self.semantics,
                         sort_completed=self.sort_completed)
         return tree
+
+
+SEED_SCHEME = "depth-parent-ordinal"
 
 
 def program_function(name: str):
@@ -421,7 +449,10 @@ def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, 
         "reference": problem.answer, "answer": result.answer, "answers": answers,
         "subsampled": sub, "run_key": cfg.run_key(),
         "tokens_generated": result.tokens_generated, "tokens_kept": result.tokens_kept,
+        "tokens_speculative": result.tokens_speculative, "tokens_reused": result.tokens_reused,
         "seconds": round(result.seconds, 4),
+        "seconds_generating": round(result.seconds_generating, 4),
+        "seconds_verifying": round(result.seconds_verifying, 4),
         "trajectories": [{"steps": t.steps, "step_scores": [round(x, 6) for x in t.step_scores],
                           "score": round(t.score, 6), "answer": t.answer, "tokens": t.tokens,
                           "finished": t.finished, "seconds": round(t.seconds, 4)}
@@ -490,6 +521,10 @@ class Summary:
     tokens_kept: int
     n: int
     exact_subsampling: bool = True  # best-of-N: the first N' samples are a run at N'
+    tokens_speculative: int = 0     # of tokens_generated: by speculative requests
+    tokens_reused: int = 0          # of those: taken over by a kept child
+    seconds_generating: float = 0.0  # summed over problems: waiting for steps (step-wise searches)
+    seconds_verifying: float = 0.0   # waiting for scores once a depth's last step ended
 
     def table(self) -> str:
         lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
@@ -514,6 +549,13 @@ class Summary:
         lines.append(f"tokens generated {self.tokens_generated}, kept in returned trajectories "
                      f"{self.tokens_kept} ({100 * kept:.0f}%; a shared ancestor counts once per "
                      f"trajectory)")
+        if self.tokens_speculative:
+            lines.append(f"speculative tokens {self.tokens_speculative} ({self.tokens_reused} reused by kept "
+                         f"children, {self.tokens_speculative - self.tokens_reused} wasted); normal "
+                         f"{self.tokens_generated - self.tokens_speculative}")
+        if self.seconds_generating or self.seconds_verifying:
+            lines.append(f"waiting per problem: generator {self.seconds_generating / max(1, self.problems):.2f} s, "
+                         f"verifier {self.seconds_verifying / max(1, self.problems):.2f} s")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -554,7 +596,11 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
                          "p90": _quantile(lat, 0.9), "max": max(lat, default=0.0)},
         tokens_generated=sum(r["tokens_generated"] for r in records),
         tokens_kept=sum(r["tokens_kept"] for r in records), n=n,
-        exact_subsampling=program in ("best_of_n", "self_consistency"))
+        exact_subsampling=program in ("best_of_n", "self_consistency"),
+        tokens_speculative=sum(r.get("tokens_speculative", 0) for r in records),
+        tokens_reused=sum(r.get("tokens_reused", 0) for r in records),
+        seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),
+        seconds_verifying=sum(r.get("seconds_verifying", 0.0) for r in records))
 
 
 def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathLike, title: str) -> Path:

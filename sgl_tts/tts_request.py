@@ -30,6 +30,8 @@ class SearchTag:
             ``-1`` at the root).
         beam: this request's beam index at ``depth``.
         cls: ``normal``, ``speculative`` or ``boosted``.
+        ordinal: its place among its parent's children (what its sampling seed is keyed by), when
+            that differs from ``beam``: a speculative request is a child before it has a beam index.
     """
 
     group: str
@@ -37,6 +39,7 @@ class SearchTag:
     parent: int = -1
     beam: int = 0
     cls: str = "normal"
+    ordinal: int | None = None
 
     def __post_init__(self):
         if self.cls not in CLASSES:
@@ -45,8 +48,11 @@ class SearchTag:
             raise ValueError(f"a search group must be a non-empty id without '/', got {self.group!r}")
 
     def custom_params(self) -> dict[str, Any]:
-        return {"tts_group": self.group, "tts_depth": self.depth, "tts_parent": self.parent,
-                "tts_beam": self.beam, "tts_class": self.cls}
+        params = {"tts_group": self.group, "tts_depth": self.depth, "tts_parent": self.parent,
+                  "tts_beam": self.beam, "tts_class": self.cls}
+        if self.ordinal is not None:
+            params["tts_ordinal"] = self.ordinal
+        return params
 
     def rid(self, attempt: str = "") -> str:
         """A request id that starts with the group (``tts/<group>/<depth>/<beam>``), unique per
@@ -61,7 +67,8 @@ class SearchTag:
         try:
             return cls(str(params["tts_group"]), int(params.get("tts_depth", 0)),
                        int(params.get("tts_parent", -1)), int(params.get("tts_beam", 0)),
-                       str(params.get("tts_class", "normal")))
+                       str(params.get("tts_class", "normal")),
+                       None if params.get("tts_ordinal") is None else int(params["tts_ordinal"]))
         except (TypeError, ValueError):
             return None
 

@@ -128,18 +128,19 @@ def answer_of(path):
 def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="equal", lookahead=0,
                     script=None, filter_duplicates=False):
     """Beam search as its docstring defines it. Returns (PRM calls, trajectories, generated)."""
-    beams = [("", 0)] * n            # (body generated so far, tokens)
+    beams = [("", 0, -1, i) for i in range(n)]   # (body so far, tokens, parent candidate, child ordinal)
     calls, done, best_open, generated = [], [], None, 0
     keep = max(1, n // m)
     for depth in range(max_depth):
         cands = []
-        for i, (body, used) in enumerate(beams):
-            piece, reason, tok = sample(q + D + body, derive_seed("beam_search", 0, q, depth, i),
+        for i, (body, used, parent, ordinal) in enumerate(beams):
+            # a step's seed: its depth, its parent's candidate index and its place among that parent's children
+            piece, reason, tok = sample(q + D + body, derive_seed("beam_search", 0, q, depth, parent, ordinal),
                                         limit_at(step_tokens, depth), script)
             generated += tok
             note_events(body, piece, reason)
             path, fin, _ = judge(body + piece, reason)
-            cands.append((extend(body, piece, reason), path, fin, used + tok))
+            cands.append((extend(body, piece, reason), path, fin, used + tok, i))
         calls.append([x[1] for x in cands])
         opened = []
         for x in cands:
@@ -179,8 +180,8 @@ def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="e
                     shares[j] += 1
         beams = []
         for r, count in zip(top, shares):
-            body, _, _, used = opened[r][0]
-            beams += [(body, used)] * count
+            body, _, _, used, index = opened[r][0]
+            beams += [(body, used, index, j) for j in range(count)]
     pool = done or ([best_open] if best_open else [])
     return calls, pool, generated
 
@@ -188,7 +189,7 @@ def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="e
 def ref_rollouts(cands, q, k, depth, step_tokens, how, script=None):
     """Each candidate rolled ``k`` steps further greedily (no seed); valued by the rolled path."""
     paths, spent = [], 0
-    for body, path, _, _ in cands:
+    for body, path, *_ in cands:
         for j in range(k):
             piece, reason, tok = sample(q + D + body, None, limit_at(step_tokens, depth + 1 + j), script)
             spent += tok
@@ -241,7 +242,7 @@ def pick(pool):
 BEAM_CASES = [
     dict(num_beams=5, beam_width=2, max_depth=8),                       # N not divisible by M
     dict(num_beams=8, beam_width=4, max_depth=8, aggregation="min"),
-    dict(num_beams=7, beam_width=3, max_depth=3),                       # most beams open at max depth
+    dict(num_beams=7, beam_width=3, max_depth=2),                       # most beams open at max depth
     dict(num_beams=8, beam_width=2, max_depth=8, branching="proportional"),
     dict(num_beams=6, beam_width=2, max_depth=8, step_tokens=[2, 2, 64]),   # varying granularity
     dict(num_beams=6, beam_width=3, max_depth=6, lookahead=2),
@@ -345,7 +346,11 @@ def test_ties_go_to_the_earlier_beam_a_worked_example():
     first, gets the extra child. The second step is an answer; \\boxed{2} and \\boxed{5} tie, the
     earlier one is the pick."""
     q = "Q"
-    index = {derive_seed("beam_search", 0, q, depth, i): i for depth in range(2) for i in range(7)}
+    # a step's seed is keyed by (depth, parent candidate, child ordinal); number the second steps 0..6
+    # in expansion order: b1's four children, then b3's three
+    index = {derive_seed("beam_search", 0, q, 0, -1, i): i for i in range(7)}
+    index |= {derive_seed("beam_search", 0, q, 1, 1, j): j for j in range(4)}
+    index |= {derive_seed("beam_search", 0, q, 1, 3, j): 4 + j for j in range(3)}
 
     def script(prefix: str, draw: int | None) -> str:
         return f"b{index[draw]}" + D if prefix == q + D else f"\\boxed{{{index[draw]}}}"
@@ -404,12 +409,18 @@ def test_every_request_carries_its_place_in_the_search(program, kwargs):
         if depth == 0:
             assert parent == -1 and d.prefix == QUESTIONS[0] + D
             continue
-        if program is dvts:  # DVTS names its subtree as the parent
-            assert parent == beam // kwargs["beam_width"]
-            continue
-        up = steps[(depth - 1, parent)]
+        up = steps[(depth - 1, parent)]   # the parent is its candidate index at the previous depth
         assert d.prefix.startswith(up.prefix + up.text), (depth, beam)
     assert all(d.custom_params["tts_class"] == "normal" for d in draws)
+    # siblings are numbered 0, 1, ... in beam order (the ordinal keys a step's seed)
+    for depth in {k[0] for k in steps}:
+        if depth == 0:
+            continue
+        families: dict[int, list[int]] = {}
+        for (dd, beam), d in sorted(steps.items()):
+            if dd == depth:
+                families.setdefault(d.custom_params["tts_parent"], []).append(d.custom_params["tts_ordinal"])
+        assert all(o == list(range(len(o))) for o in families.values()), families
 
 
 def jagged(prefix: str, draw: int | None) -> str:

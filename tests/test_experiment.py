@@ -111,6 +111,9 @@ def test_yaml_then_flags_override_defaults(tmp_path):
                                                             "beam_search settings"),
     ({"semantics": "search-and-learn", "lookahead": 2}, "semantics search-and-learn has no branching or lookahead"),
     ({"sort_completed": True}, "sort_completed needs semantics search-and-learn"),
+    ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact or truncate"),
+    ({"program": "best_of_n", "overlap_verification": True},
+     "speculative and overlap_verification are settings of beam_search and dvts"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, content, message):
     conf = tmp_path / "run.yaml"
@@ -128,8 +131,14 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     assert beam.run_key() != cfg_for(tmp_path, program="beam_search", filter_duplicates=True).run_key()
     # a setting added later stays out of the key at its default: runs written before it still resume
     fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
-              and k not in ("filter_duplicates", "semantics", "sort_completed")}
+              and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
+                            "overlap_verification")}
+    fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    # exact speculation and overlapped verification never change a result: the same key
+    assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact",
+                                     overlap_verification=True).run_key()
+    assert beam.run_key() != cfg_for(tmp_path, program="beam_search", speculative="truncate").run_key()
     assert a.run_key() != cfg_for(tmp_path, n=4).run_key()
     assert a.run_key() != cfg_for(tmp_path, seed=1).run_key()
 
@@ -311,6 +320,29 @@ def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, cap
     # Rerun: everything is done already; nothing is added.
     assert experiment.main(argv) == 0
     assert len(lines(out)) == 3
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts"])
+def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectories(tmp_path, program, capsys):
+    """LocalBackend (priority admission: speculative requests after normal ones), the real tiny
+    generator and PRM: the same seeds give the same samples, so exact speculation with LookAhead and
+    overlapped verification returns every trajectory of the plain run, and reports its tokens."""
+    problems = tmp_path / "problems.jsonl"
+    from sgl_tts import task
+    task.write_jsonl(task.test_split()[:2], problems)
+    runs = {}
+    for name, extra in (("plain", []), ("spec", ["--speculative", "exact", "--overlap-verification"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert experiment.main(["--problems", str(problems), "--output", str(out), "--program", program,
+                                "--n", "4", "--beam-width", "2", "--no-progress", "--json", *extra]) == 0
+        runs[name] = (json.loads(capsys.readouterr().out)["summary"], lines(out))
+    (plain_s, plain), (spec_s, spec) = runs["plain"], runs["spec"]
+    for a, b in zip(sorted(plain, key=lambda r: r["index"]), sorted(spec, key=lambda r: r["index"])):
+        assert [(t["steps"], t["step_scores"], t["tokens"]) for t in a["trajectories"]] == \
+               [(t["steps"], t["step_scores"], t["tokens"]) for t in b["trajectories"]]
+        assert a["answers"] == b["answers"] and a["run_key"] == b["run_key"]
+        assert b["tokens_generated"] - b["tokens_speculative"] + b["tokens_reused"] == a["tokens_generated"]
+    assert spec_s["tokens_speculative"] > 0 and spec_s["tokens_reused"] > 0 and plain_s["tokens_speculative"] == 0
 
 
 def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):

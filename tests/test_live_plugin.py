@@ -235,3 +235,35 @@ def test_speculative_requests_run_on_when_arrivals_fit(live):
     assert out["probe"] == 200 and all(r["meta_info"]["completion_tokens"] == 8 for r in out["plain"])
     assert [r["meta_info"]["completion_tokens"] for r in out["spec"]] == [160] * 4
     assert [r["meta_info"]["finish_reason"] for r in out["spec"]] == [{"type": "length", "length": 160}] * 4
+
+
+def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothing_running(live, local_prm):
+    """Speculative beam extension (exact mode, LookAhead, overlapped verification) on the live
+    generator with the plugin: speculative requests reach its scheduler as such (tagged with their
+    parent), every kept trajectory is the plain search's (seeded sampling: the same samples), and
+    once the search returns nothing of it is left running or waiting (pruned branches aborted)."""
+    from sgl_tts.pipeline import Speculation
+
+    url = live.url("generator")
+    backend = SGLangEndpoint(url)
+    problems = task.test_split()[30:33]
+    start = len(live.metrics_records("generator"))
+    got = {}
+    for name, opts in (("plain", {}), ("spec", {"speculative": Speculation(), "overlap_verification": True})):
+        states = beam_search.run_batch(
+            [{"question": p.question, "prm": local_prm, "num_beams": 8, "beam_width": 2, "max_depth": 10,
+              "search_group": f"live-{name}-{i}", **opts} for i, p in enumerate(problems)],
+            backend=backend, num_threads=len(problems))
+        assert all(st.error() is None for st in states), [st.error() for st in states]
+        got[name] = [st.ret_value for st in states]
+        if name == "spec":
+            ld = loads(url)
+            assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0), ld
+    for plain, spec in zip(got["plain"], got["spec"]):
+        assert [(t.steps, t.step_scores, t.answer) for t in spec.trajectories] == \
+               [(t.steps, t.step_scores, t.answer) for t in plain.trajectories]
+        assert plain.tokens_generated == spec.tokens_normal + spec.tokens_reused
+    assert sum(r.tokens_reused for r in got["spec"]) > 0
+    rids = [req["rid"] for rec in metrics_since(live, "generator", start) if rec["event"] == "prefill"
+            for req in rec["requests"]]
+    assert any(r.startswith("tts/live-spec-") and "/spec" in r for r in rids)

@@ -191,7 +191,16 @@ class SGLangEndpoint(RuntimeEndpoint):
         ``tts/<group>/``; needs the sgl-tts plugin on the server, see docs/SCHEDULER_PLUGIN.md)."""
         from sgl_tts.plugin.abort import group_prefix
 
-        res = self._http("/abort_request", {"rid": group_prefix(group)})
+        self.abort_prefix(group_prefix(group))
+
+    def abort_prefix(self, prefix: str) -> None:
+        """Abort every queued and running request whose rid starts with ``prefix``, a ``tts/<group>/``
+        prefix or a deeper one ending in ``/`` (e.g. one speculative branch's; sgl-tts plugin)."""
+        from sgl_tts.plugin.abort import is_group_prefix
+
+        if not is_group_prefix(prefix):
+            raise ValueError(f"an abort prefix must start with 'tts/<group>/' and end with '/', got {prefix!r}")
+        res = self._http("/abort_request", {"rid": prefix})
         self._assert_success(res)
 
     def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,

@@ -181,7 +181,7 @@ class LocalBackend(BaseBackend):
         sampling, logprobs = self._specs(params, fields)
         ids = self.encode(text)
         comp = self.engine.submit(ids, sampling, logprobs, rid=fields.rid,
-                                  priority=fields.priority or 0).result()
+                                  priority=admission_priority(fields)).result()
         if fields.custom_params is not None or fields.priority is not None:
             comp.meta_info["request_fields"] = {"priority": fields.priority,
                                                 "custom_params": fields.custom_params}
@@ -231,6 +231,18 @@ class LocalBackend(BaseBackend):
         return sampling, logprobs
 
 
+
+
+def admission_priority(fields: RequestFields) -> int:
+    """The engine priority of a request: its own, else below every normal request when it is
+    speculative (``tts_class``; two-phase scheduling by admission: speculative work waits for free
+    room, seed 000 §4.1.2), else 0."""
+    if fields.priority is not None:
+        return int(fields.priority)
+    return SPECULATIVE_PRIORITY if (fields.custom_params or {}).get("tts_class") == "speculative" else 0
+
+
+SPECULATIVE_PRIORITY = -1
 
 
 def check_supported_architecture(config) -> None:

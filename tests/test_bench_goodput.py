@@ -43,6 +43,10 @@ class WordGenerator(ModelServer):
                                              "finish_reason": {"type": "length", "length": n}}}
 
     def respond(self, path, body):
+        if path == "/abort_request":        # as a server without the plugin: nothing to abort here
+            return ({},)
+        if path == "/set_internal_state":   # SGLang's bare flag: no plugin to change a class
+            return (False,)
         if isinstance(body["text"], list):
             return ([self.one(t, body["sampling_params"]) for t in body["text"]],)
         return (self.one(body["text"], body["sampling_params"]),)
@@ -221,6 +225,12 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     records = [_record("stock", 8, 0, tokens=100, seconds=2.0), _record("stock", 8, 1, tokens=300, seconds=6.0),
                _record("sgl-tts", 8, 0, tokens=100, seconds=1.0), _record("sgl-tts", 8, 1, tokens=300, seconds=3.0),
                {"kind": "limit", "batch": 4, "tokens": 1000, "seconds": 1.0, "tokens_per_s": 1000.0}]
+    # a speculative side records what the program waited for, and its speculative tokens
+    spec = "sgl-tts+spec+lookahead+overlap"
+    for problem, (tokens, seconds) in enumerate([(100, 1.0), (300, 3.0)]):
+        records.append({**_record(spec, 8, problem, tokens=tokens, seconds=seconds),
+                        "waited_generating": seconds * 0.9, "waited_verifying": seconds * 0.1,
+                        "tokens_speculative": 50 * (problem + 1), "tokens_reused": 30 * (problem + 1)})
     (row,) = summarize(records, cfg)
     # stock: (2*100 + 2*300) tokens over (2*2 + 2*6) trajectory-seconds = 50 tok/s; sgl-tts 100 tok/s
     assert row.sides["stock"].goodput == pytest.approx(50.0)
@@ -231,10 +241,13 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     assert row.match is True
     lines = format_report([row]).splitlines()
     assert lines[0].startswith("| algorithm | n | side |")
-    assert lines[2] == ("| beam_search | 8 | stock | 2 | 50.0 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | 400 | "
-                        "75.0% | 50.0% | 800 (b=4) | match |")
-    assert lines[3] == ("| beam_search | 8 | sgl-tts | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 400 | "
-                        "75.0% | 50.0% | 800 (b=4) | match |")
+    assert lines[2] == ("| beam_search | 8 | stock | 2 | 50.0 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | - | 400 | "
+                        "75.0% | 50.0% | 800 (b=4) | 6% | match |")
+    assert lines[3] == ("| beam_search | 8 | sgl-tts | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | - | 400 | "
+                        "75.0% | 50.0% | 800 (b=4) | 12% | match |")
+    # generator: the mean of (seconds - waited for the PRM) = (0.9 + 2.7) / 2; speculative 75 (45 reused)
+    assert lines[4] == (f"| beam_search | 8 | {spec} | 2 | 100.0 | 2.00x | 2.00 | 1.80 | 0.20 | 400 | 75 (45) | "
+                        "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
 
 
 def test_the_registry_places_steps_by_their_parent_and_refuses_what_it_cannot_place():
@@ -622,3 +635,31 @@ def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
     bad = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "70b+70b"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config 70b+70b" in bad.stderr
+
+
+def test_speculative_sides_keep_the_stock_sides_beams_and_report_their_tokens(words):
+    """The ablation's sides (speculation exact, + LookAhead, + overlapped verification) run the same
+    trace: every kept beam is the stock side's, and the records carry the speculative tokens."""
+    from sgl_tts.bench.goodput import ALL_SIDES
+
+    cfg = settings(algorithms=("beam_search", "dvts"), n=(4,), problems=2)
+    sides = [s for s in ALL_SIDES if s == "stock" or "+spec" in s]
+    records = []
+    servers = {side: (WordGenerator(words, k + 1), WordPRM(words)) for k, side in enumerate(sides)}
+    try:
+        for side, (gen, prm) in servers.items():
+            run_side(side, gen.url, prm.url, cfg, prm_tokenizer=str(words), generator_tokenizer=str(words),
+                     vocab=VOCAB - 4, write=records.append, progress=False)
+    finally:
+        for pair in servers.values():
+            for srv in pair:
+                srv.close()
+    rows = summarize(records, cfg)
+    assert [(r.algorithm, r.n, r.match, sorted(r.sides)) for r in rows] == \
+        [(a, 4, True, sorted(sides)) for a in ("beam_search", "dvts")]
+    spec = [r for r in records if r["kind"] == "search" and r["side"] != "stock"]
+    assert all(r["tokens_speculative"] > 0 for r in spec)
+    assert sum(r["tokens_reused"] for r in spec) > 0
+    assert all(r["tokens_reused"] <= r["tokens_speculative"] <= r["tokens_generated"] for r in spec)
+    report = format_report(rows)
+    assert "sgl-tts+spec+lookahead+overlap" in report and "speculative (reused)" in report

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.bench.goodput import (ALGORITHMS, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchError,
+from sgl_tts.bench.goodput import (ALGORITHMS, ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchError,
                                    BenchSettings, RecordWriter, format_report, measure_limit, plot_report,
                                    end_stream_executors, read_records, run_side, summarize)
 
@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--stock-split", type=float, default=0.5,
                    help="the stock side's generator share of the memory budget (default 0.5; with "
                         "--device cpu both sides' share of --kv-memory)")
-    b.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
+                   help="stock and sgl-tts by default; the sgl-tts+spec... sides add speculative beam extension, "
+                        "then LookAhead, then overlapped verification on the sgl-tts servers (the ablation)")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
@@ -276,10 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ports = {"generator": args.generator_port, "prm": args.prm_port}
     specs = {}
     for side in args.sides:
+        servers = "stock" if side == "stock" else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
         plugin = ["--tts-policy", "prefix-aware",
-                  "--tts-metrics-file", str(output.with_name(output.stem + ".plugin-metrics.jsonl"))] if side == "sgl-tts" else []
-        specs[side] = build_specs(str(gen_dir), str(prm_dir), side_flags[side], host=args.host, ports=ports,
-                                  first=args.first, plugin_args=plugin, extra=extra_by, env=envs[side])
+                  "--tts-metrics-file", str(output.with_name(output.stem + ".plugin-metrics.jsonl"))] if servers == "sgl-tts" else []
+        specs[side] = build_specs(str(gen_dir), str(prm_dir), side_flags[servers], host=args.host, ports=ports,
+                                  first=args.first, plugin_args=plugin, extra=extra_by, env=envs[servers])
     trace = settings.step_trace()
     header = {"generator": names["generator"], "prm": names["prm"], "machine": describe(),
               "date": datetime.date.today().isoformat(), "command": shlex.join(["sgl-tts", "bench", *argv]),
@@ -322,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
         need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
-        need_limit = side == "sgl-tts" and {min(n, settings.planned_batch) for n in settings.n} - limits
+        need_limit = side != "stock" and {min(n, settings.planned_batch) for n in settings.n} - limits
         if need <= done and not need_limit:
             return None
         if deadline is not None and time.monotonic() >= deadline:
@@ -339,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       vocab=vocab, done=done, write=writer, progress=not args.no_progress,
                                       deadline=deadline)
                 left += unfinished
-                if side == "sgl-tts" and not unfinished:
+                if side != "stock" and not unfinished:
                     measure_limit(urls["generator"], settings, vocab=vocab, write=writer, done=limits)
             except Exception as exc:
                 time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines

@@ -49,7 +49,30 @@ from sgl_tts.search import STEP_DELIMITER, SearchTag
 
 logger = logging.getLogger(__name__)
 
-SIDES = ("stock", "sgl-tts")
+SIDES = ("stock", "sgl-tts")   # the default sides
+# Program options of each side (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
+# "sgl-tts"), then speculative beam extension (exact mode), then LookAhead verification, then
+# overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program differs.
+SIDE_OPTIONS: dict[str, dict[str, Any]] = {
+    "stock": {},
+    "sgl-tts": {},
+    "sgl-tts+spec": {"speculative": "exact-no-lookahead"},
+    "sgl-tts+spec+lookahead": {"speculative": "exact"},
+    "sgl-tts+spec+lookahead+overlap": {"speculative": "exact", "overlap_verification": True},
+}
+ALL_SIDES = tuple(SIDE_OPTIONS)
+
+
+def program_options(side: str) -> dict[str, Any]:
+    """The keyword arguments ``side`` passes to beam search and DVTS."""
+    from sgl_tts.pipeline import Speculation
+
+    opts = dict(SIDE_OPTIONS[side])
+    if opts.get("speculative") == "exact-no-lookahead":
+        opts["speculative"] = Speculation(lookahead=False)
+    elif opts.get("speculative") == "exact":
+        opts["speculative"] = Speculation()
+    return opts
 ALGORITHMS = ("beam_search", "dvts")
 DEFAULT_N = (8, 16, 32, 64, 128, 256, 512)
 # What the lent GPU machines can run with the wheelhouse (docs/GPU_BRINGUP.md): triton attention,
@@ -67,7 +90,8 @@ class BenchError(RuntimeError):
 class StepRegistry:
     """Where every generated step of one search sits in its tree, and the tokens along each path.
 
-    A request's place is its parent's path plus its own beam index; the parent is found from the
+    A request's place is its parent's path plus its ordinal among the parent's children (its beam
+    index where the tag has no ordinal); the parent is found from the
     request's prefix (the text of its last step), because the same search on another side writes
     different random text. Paths, not texts, key the trace, so both sides draw the same lengths and
     scores. Thread-safe (forked states generate on their own threads).
@@ -83,8 +107,11 @@ class StepRegistry:
     def place(self, prefix: str, tag: SearchTag) -> tuple[tuple[int, ...], int]:
         """The path of the step a request with ``prefix`` and ``tag`` is about to generate, and the
         tokens the path holds before it."""
+        # a step's place among its parent's children (its ordinal): a speculative request and the
+        # child that takes it over are the same node
+        place = tag.beam if tag.ordinal is None else tag.ordinal
         if tag.depth == 0:
-            return (tag.beam,), 0
+            return (place,), 0
         segments = [x.strip() for x in prefix.split(self.delimiter)]
         last = next((x for x in reversed(segments) if x), "")
         with self._lock:
@@ -92,7 +119,7 @@ class StepRegistry:
         if node is None:
             raise BenchError(f"a depth-{tag.depth} request of search {tag.group!r} does not continue a step "
                              f"this benchmark generated (prefix ends {prefix[-60:]!r})")
-        return node[1] + (tag.beam,), node[2]
+        return node[1] + (place,), node[2]
 
     def add(self, text: str, group: str, path: tuple[int, ...], path_tokens: int, tokens: int) -> None:
         """A generated step: its text, place, the path's tokens through it, and its own tokens."""
@@ -206,6 +233,10 @@ class TraceEndpoint(MeteredEndpoint):
         obj = self.post("/generate", data)
         text, meta = obj["text"], dict(obj["meta_info"])
         got = int(meta.get("completion_tokens", -1))
+        if got < tokens and tag.cls == "speculative":
+            # stopped by the scheduler (two-phase scheduling) or aborted after selection: the program
+            # sees SGLang's own finish reason (length or abort) and never takes the piece as a step
+            return text, meta
         if got != tokens:
             raise BenchError(f"search {tag.group!r}: the server generated {got} of the {tokens} tokens "
                              f"asked (cut by its request length limit or KV pool?): the sides would "
@@ -226,12 +257,14 @@ class TraceScores:
 
     def __init__(self, inner, registry: StepRegistry, trace: StepTrace):
         self.inner, self.registry, self.trace = inner, registry, trace
-        self.seconds = 0.0
+        self.seconds = 0.0   # summed over calls (overlapped calls each count: see the program's own split)
+        self._lock = threading.Lock()
 
     def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
         t0 = time.perf_counter()
         self.inner.score(question, steps_batch)
-        self.seconds += time.perf_counter() - t0
+        with self._lock:
+            self.seconds += time.perf_counter() - t0
         out = []
         for steps in steps_batch:
             row = []
@@ -257,6 +290,8 @@ class BenchSettings:
         limit_tokens: tokens per request when the decode throughput for the limit is measured.
         banned_token_ids: ids the generator never samples (SGLang ``logit_bias``): a word
             tokenizer's specials, where a small vocabulary would write them into many steps.
+        placement: how a step's trace path is keyed (``ordinal``: its place among its parent's
+            children, as beam search's seeds since issue 18); records of another scheme do not resume.
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -271,6 +306,7 @@ class BenchSettings:
     planned_batch: int = 256
     limit_tokens: int = 256
     banned_token_ids: tuple[int, ...] = ()
+    placement: str = "ordinal"
 
     def __post_init__(self):
         self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
@@ -366,7 +402,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                 question=settings.question(problem, vocab), prm=verifier, num_beams=n,
                 beam_width=settings.beam_width, max_depth=trace.max_depth, step_tokens=trace.max_tokens,
                 sampling_temperature=settings.temperature, seed=settings.seed, search_group=group,
-                backend=gen)
+                backend=gen, **program_options(side))
             error = state.error()
         except Exception as exc:  # noqa: BLE001 - reported with the search that failed
             error = exc
@@ -383,7 +419,11 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         write({"kind": "search", "side": side, "algorithm": algorithm, "n": n, "problem": problem,
                "seconds": seconds, "verifier_seconds": verifier.seconds,
                "generator_seconds": max(0.0, seconds - verifier.seconds),
+               # the program's own split (what it waited for: overlapped PRM time is not counted twice)
+               "waited_generating": result.seconds_generating, "waited_verifying": result.seconds_verifying,
                "tokens_generated": int(result.tokens_generated), "tokens_kept": int(result.tokens_kept),
+               "tokens_speculative": int(result.tokens_speculative), "tokens_reused": int(result.tokens_reused),
+               "prm_requests": int(result.prm_requests),
                "trajectories": len(result.trajectories),
                "trajectory_tokens": sum(t.tokens for t in result.trajectories),
                "trajectory_seconds": sum(t.seconds for t in result.trajectories),
@@ -428,6 +468,8 @@ class SideRow:
     tokens_kept: float
     generator_hit_rate: float   # cached / prompt tokens
     prm_hit_rate: float
+    tokens_speculative: float = 0.0   # mean per search, of tokens_generated
+    tokens_reused: float = 0.0        # of those, taken over by a kept child
 
 
 @dataclasses.dataclass
@@ -437,7 +479,7 @@ class ReportRow:
     sides: dict[str, SideRow]
     limit_goodput: float | None    # generator-bound limit (precise goodput), tokens/s
     limit_batch: int
-    match: bool | None             # kept beams equal on both sides (None: one side missing)
+    match: bool | None             # kept beams equal on every side (None: only one side ran)
     mismatched: list[int]          # problems whose kept beams differ
 
 
@@ -447,10 +489,14 @@ def _side_row(recs: list[dict]) -> SideRow:
     secs = sum(r["trajectory_seconds"] for r in recs)
     rate = lambda who: (sum(r[who]["cached_tokens"] for r in recs) /  # noqa: E731
                         max(1, sum(r[who]["prompt_tokens"] for r in recs)))
+    # what the program waited for, where it records it (older records: the PRM calls' time)
+    split = all("waited_verifying" in r for r in recs)
+    gen_s = mean(lambda r: r["seconds"] - r["waited_verifying"]) if split else mean(lambda r: r["generator_seconds"])
+    ver_s = mean(lambda r: r["waited_verifying"]) if split else mean(lambda r: r["verifier_seconds"])
     return SideRow(k, sum(r["trajectory_tokens"] for r in recs) / secs if secs > 0 else 0.0,
-                   mean(lambda r: r["seconds"]), mean(lambda r: r["generator_seconds"]),
-                   mean(lambda r: r["verifier_seconds"]), mean(lambda r: r["tokens_generated"]),
-                   mean(lambda r: r["tokens_kept"]), rate("generator"), rate("prm"))
+                   mean(lambda r: r["seconds"]), gen_s, ver_s, mean(lambda r: r["tokens_generated"]),
+                   mean(lambda r: r["tokens_kept"]), rate("generator"), rate("prm"),
+                   mean(lambda r: r.get("tokens_speculative", 0)), mean(lambda r: r.get("tokens_reused", 0)))
 
 
 def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRow]:
@@ -463,12 +509,13 @@ def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRo
             mine = [r for r in searches if r["algorithm"] == algorithm and r["n"] == n]
             if not mine:
                 continue
-            by_side = {s: sorted((r for r in mine if r["side"] == s), key=lambda r: r["problem"]) for s in SIDES}
+            by_side = {s: sorted((r for r in mine if r["side"] == s), key=lambda r: r["problem"]) for s in ALL_SIDES}
             sides = {s: _side_row(rs) for s, rs in by_side.items() if rs}
             batch = min(n, settings.planned_batch)
             limit = None
             tps = limits.get(batch)
-            ref = by_side["sgl-tts"] or by_side["stock"]
+            # a side without speculation: its depth tokens are the search's own work
+            ref = by_side["sgl-tts"] or by_side["stock"] or next((rs for rs in by_side.values() if rs), [])
             if tps:
                 # depth by depth at ``tps``: a trajectory that ends at depth d is done when every
                 # step of depths <= d is decoded
@@ -480,10 +527,13 @@ def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRo
                         secs += through[len(path) - 1] / tps
                 limit = tokens / secs if secs > 0 else None
             match, bad = None, []
-            if by_side["stock"] and by_side["sgl-tts"]:
-                a = {r["problem"]: r["kept"] for r in by_side["stock"]}
-                b = {r["problem"]: r["kept"] for r in by_side["sgl-tts"]}
-                bad = sorted(p for p in set(a) & set(b) if a[p] != b[p])
+            present = [s for s in ALL_SIDES if by_side[s]]
+            if len(present) > 1:   # every side against the first (stock when it ran)
+                a = {r["problem"]: r["kept"] for r in by_side[present[0]]}
+                for other in present[1:]:
+                    b = {r["problem"]: r["kept"] for r in by_side[other]}
+                    bad += [p for p in set(a) & set(b) if a[p] != b[p]]
+                bad = sorted(set(bad))
                 match = not bad
             rows.append(ReportRow(algorithm, n, sides, limit, batch, match, bad))
     return rows
@@ -492,23 +542,25 @@ def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRo
 def format_report(rows: Sequence[ReportRow]) -> str:
     """Markdown tables: one row per (algorithm, n, side)."""
     head = ("| algorithm | n | side | problems | goodput (tok/s) | vs stock | latency (s) | generator (s) | "
-            "verifier (s) | tokens generated | tokens kept | gen cache hit | PRM cache hit | limit (tok/s) | "
-            "kept beams |")
+            "verifier (s) | tokens generated | speculative (reused) | tokens kept | gen cache hit | PRM cache hit | "
+            "limit (tok/s) | vs limit | kept beams |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for row in rows:
         stock = row.sides.get("stock")
-        for side in SIDES:
+        for side in ALL_SIDES:
             r = row.sides.get(side)
             if r is None:
                 continue
             vs = f"{r.goodput / stock.goodput:.2f}x" if stock and stock.goodput > 0 else "-"
             limit = f"{row.limit_goodput:.0f} (b={row.limit_batch})" if row.limit_goodput else "-"
+            of_limit = f"{r.goodput / row.limit_goodput:.0%}" if row.limit_goodput else "-"
+            spec = f"{r.tokens_speculative:.0f} ({r.tokens_reused:.0f})" if r.tokens_speculative else "-"
             kept = ("-" if row.match is None else "match" if row.match
                     else "DIFFER: problems " + ", ".join(map(str, row.mismatched)))
             lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {r.goodput:.1f} | {vs} | "
                          f"{r.latency:.2f} | {r.generator_seconds:.2f} | {r.verifier_seconds:.2f} | "
-                         f"{r.tokens_generated:.0f} | {r.tokens_kept:.0f} | {r.generator_hit_rate:.1%} | "
-                         f"{r.prm_hit_rate:.1%} | {limit} | {kept} |")
+                         f"{r.tokens_generated:.0f} | {spec} | {r.tokens_kept:.0f} | {r.generator_hit_rate:.1%} | "
+                         f"{r.prm_hit_rate:.1%} | {limit} | {of_limit} | {kept} |")
     return "\n".join(lines)
 
 
@@ -525,7 +577,7 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
     for col, algorithm in enumerate(algorithms):
         mine = [r for r in rows if r.algorithm == algorithm]
         ax = axes[0][col]
-        for side, style in zip(SIDES, ("o-", "s-")):
+        for side, style in zip(ALL_SIDES, ("o-", "s-", "^-", "v-", "d-")):
             pts = [(r.n, r.sides[side].goodput) for r in mine if side in r.sides]
             if pts:
                 ax.plot(*zip(*pts), style, label=side)
@@ -540,9 +592,9 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
         ax = axes[1][col]
         labels, gen, ver = [], [], []
         for r in mine:
-            for side in SIDES:
+            for side in ALL_SIDES:
                 if side in r.sides:
-                    labels.append(f"{r.n}\n{'stock' if side == 'stock' else 'tts'}")
+                    labels.append(f"{r.n}\n{side.replace('sgl-tts', 'tts').replace('+lookahead', '+la')}")
                     gen.append(r.sides[side].generator_seconds)
                     ver.append(r.sides[side].verifier_seconds)
         xs = range(len(labels))
@@ -609,6 +661,6 @@ class RecordWriter:
 
 
 __all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "MeteredEndpoint", "RecordWriter",
-           "ReportRow", "SIDES", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
+           "ReportRow", "SIDES", "ALL_SIDES", "SIDE_OPTIONS", "program_options", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
            "end_stream_executors", "format_report", "measure_limit", "plot_report", "read_records",
            "run_side", "search_group", "summarize"]

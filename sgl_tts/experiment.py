@@ -32,7 +32,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, top_k, vote
+from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, end_stream_executors, top_k, vote
 
 logger = logging.getLogger(__name__)
 
@@ -788,6 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary, records = run(cfg)
     except (RunError, ConnectionError, FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts run: error: {exc}", file=sys.stderr)
+        # a search that failed mid-way left fork workers waiting (non-daemon threads): without this
+        # the process can outlive its error (seen once in CI after a generator was killed)
+        end_stream_executors()
         return 1
     from sgl_tts.machine import describe
 

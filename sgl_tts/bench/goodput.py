@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from sgl_tts.backends.endpoint import SGLangEndpoint
 from sgl_tts.backends.request import take_request_fields
 from sgl_tts.bench.trace import StepTrace
-from sgl_tts.search import STEP_DELIMITER, SearchTag
+from sgl_tts.search import STEP_DELIMITER, SearchTag, end_stream_executors
 
 logger = logging.getLogger(__name__)
 
@@ -342,28 +342,6 @@ def search_group(algorithm: str, n: int, problem: int) -> str:
 
 
 # --------------------------------------------------------------------------------- the searches
-def end_stream_executors() -> list[BaseException]:
-    """Stop the worker thread of every live SGLang frontend stream executor; return the errors the
-    executors recorded (a fork's failure).
-
-    A program that raises never reaches its joins, so its forks' workers wait for work forever, and
-    being non-daemon threads they keep the process from exiting. Only for a process that runs one
-    program at a time (as the benchmark does): it stops every program's forks.
-    """
-    import gc
-
-    from sglang.lang.interpreter import StreamExecutor
-
-    errors = []
-    for obj in gc.get_objects():
-        if isinstance(obj, StreamExecutor):
-            if getattr(obj, "error_", None) is not None:
-                errors.append(obj.error_)
-            if obj.use_thread and obj.worker.is_alive():
-                obj.queue.put(None)
-    return errors
-
-
 def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSettings, *,
              prm_tokenizer: str | None = None, generator_tokenizer: str | None = None,
              vocab: int = 32000, done: Iterable[tuple] = (), write: Callable[[dict], None],

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import heapq
 import logging
 import math
 import random
@@ -269,6 +270,8 @@ class StepPipeline:
         self.t0 = time.perf_counter() if t0 is None else t0   # trajectories' times count from here
         self._memo: dict[tuple[str, ...], list[float]] = {}     # LookAhead scores by path
         self._branches: dict[int, list[Branch]] = {}            # this depth's, by candidate
+        self._queue: list = []                                  # branches waiting for a free slot (a heap)
+        self._queued = 0
         self._discarded: list[Branch] = []
         self._retire: list[Any] = []                            # states done with after this depth
         self._current: list[Candidate] = []                     # this depth's candidates
@@ -310,12 +313,16 @@ class StepPipeline:
             if self.overlap and self.speculation and self.speculation.lookahead:
                 ready += [cands[i] for i, brs in self._branches.items()
                           if i not in sent and cands[i] not in ready and any(br.ended() and br.whole for br in brs)]
+            if self._queue:   # the search's batch stays at its size: branches fill what steps freed
+                self._fill(len(beams) - len(waiting) - self._running_branches())
             if ready:   # what became ready in one look goes out as one PRM call
                 verifying.append((ready, self._verify(ready)))
                 sent.update(c.index for c in ready)
             if waiting and not ended:
                 time.sleep(POLL_SECONDS)
         barrier = time.perf_counter()
+        if self._queue:       # every slot is free while the PRM verifies
+            self._fill(len(beams) - self._running_branches())
         rest = [c for c in cands if c.index not in sent]
         if rest:
             verifying.append((rest, self._verify(rest, now=not self.overlap)))
@@ -367,12 +374,20 @@ class StepPipeline:
 
     # ---------------------------------------------------------------------------- speculation
     def _speculate(self, c: Candidate, depth: int, limit: int) -> None:
+        """Queue ``c``'s branches, up to its speculative potential; :meth:`_fill` starts them."""
         count = speculative_potential(c.beam.prior, self.bins)
-        closes = not c.grown.continues
-        kids = self._fork(c.beam.state, closes, count)
-        kids = kids if isinstance(kids, list) else [kids]
-        out = []
-        for j, kid in enumerate(kids):
+        for j in range(count):   # (potential, child, arrival): the order slots are given in
+            heapq.heappush(self._queue, (-count, j, self._queued, c, depth, limit))
+            self._queued += 1
+
+    def _fill(self, free: int) -> None:
+        """Start queued branches in the ``free`` slots (FlashTTS keeps the batch at its size: a slot a
+        finished step frees goes to the branches of the beams with the highest potential, a beam's
+        branches in child order)."""
+        while free > 0 and self._queue:
+            _, j, _, c, depth, limit = heapq.heappop(self._queue)
+            closes = not c.grown.continues
+            kid = self._fork(c.beam.state, closes)
             beam_id = (c.index + 1) * 1_000_000 + j     # unique at its depth, apart from normal beams
             tag = SearchTag(self.group, depth, c.index, beam_id, "speculative", ordinal=j)
             prefix = f"{self._candidate_prefix(c.index, depth)}{j}/"
@@ -380,8 +395,12 @@ class StepPipeline:
             kid += sgl_tts.gen(name, max_tokens=limit, temperature=self.temperature, stop=self.delimiter,
                                seed=self.seed_of(depth, c.index, j), custom_params=tag.custom_params(),
                                rid=prefix + uuid.uuid4().hex[:8])
-            out.append(Branch(c.index, j, kid, c.beam.state, closes, prefix, beam_id, limit, name))
-        self._branches[c.index] = out
+            self._branches.setdefault(c.index, []).append(
+                Branch(c.index, j, kid, c.beam.state, closes, prefix, beam_id, limit, name))
+            free -= 1
+
+    def _running_branches(self) -> int:
+        return sum(1 for brs in self._branches.values() for br in brs if not br.ended())
 
     def _lookahead_due(self, c: Candidate) -> bool:
         """With LookAhead, a speculating candidate's verification waits for a branch's whole step."""
@@ -472,7 +491,7 @@ class StepPipeline:
         self._current = []
         for index, brs in self._branches.items():
             self._discard(brs, self._candidate_prefix(index, depth + 1))
-        self._branches = {}
+        self._branches, self._queue = {}, []
         if adopted:
             self._make_normal(adopted, depth + 1, beams)
         return beams
@@ -536,7 +555,7 @@ class StepPipeline:
         tokens count as speculative), and end every state."""
         for brs in self._branches.values():
             self._discard(brs)
-        self._branches = {}
+        self._branches, self._queue = {}, []
         self._discard([b.branch for b in beams if b.branch is not None])
         for br in self._discarded:
             br.read()   # aborted ones answer at once; a failure counts no tokens

@@ -97,6 +97,7 @@ class ScriptedBackend(BaseBackend):
         self.draws: list[Draw] = []
         self._lock = threading.Lock()
         self._running: dict[int, tuple[str | None, dict | None, threading.Event, list]] = {}
+        self.peak = 0   # the most paced requests generating at once
 
     def running(self) -> int:
         """How many paced requests are generating now."""
@@ -154,6 +155,7 @@ class ScriptedBackend(BaseBackend):
         key = id(event)
         with self._lock:
             self._running[key] = (fields.rid, dict(fields.custom_params or {}), event, why)
+            self.peak = max(self.peak, len(self._running))
         t0 = time.monotonic()
         try:
             if not event.wait(generated * self.seconds_per_token):

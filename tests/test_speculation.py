@@ -200,13 +200,15 @@ def test_speculative_requests_carry_their_class_parent_ordinal_and_the_childs_re
         assert d.max_tokens == SETTINGS["step_tokens"]
         assert d.prefix == c.beam.state.text() + ("" if c.grown.continues else D)
         assert j < speculative_potential(c.beam.prior, SETTINGS["beam_width"])
-    # every candidate that went on speculated its full potential
+    # a candidate's branches are its first children, at most its potential; the finished ones none
     for depth, cands in by_depth.items():
         for c in cands:
-            if not c.grown.finished and depth + 1 < SETTINGS["max_depth"]:
-                count = sum(1 for d in spec if d.custom_params["tts_depth"] == depth + 1
-                            and d.custom_params["tts_parent"] == c.index)
-                assert count == speculative_potential(c.beam.prior, SETTINGS["beam_width"])
+            got = sorted(d.custom_params["tts_ordinal"] for d in spec if d.custom_params["tts_depth"] == depth + 1
+                         and d.custom_params["tts_parent"] == c.index)
+            assert got == list(range(len(got)))
+            assert len(got) <= (0 if c.grown.finished else speculative_potential(c.beam.prior, SETTINGS["beam_width"]))
+    # the search's batch stays at its size: branches only take the slots finished steps freed
+    assert backend.peak <= SETTINGS["num_beams"]
 
 
 def slow_spec(prefix: str, draw: int | None) -> str:

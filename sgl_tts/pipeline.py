@@ -11,6 +11,9 @@ all off by default, hide latency without touching which beams are kept (seed 000
   ``LocalBackend`` admits them last). How many (its *speculative potential*, FlashTTS's SelectSpec):
   its parent's score binned into B equal-width bins over [0, 1], B the branching factor; the top bin
   gives B branches, the bottom one 1 (:func:`speculative_potential`; at the root, with no score, 1).
+  Branches start lazily, as FlashTTS keeps the batch at its size: only in slots that finished steps
+  freed (a search has as many requests in flight as it has beams), highest potential first; while
+  the PRM verifies, every slot.
   Branch ``j`` is the request child ``j`` of that beam would send (same prompt, same seed, same token
   limit), so when the beam is kept child ``j`` takes it over: in the default ``exact`` mode every
   trajectory is the one the plain search samples. A branch the scheduler stopped before its step

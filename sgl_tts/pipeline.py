@@ -12,8 +12,8 @@ all off by default, hide latency without touching which beams are kept (seed 000
   its parent's score binned into B equal-width bins over [0, 1], B the branching factor; the top bin
   gives B branches, the bottom one 1 (:func:`speculative_potential`; at the root, with no score, 1).
   Branches start lazily, as FlashTTS keeps the batch at its size: only in slots that finished steps
-  freed (a search has as many requests in flight as it has beams), highest potential first; while
-  the PRM verifies, every slot.
+  freed (a search has as many requests in flight as it has beams), highest potential first, and
+  only while the depth's stragglers generate (none starts while the PRM verifies).
   Branch ``j`` is the request child ``j`` of that beam would send (same prompt, same seed, same token
   limit), so when the beam is kept child ``j`` takes it over: in the default ``exact`` mode every
   trajectory is the one the plain search samples. A branch the scheduler stopped before its step
@@ -324,8 +324,8 @@ class StepPipeline:
             if waiting and not ended:
                 time.sleep(POLL_SECONDS)
         barrier = time.perf_counter()
-        if self._queue:       # every slot is free while the PRM verifies
-            self._fill(len(beams) - self._running_branches())
+        # no new branch while the PRM verifies (FlashTTS speculates only while stragglers generate):
+        # on a shared device they would slow the verification selection waits for (CPU bench: 12x)
         rest = [c for c in cands if c.index not in sent]
         if rest:
             verifying.append((rest, self._verify(rest, now=not self.overlap)))

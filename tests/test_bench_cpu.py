@@ -22,7 +22,7 @@ pytestmark = pytest.mark.server
 
 PORTS = range(31100, 31200)   # this test's share of the machine's ports
 SIDE_FIELDS = {"problems", "goodput", "latency", "generator_seconds", "verifier_seconds", "tokens_generated",
-               "tokens_kept", "generator_hit_rate", "prm_hit_rate"}
+               "tokens_kept", "generator_hit_rate", "prm_hit_rate", "tokens_speculative", "tokens_reused"}
 
 
 def _free_ports(count: int) -> list[int]:

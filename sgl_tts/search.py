@@ -237,14 +237,17 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
             rid = f"{tags[i].rid(attempt)}/{uuid.uuid4().hex[:8]}"
         st += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, stop=delimiter,
                           seed=None if seeds is None else seeds[i], custom_params=params, rid=rid)
-    out = []
-    for st in states:
-        text = read_var(st, name)
-        meta = st.get_meta_info(name) or {}
-        reason = meta.get("finish_reason")
-        out.append(Step(text.strip(), int(meta.get("completion_tokens", 0)),
-                        is_final(text, reason, answer_pattern), reason, text))
-    return out
+    return [read_step(st, name, answer_pattern) for st in states]
+
+
+def read_step(state: Any, name: str, answer_pattern: str = BOXED) -> Step:
+    """The :class:`Step` that ``state``'s generation ``name`` produced (waits for it; raises the
+    state's own error when it failed)."""
+    text = read_var(state, name)
+    meta = state.get_meta_info(name) or {}
+    reason = meta.get("finish_reason")
+    return Step(text.strip(), int(meta.get("completion_tokens", 0)), is_final(text, reason, answer_pattern),
+                reason, text)
 
 
 def end_stream_executors() -> list[BaseException]:
@@ -345,4 +348,4 @@ class SearchResult:
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
            "Advance", "PathSoFar", "advance", "aggregate", "end_stream_executors", "derive_seed", "read_var", "expand", "expand_proportional",
-           "extract_answer", "gen_step", "is_final", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]
+           "extract_answer", "gen_step", "is_final", "read_step", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]

@@ -207,7 +207,7 @@ class MCTSTree:
         self.nodes: list[Node] = [Node(0, None, (), PathSoFar(), "")]
         self.rollouts: dict[int, Rollout] = {}   # in flight
         self.returned: list[Rollout] = []
-        self.cancelled = 0
+        self.cancelled: list[Rollout] = []
         self.exit: Exit | None = None
         self._next_rollout = 0
 
@@ -341,7 +341,7 @@ class MCTSTree:
             self.nodes[nid].in_flight -= 1
         self.frontier(rollout).expanding = False
         rollout.cancelled = True
-        self.cancelled += 1
+        self.cancelled.append(rollout)
         self._check_exits([])
 
     def reward_so_far(self, rollout: Rollout) -> float:

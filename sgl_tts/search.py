@@ -311,6 +311,9 @@ class SearchResult:
             over depths (generation: until a depth's last step ended; verification: from then until
             its last score), for step-wise searches; 0 where a program does not split it.
         prm_requests: PRM requests sent (one path scored; 0 where a program does not count them).
+        exit_reason: why a search that can stop early stopped (MCTS: ``accepted``, ``futile``,
+            ``budget``, ``exhausted``); ``None`` for the others.
+        tree: the search's tree (MCTS: its :class:`sgl_tts.mcts.MCTSTree`, to inspect or draw).
     """
 
     answer: str | None
@@ -323,6 +326,8 @@ class SearchResult:
     seconds_generating: float = 0.0
     seconds_verifying: float = 0.0
     prm_requests: int = 0
+    exit_reason: str | None = None
+    tree: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, answer: str | None, answers: dict[str, str | None], trajectories: list[Trajectory], costs: Any,

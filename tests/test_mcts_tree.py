@@ -126,7 +126,7 @@ def test_budget_counts_rollouts_in_flight_and_a_cancel_frees_its_share():
     r1 = tree.launch()
     assert tree.budget_left() == 0 and tree.launch() is None
     tree.cancel(r1)
-    assert r1.cancelled and tree.budget_left() == 1 and tree.cancelled == 1
+    assert r1.cancelled and tree.budget_left() == 1 and tree.cancelled == [r1]
     assert all(n.in_flight == (1 if n.id in r0.path else 0) for n in tree.nodes)
     assert not by_text(tree, "b").expanding
     with pytest.raises(ValueError, match="rollout 1 is not in flight"):

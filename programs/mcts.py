@@ -39,6 +39,7 @@ from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Traj
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.002   # how often the runtime looks for expansions that ended (the frontend has no callback)
+RECHECK_SECONDS = 0.02  # how often a waiting search re-reads its control's degree
 
 
 @dataclasses.dataclass
@@ -139,6 +140,12 @@ class _Runtime:
             while not ended:
                 time.sleep(POLL_SECONDS)
                 ended = [e for e in self.inflight.values() if e.ended()]
+                if not ended and time.perf_counter() - waited > RECHECK_SECONDS:
+                    waited_more = time.perf_counter()
+                    if max(0, int(degree())) < len(self.inflight):   # shrunk: cancel now, not at a step's end
+                        break
+                    self.seconds_generating += waited_more - waited
+                    waited = waited_more
             self.seconds_generating += time.perf_counter() - waited
             for e in sorted(ended, key=lambda e: e.rollout.id):
                 if tree.exit is not None:

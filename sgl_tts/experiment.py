@@ -20,6 +20,7 @@ kept in the returned trajectories.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import json
@@ -36,7 +37,10 @@ from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, en
 
 logger = logging.getLogger(__name__)
 
-PROGRAMS = ("beam_search", "dvts", "best_of_n", "self_consistency")
+PROGRAMS = ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts")
+# MCTS settings and their defaults (a setting of another program only at its default)
+MCTS_SETTINGS = {"parallel": 1, "c_puct": 1.0, "threshold": 0.9, "positive_exit": True, "negative_exit": False,
+                 "futility": "path", "first_step_cutoff": None}
 PRM_KINDS = ("step_tag", "reward_head")
 RULES = ("majority", "prm_weighted", "prm_best")
 
@@ -53,10 +57,10 @@ class RunConfig:
         problems: JSONL dataset; ``None``: the embedded tiny task's test split.
         output: results JSONL, one line per finished problem (appended to on a rerun).
         limit: run only the first ``limit`` problems.
-        program: ``beam_search``, ``dvts``, ``best_of_n`` or ``self_consistency`` (majority vote,
-            no PRM).
-        n: the budget N: beams (beam search, DVTS) or samples (best-of-N).
-        beam_width: M, children per kept beam (beam search) or per subtree (DVTS).
+        program: ``beam_search``, ``dvts``, ``best_of_n``, ``self_consistency`` (majority vote,
+            no PRM) or ``mcts``.
+        n: the budget N: beams (beam search, DVTS), samples (best-of-N) or rollouts (MCTS).
+        beam_width: M, children per kept beam (beam search), per subtree (DVTS) or per expansion (MCTS).
         max_depth: most steps of a tree search.
         step_tokens: token limit of a step; several values are a per-depth schedule.
         max_tokens: token limit of a whole best-of-N sample.
@@ -72,6 +76,15 @@ class RunConfig:
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
             with LookAhead verification (see :mod:`sgl_tts.pipeline`).
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
+        parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
+        c_puct: MCTS exploration weight.
+        threshold: MCTS acceptance threshold of both early exits.
+        positive_exit: MCTS stops once a finished trajectory reaches the threshold.
+        negative_exit: MCTS stops once every leaf is below the threshold (aggregation min or prod).
+        futility: MCTS negative exit compares a leaf's aggregated score (``path``) or its own step
+            score (``step``, seed 004's rule) with the threshold.
+        first_step_cutoff: MCTS selective futility check: leaves whose first step scored below it are
+            left out of the negative-exit check.
         seed: sampling seed of the run (each sample's seed derives from it).
         delimiter: step delimiter.
         answer_pattern: regex whose first group is the answer.
@@ -107,6 +120,13 @@ class RunConfig:
     sort_completed: bool = False
     speculative: str = "off"
     overlap_verification: bool = False
+    parallel: int = 1
+    c_puct: float = 1.0
+    threshold: float = 0.9
+    positive_exit: bool = True
+    negative_exit: bool = False
+    futility: str = "path"
+    first_step_cutoff: float | None = None
     seed: int = 0
     delimiter: str = STEP_DELIMITER
     answer_pattern: str = BOXED
@@ -131,7 +151,7 @@ class RunConfig:
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
         "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False,
         # never change a kept beam (exact); truncate changes samples, so it is keyed
-        "speculative": "off", "overlap_verification": False}
+        "speculative": "off", "overlap_verification": False, **MCTS_SETTINGS}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).
     SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
         "speculative": ("off", "exact"), "overlap_verification": (False, True)}
@@ -184,6 +204,24 @@ class RunConfig:
         if (self.speculative != "off" or self.overlap_verification) and (
                 self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
             bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)")
+        if self.program != "mcts":
+            changed = [k for k, v in MCTS_SETTINGS.items() if getattr(self, k) != v]
+            if changed:
+                bad(f"{', '.join(changed)}: settings of program mcts")
+        else:
+            if self.uses_prm is False:
+                bad("mcts needs a PRM; drop prm: none")
+            if self.parallel < 1:
+                bad(f"parallel must be a positive integer, got {self.parallel}")
+            from sgl_tts.mcts import MCTSConfig
+            try:
+                MCTSConfig(num_rollouts=self.n, expansion_width=self.beam_width, c_puct=self.c_puct,
+                           aggregation=self.aggregation, threshold=self.threshold,
+                           positive_exit=self.positive_exit, negative_exit=self.negative_exit,
+                           futility=self.futility, first_step_cutoff=self.first_step_cutoff,
+                           max_depth=self.max_depth)
+            except ValueError as exc:
+                bad(str(exc))
         if self.prm_kind not in PRM_KINDS:
             bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}")
         if self.program == "dvts" and self.n < self.beam_width:
@@ -216,6 +254,10 @@ class RunConfig:
         if self.program in ("best_of_n", "self_consistency"):
             return dict(common, num_samples=self.n, prm=prm if self.uses_prm else None,
                         aggregation=self.aggregation, max_tokens=self.max_tokens)
+        if self.program == "mcts":
+            return dict(common, prm=prm, num_rollouts=self.n, expansion_width=self.beam_width,
+                        max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation,
+                        **{k: getattr(self, k) for k in MCTS_SETTINGS})
         tree = dict(common, prm=prm, num_beams=self.n, beam_width=self.beam_width,
                     max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation)
         if self.speculative != "off":
@@ -240,6 +282,9 @@ def program_function(name: str):
     if name == "beam_search":
         from programs.beam_search import beam_search
         return beam_search
+    if name == "mcts":
+        from programs.mcts import mcts
+        return mcts
     from programs.dvts import dvts
     return dvts
 
@@ -278,7 +323,7 @@ def _field_kind(field: dataclasses.Field) -> str:
         return "bool"
     if hint in (int, int | None):
         return "int"
-    if hint is float:
+    if hint in (float, float | None):
         return "float"
     if hint == list[int]:
         return "ints"
@@ -453,6 +498,7 @@ def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, 
         "seconds": round(result.seconds, 4),
         "seconds_generating": round(result.seconds_generating, 4),
         "seconds_verifying": round(result.seconds_verifying, 4),
+        **({"exit_reason": result.exit_reason} if result.exit_reason is not None else {}),
         "trajectories": [{"steps": t.steps, "step_scores": [round(x, 6) for x in t.step_scores],
                           "score": round(t.score, 6), "answer": t.answer, "tokens": t.tokens,
                           "finished": t.finished, "seconds": round(t.seconds, 4)}
@@ -525,6 +571,7 @@ class Summary:
     tokens_reused: int = 0          # of those: taken over by a kept child
     seconds_generating: float = 0.0  # summed over problems: waiting for steps (step-wise searches)
     seconds_verifying: float = 0.0   # waiting for scores once a depth's last step ended
+    exits: dict[str, int] = dataclasses.field(default_factory=dict)   # MCTS: problems per exit reason
 
     def table(self) -> str:
         lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
@@ -556,6 +603,8 @@ class Summary:
         if self.seconds_generating or self.seconds_verifying:
             lines.append(f"waiting per problem: generator {self.seconds_generating / max(1, self.problems):.2f} s, "
                          f"verifier {self.seconds_verifying / max(1, self.problems):.2f} s")
+        if self.exits:
+            lines.append("exits: " + ", ".join(f"{k} {v}" for k, v in sorted(self.exits.items())))
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -600,7 +649,8 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
         tokens_speculative=sum(r.get("tokens_speculative", 0) for r in records),
         tokens_reused=sum(r.get("tokens_reused", 0) for r in records),
         seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),
-        seconds_verifying=sum(r.get("seconds_verifying", 0.0) for r in records))
+        seconds_verifying=sum(r.get("seconds_verifying", 0.0) for r in records),
+        exits=dict(collections.Counter(r["exit_reason"] for r in records if "exit_reason" in r)))
 
 
 def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathLike, title: str) -> Path:

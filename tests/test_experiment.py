@@ -6,6 +6,7 @@ the end-to-end ones use the shipped tiny models on the CPU backend, including a 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -101,7 +102,14 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     ({"n": "many"}, "n: expected an integer, got 'many'"),
     ({"n": 2.5}, "n: expected an integer, got 2.5"),
     ({"progress": "maybe"}, "progress: expected true or false, got 'maybe'"),
-    ({"program": "mcts"}, "unknown program 'mcts'; choose one of beam_search, dvts, best_of_n, self_consistency"),
+    ({"program": "mcst"}, "unknown program 'mcst'; choose one of beam_search, dvts, best_of_n, self_consistency, mcts"),
+    ({"negative_exit": True}, "negative_exit: settings of program mcts"),
+    ({"program": "dvts", "parallel": 4, "threshold": 0.5}, "parallel, threshold: settings of program mcts"),
+    ({"program": "mcts", "negative_exit": True}, "negative early exit needs aggregation 'min' or 'prod'"),
+    ({"program": "mcts", "parallel": 0}, "parallel must be a positive integer, got 0"),
+    ({"program": "mcts", "prm": "none"}, "mcts needs a PRM; drop prm: none"),
+    ({"program": "mcts", "first_step_cutoff": "high"}, "first_step_cutoff: expected a number, got 'high'"),
+    ({"program": "mcts", "aggregation": "min", "negative_exit": True, "futility": "leaf"}, "unknown futility 'leaf'"),
     ({"program": "beam_search", "prm": "none"}, "beam_search needs a PRM; drop prm: none"),
     ({"n": 0}, "n must be a positive integer, got 0"),
     ({"aggregation": "max"}, "unknown aggregation 'max'; choose one of last, min, prod, mean"),
@@ -132,7 +140,8 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     # a setting added later stays out of the key at its default: runs written before it still resume
     fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
               and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
-                            "overlap_verification")}
+                            "overlap_verification", "parallel", "c_puct", "threshold", "positive_exit",
+                            "negative_exit", "futility", "first_step_cutoff")}
     fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     # exact speculation and overlapped verification never change a result: the same key
@@ -377,3 +386,28 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     subprocess.run(command(straight), env=env, check=True, capture_output=True, timeout=600)
     key = lambda r: (r["index"], r["answers"], [t["steps"] for t in r["trajectories"]])  # noqa: E731
     assert sorted(map(key, resumed)) == sorted(map(key, lines(straight)))
+
+
+def test_mcts_runs_on_the_tiny_models_deterministically_and_reports_its_exits(tmp_path, capsys):
+    """`sgl-tts run --program mcts` on the embedded tiny models (LocalBackend): serial MCTS with both
+    early exits; every problem records why its search stopped, the summary counts them, and a second
+    run of the same settings writes the same trees' trajectories (position-keyed seeds)."""
+    from sgl_tts import task
+    problems = tmp_path / "problems.jsonl"
+    task.write_jsonl(task.test_split()[:3], problems)
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.jsonl"
+        assert experiment.main(["--problems", str(problems), "--output", str(out), "--program", "mcts",
+                                "--n", "6", "--beam-width", "3", "--max-depth", "8", "--aggregation", "min",
+                                "--negative-exit", "--threshold", "0.8", "--no-progress", "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)["summary"]
+        runs.append((summary, sorted(lines(out), key=lambda r: r["index"])))
+    (summary, first), (_, second) = runs
+    assert all(r["exit_reason"] in ("accepted", "futile", "budget", "exhausted") for r in first)
+    assert summary["exits"] == dict(collections.Counter(r["exit_reason"] for r in first))
+    assert [(r["exit_reason"], r["answers"], [t["steps"] for t in r["trajectories"]], r["tokens_generated"])
+            for r in first] == \
+           [(r["exit_reason"], r["answers"], [t["steps"] for t in r["trajectories"]], r["tokens_generated"])
+            for r in second]
+    assert all(r["trajectories"] and r["tokens_generated"] > 0 for r in first)

@@ -20,6 +20,10 @@ each (its tokens count as generated; the rollouts are not kept). ``filter_duplic
 open candidate whose path (its steps) equals an earlier one's before ranking (off by default;
 search-and-learn's recipes turn it on).
 
+``accept_threshold=t`` is positive early exit (seed 004's beam-search baseline): the search stops after
+the first depth at which a finished trajectory's aggregated score reaches ``t`` (``exit_reason``
+``accepted``); what it returns is what it had then.
+
 Every step request's sampling seed is keyed by (depth, parent candidate, child ordinal), so the same
 seed gives the same samples however the search is scheduled. ``speculative=True`` (speculative beam
 extension with LookAhead verification) and ``overlap_verification=True`` hide generation and
@@ -73,8 +77,11 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                 answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0,
                 search_group: str | None = None, filter_duplicates: bool = False,
                 semantics: str = "sgl-tts", sort_completed: bool = False,
-                speculative: "bool | str | Speculation" = False, overlap_verification: bool = False) -> SearchResult:
+                speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
+                accept_threshold: float | None = None) -> SearchResult:
     _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics)
+    if semantics == "search-and-learn" and accept_threshold is not None:
+        raise ValueError("accept_threshold (positive early exit) belongs to the default semantics")
     if semantics == "search-and-learn" and (speculative or overlap_verification):
         raise ValueError("semantics='search-and-learn' runs search-and-learn's own loop; speculative and "
                          "overlap_verification belong to the default semantics")
@@ -98,6 +105,7 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     keep = max(1, num_beams // beam_width)
     done: list[Trajectory] = []
     best_open: Trajectory | None = None
+    exit_reason = None
     try:
         for depth in range(max_depth):
             # 1. every beam samples its next step; the PRM scores every candidate path
@@ -114,6 +122,9 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                     if best_open is None or traj.score > best_open.score:
                         best_open = traj
             if len(done) >= num_beams or not open_cands:
+                break
+            if accept_threshold is not None and any(t.score >= accept_threshold for t in done):
+                exit_reason = "accepted"   # positive early exit: a finished trajectory is good enough
                 break
             if filter_duplicates:
                 open_cands = _first_of_each_path(open_cands)
@@ -133,7 +144,9 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     pool = done or ([best_open] if best_open else [])
     pick = top_k([t.score for t in pool], 1)
     answer = pool[pick[0]].answer if pick else None
-    return SearchResult.of(answer, _answers(answer, pool), pool, pipe.costs, time.perf_counter() - t0)
+    result = SearchResult.of(answer, _answers(answer, pool), pool, pipe.costs, time.perf_counter() - t0)
+    result.exit_reason = exit_reason
+    return result
 
 
 def _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics):

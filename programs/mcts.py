@@ -90,7 +90,7 @@ def mcts(s, question: str, prm, num_rollouts: int = 16, expansion_width: int = 4
     return SearchResult(answer, answers, trajectories, run.tokens, time.perf_counter() - t0,
                         seconds_generating=run.seconds_generating, seconds_verifying=run.seconds_verifying,
                         prm_requests=run.prm_requests, exit_reason=tree.exit.reason if tree.exit else None,
-                        tree=tree)
+                        tree=tree, requests_aborted=run.aborted)
 
 
 def _trajectory(tree: MCTSTree, node: Node, seconds: float) -> Trajectory:
@@ -114,6 +114,7 @@ class _Runtime:
         self.discarded: list[_Expansion] = []
         self.made_at: dict[int, float] = {0: 0.0}
         self.tokens = 0
+        self.aborted = 0
         self.prm_requests = 0
         self.seconds_generating = 0.0
         self.seconds_verifying = 0.0
@@ -213,7 +214,9 @@ class _Runtime:
         for e in self.discarded:
             for f in e.forks:
                 try:
-                    self.tokens += read_step(f, e.name, self.answer_pattern).tokens
-                except Exception:   # an aborted or failed request: no tokens to count
-                    pass
+                    st = read_step(f, e.name, self.answer_pattern)
+                except Exception:   # a failed request: no tokens to count
+                    continue
+                self.tokens += st.tokens
+                self.aborted += (st.finish_reason or {}).get("type") == "abort"
         self.discarded = []

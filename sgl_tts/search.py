@@ -314,6 +314,8 @@ class SearchResult:
         exit_reason: why a search that can stop early stopped (MCTS: ``accepted``, ``futile``,
             ``budget``, ``exhausted``); ``None`` for the others.
         tree: the search's tree (MCTS: its :class:`sgl_tts.mcts.MCTSTree`, to inspect or draw).
+        requests_aborted: requests the search gave up that the server answered as aborted (MCTS:
+            cancelled rollouts' expansions; 0 where a program does not count them).
     """
 
     answer: str | None
@@ -328,6 +330,7 @@ class SearchResult:
     prm_requests: int = 0
     exit_reason: str | None = None
     tree: Any = dataclasses.field(default=None, repr=False, compare=False)
+    requests_aborted: int = 0
 
     @classmethod
     def of(cls, answer: str | None, answers: dict[str, str | None], trajectories: list[Trajectory], costs: Any,

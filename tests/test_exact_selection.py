@@ -126,7 +126,7 @@ def answer_of(path):
 
 
 def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="equal", lookahead=0,
-                    script=None, filter_duplicates=False):
+                    script=None, filter_duplicates=False, accept=None):
     """Beam search as its docstring defines it. Returns (PRM calls, trajectories, generated)."""
     beams = [("", 0, -1, i) for i in range(n)]   # (body so far, tokens, parent candidate, child ordinal)
     calls, done, best_open, generated = [], [], None, 0
@@ -153,6 +153,8 @@ def ref_beam_search(q, n, m, max_depth, step_tokens=64, how="last", branching="e
                 if best_open is None or traj[2] > best_open[2]:
                     best_open = traj
         if len(done) >= n or not opened:
+            break
+        if accept is not None and any(t[2] >= accept for t in done):   # positive early exit
             break
         if filter_duplicates:
             firsts = {}
@@ -265,6 +267,25 @@ def test_beam_search_keeps_exactly_the_defined_beams(case):
         assert as_tuples(r.trajectories) == pool
         assert r.answer == (pool[ranked([t[2] for t in pool], 1)[0]][3] if pool else None)
         assert r.tokens_generated == generated
+
+
+@pytest.mark.parametrize("accept", [0.4, 0.5, 0.9])   # scores finished steps get: the boundary counts
+def test_beam_search_with_positive_early_exit_stops_at_the_first_good_enough_depth(accept):
+    backend = ScriptedBackend(branchy)
+    stopped = 0
+    for q in QUESTIONS:
+        prm = ScriptedPRM(prm_score)
+        r = beam_search.run(question=q, prm=prm, backend=backend, num_beams=6, beam_width=2, max_depth=8,
+                            accept_threshold=accept).ret_value
+        calls, pool, generated = ref_beam_search(q, 6, 2, 8, accept=accept)
+        full, _, _ = ref_beam_search(q, 6, 2, 8)
+        assert [c.steps_batch for c in prm.calls] == calls
+        assert as_tuples(r.trajectories) == pool and r.tokens_generated == generated
+        # the other stops are checked first and are the same in both: fewer depths means accepted
+        early = len(calls) < len(full)
+        assert r.exit_reason == ("accepted" if early else None)
+        stopped += early
+    assert stopped > 0
 
 
 def test_the_beam_search_cases_cover_what_they_claim():

@@ -115,7 +115,7 @@ def test_an_exit_cancels_and_aborts_the_rollouts_in_flight_and_counts_their_toke
     assert res.exit_reason == "accepted"
     assert backend.running() == 0
     aborted = [d for d in backend.draws if d.finish_reason["type"] == "abort"]
-    assert aborted and res.tree.cancelled
+    assert aborted and res.tree.cancelled and res.requests_aborted == len(aborted)
     # an aborted request answers with the tokens it had (one per character of its text here)
     told = sum(n.tokens for n in res.tree.nodes)
     assert res.tokens_generated >= told + sum(len(d.text) for d in aborted) > told

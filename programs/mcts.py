@@ -7,7 +7,8 @@ shares the prompt and the path); the PRM scores every grown path in one call; th
 the rollout goes on from its best child until it ends. Up to ``parallel`` rollouts are in flight at
 once (WU-PUCT spreads them); with a ``control`` (:class:`sgl_tts.mcts.RolloutControl`, the job
 scheduler) the number follows its ``degree``, and a search asked to shrink cancels its rollouts with
-the lowest cumulative reward (their requests aborted on an sgl-tts server).
+the lowest cumulative reward (their requests aborted on an sgl-tts server); a control's
+``request_class`` (if it has one, e.g. ``boosted``) is the class of the requests it sends from then on.
 
 A search stops at the first exit (``accepted``: positive early exit; ``futile``: negative early exit;
 ``budget``; ``exhausted``; :attr:`SearchResult.exit_reason`); rollouts still in flight then are
@@ -74,7 +75,7 @@ def mcts(s, question: str, prm, num_rollouts: int = 16, expansion_width: int = 4
     tree = MCTSTree(config, delimiter=delimiter, answer_pattern=answer_pattern)
     s += question + delimiter
     run = _Runtime(s, question, prm, tree, search_group or new_group(), step_tokens, sampling_temperature,
-                   seed, answer_pattern, t0)
+                   seed, answer_pattern, t0, control)
     try:
         run.loop(lambda: control.degree(tree) if control is not None else parallel)
     finally:
@@ -106,10 +107,10 @@ class _Runtime:
     """Launches, waits for and tells a tree's rollouts on SGLang forks."""
 
     def __init__(self, s, question: str, prm, tree: MCTSTree, group: str, step_tokens, temperature: float,
-                 seed: int, answer_pattern: str, t0: float):
+                 seed: int, answer_pattern: str, t0: float, control: RolloutControl | None = None):
         self.s, self.question, self.prm, self.tree, self.group = s, question, prm, tree, group
         self.step_tokens, self.temperature, self.seed = step_tokens, temperature, seed
-        self.answer_pattern, self.t0 = answer_pattern, t0
+        self.answer_pattern, self.t0, self.control = answer_pattern, t0, control
         self.inflight: dict[int, _Expansion] = {}
         self.discarded: list[_Expansion] = []
         self.made_at: dict[int, float] = {0: 0.0}
@@ -159,8 +160,10 @@ class _Runtime:
         name = f"step_r{r.id}_n{node.id}"
         forks = list(self.s.fork(self.tree.config.expansion_width))
         limit = step_limit(self.step_tokens, node.depth)
+        # a boosted job's requests go in as such (the plugin serves that class first)
+        cls = getattr(self.control, "request_class", None) or "normal"
         for j, f in enumerate(forks):
-            tag = SearchTag(self.group, node.depth, node.id, r.id)
+            tag = SearchTag(self.group, node.depth, node.id, r.id, cls)
             if node.text:
                 f += node.text
             f += sgl_tts.gen(name, max_tokens=limit, temperature=self.temperature, stop=self.tree.delimiter,

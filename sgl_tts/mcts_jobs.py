@@ -147,6 +147,11 @@ class JobControl:
         self.job.tree = tree
         return self.scheduler.degree(self.job)
 
+    @property
+    def request_class(self) -> str:
+        """``boosted`` once the job is boosted: the requests it sends from then on are served first."""
+        return "boosted" if self.job.boosted else "normal"
+
 
 class JobScheduler:
     """Allocates rollouts among running MCTS jobs (phases 1 and 2; the programs do phase 3).

@@ -112,7 +112,7 @@ def test_many_searches_through_the_scheduler_obey_their_degrees():
     from test_mcts_program import QUESTION, STEP_TOKENS, script, step_score
 
     backend = ScriptedBackend(script, seconds_per_token=0.001)
-    sched = JobScheduler(BoostPolicy(max_rollouts=4, min_observations=1), threshold=0.99, refresh=0.0)
+    sched = JobScheduler(BoostPolicy(max_rollouts=4, min_observations=1), threshold=0.6, refresh=0.0)
     seen = []
     lock = threading.Lock()
 
@@ -126,13 +126,17 @@ def test_many_searches_through_the_scheduler_obey_their_degrees():
                 seen.append((len(sched.running), len(tree.rollouts), d))
             return d
 
+        @property
+        def request_class(self):
+            return self.inner.request_class
+
     results = {}
 
     def run(job, seed):
         try:
             results[job.id] = mcts.run(question=QUESTION, prm=ScriptedPRM(step_score), backend=backend,
                                        step_tokens=STEP_TOKENS, num_rollouts=6, expansion_width=2,
-                                       positive_exit=False, threshold=0.99, max_depth=5, seed=seed,
+                                       positive_exit=False, threshold=0.6, max_depth=5, seed=seed,
                                        control=Watch(job), search_group=job.group).ret_value
         finally:
             sched.finish(job)
@@ -153,3 +157,8 @@ def test_many_searches_through_the_scheduler_obey_their_degrees():
     assert max(s[0] for s in seen) <= 4
     assert any(s[2] > 1 for s in seen)                    # some job ran rollouts in parallel
     assert backend.running() == 0
+    # a job near the threshold (best node > 0.9 * 0.6) was boosted: its later requests say so
+    boosted = {j.group for j in sched.done if j.boosted}
+    classes = {(d.custom_params["tts_group"], d.custom_params["tts_class"]) for d in backend.draws}
+    # (a job boosted at its last read sends nothing more)
+    assert boosted and set() < {g for g, c in classes if c == "boosted"} <= boosted

@@ -117,8 +117,11 @@ class ScriptedBackend(BaseBackend):
         return self._interrupt(lambda rid, params: (params or {}).get("tts_class") == "speculative", "stop")
 
     def _interrupt(self, match, how: str) -> int:
+        # an interrupted request stops counting as running at once (as a server frees its slot at the
+        # abort), not when its thread next wakes: `peak` and `running()` never count it again
         with self._lock:
-            hit = [v for v in self._running.values() if match(v[0], v[1])]
+            keys = [k for k, v in self._running.items() if match(v[0], v[1])]
+            hit = [self._running.pop(k) for k in keys]
         for _, _, event, why in hit:
             why.append(how)
             event.set()

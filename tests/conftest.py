@@ -53,7 +53,8 @@ LIVE_KV_BYTES = 64 << 20     # per server: 16k tokens of the generator in float3
 def live(tmp_path_factory, tiny_model_path):
     """``LiveServers`` with: ``generator`` (plugin, --tts-policy prefix-aware, metrics, seeded
     sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
-    SGLANG_PLUGINS=none), ``prm`` (the step-tag PRM) and ``reward_head`` (``write_reward_head`` of
+    SGLANG_PLUGINS=none), ``generator_4slots`` (plugin, prefix-aware, --max-running-requests 4),
+    ``prm`` (the step-tag PRM) and ``reward_head`` (``write_reward_head`` of
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
     right on the CPU, see sgl_tts.cpu_serving). A server that cannot start fails the test with its log."""
     from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
@@ -69,6 +70,9 @@ def live(tmp_path_factory, tiny_model_path):
         "generator_off": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
                                     extra=("--tts-seeded-sampling",)),
         "generator_stock": LiveServer(gen, policy=NO_PLUGIN, kv_bytes=LIVE_KV_BYTES),
+        # four request slots: the two-phase (speculative) preemption needs a server that can be full
+        "generator_4slots": LiveServer(gen, policy="prefix-aware", kv_bytes=LIVE_KV_BYTES,
+                                       extra=("--max-running-requests", "4")),
         "prm": LiveServer(prm, kv_bytes=LIVE_KV_BYTES),
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
     }

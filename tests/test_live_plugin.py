@@ -267,3 +267,44 @@ def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothi
     rids = [req["rid"] for rec in metrics_since(live, "generator", start) if rec["event"] == "prefill"
             for req in rec["requests"]]
     assert any(r.startswith("tts/live-spec-") and "/spec" in r for r in rids)
+
+
+@pytest.mark.parametrize("occupant", ["speculative", "normal"])
+def test_a_normal_request_arriving_at_a_full_server_preempts_speculative_work_only(live, occupant):
+    """Two-phase scheduling on the live scheduler (issue 18): four long requests fill the server's
+    four slots; a normal request then arrives. Speculative occupants are stopped at their next step
+    (``length``, every token they generated kept) and the arrival is admitted at once; normal
+    occupants are never stopped, so the arrival waits for one of them to finish."""
+    url = live.url("generator_4slots")
+    # (400 new tokens: the tiny generator's context is 512)
+    q = task.test_split()[2].question + "\n\n"
+    long_ = []
+    for i in range(4):
+        tag = SearchTag(group=f"full-{occupant}", depth=1, parent=0, beam=i, cls=occupant)
+        long_.append({"text": q, "rid": tag.rid(), "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0, "custom_params": tag.custom_params()}})
+    late = {"text": task.test_split()[40].question + "\n\n",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    out: dict = {}
+
+    async def scenario():
+        running = asyncio.ensure_future(_post_all(url, long_))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_for(
+            lambda: loads(url)["num_running_reqs"] >= 4, 120, "4 running requests"))
+        out["late"] = (await _post_all(url, [late]))[0]
+        out["occupants_at_late"] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: loads(url)["num_running_reqs"])
+        out["long"] = await running
+
+    asyncio.run(scenario())
+    assert out["late"]["meta_info"]["completion_tokens"] == 8
+    tokens = [r["meta_info"]["completion_tokens"] for r in out["long"]]
+    reasons = [r["meta_info"]["finish_reason"] for r in out["long"]]
+    if occupant == "speculative":
+        # stopped early, as cut steps a program can continue: length, with what they generated
+        assert all(0 < t < 400 for t in tokens), tokens
+        assert reasons == [{"type": "length", "length": t} for t in tokens]
+    else:
+        # nobody stopped: the arrival waited until an occupant finished its 400 tokens
+        assert tokens == [400] * 4 and reasons == [{"type": "length", "length": 400}] * 4
+        assert out["occupants_at_late"] <= 3

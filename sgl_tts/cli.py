@@ -112,6 +112,8 @@ def _delegated(command: str):
         from sgl_tts.serve import main as delegate
     elif command == "bench":
         from sgl_tts.bench.command import main as delegate
+    elif command == "load":
+        from sgl_tts.bench.load import main as delegate
     elif command == "wheelhouse":
         from sgl_tts.wheelhouse import main as delegate
     elif command == "smoke":
@@ -159,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False,
                    help="stock SGLang vs SGLang with sgl-tts on beam search and DVTS (random-weight "
                         "models, trace-driven steps): goodput, latency, cache hits (see its --help)")
+    sub.add_parser("load", add_help=False,
+                   help="many searches arriving with Poisson arrivals: p50/p99 latency, throughput and "
+                        "accuracy of beam search and MCTS with early exits and boosting (see its --help)")
     sub.add_parser("wheelhouse", add_help=False,
                    help="build the wheels that carry SGLang to a GPU machine without network (see its --help)")
     sub.add_parser("smoke", add_help=False,
@@ -173,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench",
+    if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench", "load",
                              "wheelhouse", "smoke"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,0 +1,398 @@
+"""``sgl-tts load``: many searches arriving at once, as a server sees them (seed 004 §5, Fig. 7-8).
+
+Problems arrive with Poisson arrivals at each given rate; every *side* serves the same problems at the
+same arrival times against the same generator and PRM servers, one side and rate after another:
+
+- ``beam_search``: beam search with positive early exit (``accept_threshold``), at most M jobs at once;
+- ``mcts``: vanilla MCTS, one rollout at a time per job, no early exit, at most M jobs at once;
+- ``mcts+pe``: + positive early exit;
+- ``mcts+pe+ne``: + negative early exit;
+- ``mcts+pe+ne+boost``: + parallelism-degree control and boosting (:mod:`sgl_tts.mcts_jobs`):
+  at most M rollouts over all jobs, split by Algorithm 1; boosted jobs' requests go in the plugin's
+  ``boosted`` class.
+
+Per side and rate it reports end-to-end latency (arrival to answer, queueing included) p50 and p99,
+throughput (jobs finished over the time from the first arrival to the last answer) and accuracy with
+a binomial tolerance (two standard errors). Each finished (side, rate) block is appended to a JSONL
+file at once; a rerun with the same settings skips the blocks already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+SIDES = ("beam_search", "mcts", "mcts+pe", "mcts+pe+ne", "mcts+pe+ne+boost")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSettings:
+    """One load run's settings (every side shares them).
+
+    Attributes:
+        rates: arrival rates, problems per second.
+        problems: problems per side and rate (the embedded test split's first ones).
+        max_jobs: M: jobs running at once (and, with boosting, rollouts in flight over all jobs).
+        rollouts: MCTS rollout budget per problem.
+        expansion_width: MCTS children per expansion.
+        max_depth: most steps of a trajectory.
+        step_tokens: token limit of a step.
+        threshold: acceptance threshold (both early exits; beam search's positive exit).
+        aggregation: trajectory score (``min`` or ``prod``: the negative exit needs one of them).
+        first_step_cutoff: MCTS selective futility check (``None``: off).
+        beams, beam_width: beam search's N and M.
+        temperature: sampling temperature.
+        seed: sampling and arrival seed.
+        sides: which sides to run, in order.
+    """
+
+    rates: tuple[float, ...] = (0.25, 0.5, 1.0)
+    problems: int = 24
+    max_jobs: int = 4
+    rollouts: int = 8
+    expansion_width: int = 3
+    max_depth: int = 10
+    step_tokens: int = 48
+    threshold: float = 0.8
+    aggregation: str = "min"
+    first_step_cutoff: float | None = None
+    beams: int = 8
+    beam_width: int = 2
+    temperature: float = 0.8
+    seed: int = 0
+    sides: tuple[str, ...] = SIDES
+
+    def __post_init__(self):
+        bad = [s for s in self.sides if s not in SIDES]
+        if bad:
+            raise ValueError(f"unknown side {bad[0]!r}; choose from {', '.join(SIDES)}")
+        if not self.rates or any(r <= 0 for r in self.rates):
+            raise ValueError(f"rates must be positive, got {self.rates}")
+        if self.problems < 1 or self.max_jobs < 1:
+            raise ValueError("problems and max_jobs must be >= 1")
+        if self.aggregation not in ("min", "prod"):
+            raise ValueError(f"aggregation must be min or prod (the negative early exit needs one), got "
+                             f"{self.aggregation!r}")
+
+    def key(self) -> str:
+        """What a record must match to be reused (everything but the sides and rates to run)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("sides", "rates")}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """``count`` arrival times (seconds from 0) of a Poisson process at ``rate`` per second."""
+    rng = random.Random(f"arrivals-{seed}-{rate}")
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def side_program(side: str, s: LoadSettings) -> tuple[Any, dict[str, Any], bool]:
+    """The program, its options and whether the scheduler boosts, for one side."""
+    common = dict(max_depth=s.max_depth, step_tokens=s.step_tokens, sampling_temperature=s.temperature,
+                  aggregation=s.aggregation, seed=s.seed)
+    if side == "beam_search":
+        from programs.beam_search import beam_search
+        return beam_search, dict(common, num_beams=s.beams, beam_width=s.beam_width,
+                                 accept_threshold=s.threshold), False
+    from programs.mcts import mcts
+    opts = dict(common, num_rollouts=s.rollouts, expansion_width=s.expansion_width, threshold=s.threshold,
+                positive_exit="+pe" in side, negative_exit="+ne" in side)
+    if "+ne" in side and s.first_step_cutoff is not None:
+        opts["first_step_cutoff"] = s.first_step_cutoff
+    return mcts, opts, side.endswith("+boost")
+
+
+def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: str, prm, s: LoadSettings,
+              on_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """Serve ``problems`` arriving at ``rate`` on one side; one record per problem."""
+    from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.mcts_jobs import BoostPolicy, JobScheduler
+
+    program, opts, boosting = side_program(side, s)
+    gen = SGLangEndpoint(generator_url)
+
+    def boost(group: str) -> None:
+        gen.set_class(group, "boosted")
+
+    sched = JobScheduler(BoostPolicy(max_rollouts=s.max_jobs, boosting=boosting), s.threshold,
+                         boost=boost if boosting else None)
+    arrivals = poisson_arrivals(rate, len(problems), s.seed)
+    t0 = time.monotonic()
+    records: list[dict | None] = [None] * len(problems)
+    errors: list[BaseException] = []
+    by_id: dict[int, int] = {}
+
+    def serve(job, index: int) -> None:
+        p = problems[index]
+        kwargs = dict(opts, question=p.question, prm=prm, search_group=job.group)
+        if side != "beam_search":
+            kwargs["control"] = sched.control(job)
+        try:
+            res = program.run(backend=gen, **kwargs).ret_value
+            if res is None:
+                raise RuntimeError(f"{side} on problem {index} returned nothing")
+        except BaseException as exc:   # recorded and raised after the block: nothing else is lost
+            errors.append(exc)
+            sched.finish(job)
+            return
+        sched.finish(job)
+        rec = {"side": side, "rate": rate, "problem": index, "key": s.key(),
+               "arrival": round(job.arrival - t0, 4), "started": round(job.started - t0, 4),
+               "finished": round(job.finished - t0, 4), "latency": round(job.finished - job.arrival, 4),
+               "answer": res.answer, "reference": None if p.answer is None else str(p.answer),
+               "correct": p.answer is not None and res.answer == str(p.answer),
+               "tokens": res.tokens_generated, "exit_reason": res.exit_reason, "boosted": job.boosted,
+               "cancelled": len(res.tree.cancelled) if res.tree is not None else 0}
+        records[index] = rec
+        if on_done is not None:
+            on_done(rec)
+
+    threads: list[threading.Thread] = []
+    submitted = 0
+    while submitted < len(problems) or sched.pending or sched.running:
+        now = time.monotonic() - t0
+        while submitted < len(problems) and arrivals[submitted] <= now:
+            job = sched.submit(f"load-{side}-{rate}-{submitted}-{s.seed}", arrival=t0 + arrivals[submitted])
+            by_id[job.id] = submitted
+            submitted += 1
+        for job in sched.admit():
+            th = threading.Thread(target=serve, args=(job, by_id[job.id]), daemon=True)
+            th.start()
+            threads.append(th)
+        time.sleep(0.005)
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return [r for r in records if r is not None]
+
+
+# ------------------------------------------------------------------------------------- report
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default)."""
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRow:
+    side: str
+    rate: float
+    jobs: int
+    p50: float
+    p99: float
+    throughput: float        # jobs per second
+    accuracy: float
+    tolerance: float         # two binomial standard errors
+    tokens: float            # mean tokens generated per job
+    exits: dict[str, int]
+
+    @property
+    def sustained(self) -> bool:
+        """Kept up with the arrivals: finished at least 90% as fast as they came."""
+        return self.throughput >= 0.9 * self.rate
+
+
+def summarize(records: Sequence[dict]) -> list[LoadRow]:
+    blocks: dict[tuple[str, float], list[dict]] = collections.defaultdict(list)
+    for r in records:
+        blocks[(r["side"], r["rate"])].append(r)
+    rows = []
+    for (side, rate), recs in blocks.items():
+        lat = [r["latency"] for r in recs]
+        span = max(r["finished"] for r in recs) - min(r["arrival"] for r in recs)
+        acc = sum(r["correct"] for r in recs) / len(recs)
+        rows.append(LoadRow(side, rate, len(recs), quantile(lat, 0.5), quantile(lat, 0.99),
+                            len(recs) / span if span > 0 else 0.0, acc,
+                            2 * math.sqrt(max(acc * (1 - acc), 1e-12) / len(recs)),
+                            sum(r["tokens"] for r in recs) / len(recs),
+                            dict(collections.Counter(r["exit_reason"] or "completed" for r in recs))))
+    order = {s: i for i, s in enumerate(SIDES)}
+    return sorted(rows, key=lambda r: (r.rate, order[r.side]))
+
+
+def headline(rows: Sequence[LoadRow], base: str = "mcts", full: str = "mcts+pe+ne+boost") -> dict | None:
+    """The full system against vanilla MCTS at the highest rate vanilla sustains (else its lowest)."""
+    base_rows = [r for r in rows if r.side == base]
+    if not base_rows:
+        return None
+    held = [r for r in base_rows if r.sustained]
+    b = max(held, key=lambda r: r.rate) if held else min(base_rows, key=lambda r: r.rate)
+    f = next((r for r in rows if r.side == full and r.rate == b.rate), None)
+    if f is None:
+        return None
+    return {"rate": b.rate, "sustained": b.sustained, "p99_lower": b.p99 / f.p99 if f.p99 else None,
+            "throughput_higher": f.throughput / b.throughput if b.throughput else None,
+            "accuracy": (b.accuracy, f.accuracy),
+            "accuracy_within_tolerance": f.accuracy >= b.accuracy - max(b.tolerance, f.tolerance)}
+
+
+def format_report(rows: Sequence[LoadRow]) -> str:
+    lines = ["| rate (/s) | side | jobs | p50 (s) | p99 (s) | throughput (/s) | accuracy | tokens/job | exits |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        exits = ", ".join(f"{k} {v}" for k, v in sorted(r.exits.items()))
+        lines.append(f"| {r.rate:g} | {r.side} | {r.jobs} | {r.p50:.1f} | {r.p99:.1f} | {r.throughput:.3f}"
+                     f"{'' if r.sustained else ' (not sustained)'} | {100 * r.accuracy:.0f}% ± "
+                     f"{100 * r.tolerance:.0f} | {r.tokens:.0f} | {exits} |")
+    h = headline(rows)
+    if h is not None:
+        lines.append("")
+        lines.append(f"At {h['rate']:g}/s ({'the highest rate vanilla MCTS sustains' if h['sustained'] else 'vanilla MCTS sustains none; its lowest rate'}): "
+                     f"p99 {h['p99_lower']:.2f}x lower, throughput {h['throughput_higher']:.2f}x higher with "
+                     f"PE+NE+boosting; accuracy {100 * h['accuracy'][0]:.0f}% -> {100 * h['accuracy'][1]:.0f}% "
+                     f"({'within' if h['accuracy_within_tolerance'] else 'OUTSIDE'} the binomial tolerance)")
+    return "\n".join(lines)
+
+
+def plot_report(rows: Sequence[LoadRow], path: str | Path, title: str = "") -> Path:
+    """p50 (solid) and p99 (dashed) latency against arrival rate, one colour per side (seed 004 Fig. 7)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, side in enumerate(s for s in SIDES if any(r.side == s for r in rows)):
+        pts = sorted((r.rate, r.p50, r.p99) for r in rows if r.side == side)
+        color = f"C{i}"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, label=f"{side} p50")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "--s", color=color, alpha=0.6, label=f"{side} p99")
+    ax.set_xlabel("arrival rate (problems / s)")
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_yscale("log")
+    ax.set_title(title or "latency under load")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------------------------- command
+def read_records(path: Path, key: str) -> list[dict]:
+    """Records already written with the same settings (a torn last line is dropped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("key") == key:
+            out.append(rec)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sgl-tts load", description=__doc__.split("\n\n")[0])
+    d = LoadSettings()
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="arrival rates per second, comma-separated")
+    p.add_argument("--problems", type=int, default=d.problems)
+    p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="M: jobs (and boosted rollouts) at once")
+    p.add_argument("--rollouts", type=int, default=d.rollouts)
+    p.add_argument("--expansion-width", type=int, default=d.expansion_width)
+    p.add_argument("--max-depth", type=int, default=d.max_depth)
+    p.add_argument("--step-tokens", type=int, default=d.step_tokens)
+    p.add_argument("--threshold", type=float, default=d.threshold)
+    p.add_argument("--aggregation", default=d.aggregation, choices=["min", "prod"])
+    p.add_argument("--first-step-cutoff", type=float, default=None)
+    p.add_argument("--beams", type=int, default=d.beams)
+    p.add_argument("--beam-width", type=int, default=d.beam_width)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, from " + ", ".join(SIDES))
+    p.add_argument("--generator-url", default=None, help="a running generator (default: start the tiny "
+                   "generator with the plugin on the CPU)")
+    p.add_argument("--prm-url", default=None, help="a running step-tag PRM server (default: start the tiny PRM)")
+    p.add_argument("--output", default="sgl-tts-load", help="output prefix: PREFIX.jsonl, PREFIX.md, PREFIX.png")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        s = LoadSettings(rates=tuple(float(x) for x in args.rates.split(",")), problems=args.problems,
+                         max_jobs=args.max_jobs, rollouts=args.rollouts, expansion_width=args.expansion_width,
+                         max_depth=args.max_depth, step_tokens=args.step_tokens, threshold=args.threshold,
+                         aggregation=args.aggregation, first_step_cutoff=args.first_step_cutoff,
+                         beams=args.beams, beam_width=args.beam_width, seed=args.seed,
+                         sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
+    except ValueError as exc:
+        print(f"sgl-tts load: error: {exc}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from sgl_tts import task
+    from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.prm import StepTagPRM
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = out.with_suffix(".jsonl")
+    records = read_records(jsonl, s.key())
+    done = {(r["side"], r["rate"]) for r in records}
+    problems = task.test_split()[:s.problems]
+    servers = None
+    try:
+        gen_url, prm_url = args.generator_url, args.prm_url
+        if gen_url is None or prm_url is None:
+            import tempfile
+
+            from sgl_tts.live_servers import LiveServer, LiveServers
+            from sgl_tts.models import shipped_model
+            servers = LiveServers({
+                "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware",
+                                        kv_bytes=256 << 20),
+                "prm": LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)},
+                tempfile.mkdtemp(prefix="sgl-tts-load-"))
+            gen_url = gen_url or servers.url("generator")
+            prm_url = prm_url or servers.url("prm")
+        prm = StepTagPRM(SGLangEndpoint(prm_url))
+        blocks = [(side, rate) for rate in s.rates for side in s.sides if (side, rate) not in done]
+        bar = tqdm(total=len(blocks) * s.problems, disable=args.no_progress, desc="load", unit="job")
+        for side, rate in blocks:
+            bar.set_postfix_str(f"{side} @ {rate:g}/s")
+            recs = run_block(side, rate, problems, gen_url, prm, s, on_done=lambda r: bar.update(1))
+            with jsonl.open("a") as fh:
+                for r in recs:
+                    fh.write(json.dumps(r) + "\n")
+            records += recs
+        bar.close()
+    finally:
+        if servers is not None:
+            servers.stop_all()
+    rows = summarize([r for r in records if r["side"] in s.sides and r["rate"] in s.rates])
+    report = format_report(rows)
+    out.with_suffix(".md").write_text(report + "\n")
+    plot_report(rows, out.with_suffix(".png"), f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts (CPU, tiny models)")
+    print(report)
+    return 0
+
+
+__all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "main", "plot_report",
+           "poisson_arrivals", "run_block", "side_program", "summarize"]

@@ -1,0 +1,95 @@
+"""`sgl-tts load` (seed 004's serving experiment): arrivals, the report's arithmetic worked by hand,
+the sides' programs, and one small block per side on the live CPU servers."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+
+import pytest
+
+from sgl_tts.bench.load import (LoadSettings, format_report, headline, poisson_arrivals, quantile, run_block,
+                                side_program, summarize)
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_their_rate():
+    a = poisson_arrivals(2.0, 4000, seed=1)
+    assert a == poisson_arrivals(2.0, 4000, seed=1) and a != poisson_arrivals(2.0, 4000, seed=2)
+    assert all(x < y for x, y in zip(a, a[1:]))
+    assert len(a) / a[-1] == pytest.approx(2.0, rel=0.05)   # 4000 gaps: the rate within 5%
+
+
+def test_quantile_is_linear_between_ranks():
+    assert quantile([4, 1, 3, 2], 0.5) == 2.5
+    assert quantile([1, 2, 3, 4, 5], 0.99) == pytest.approx(4.96)
+    assert quantile([], 0.5) == 0.0
+
+
+def rec(side, rate, arrival, finished, correct, exit_reason, tokens=100):
+    return {"side": side, "rate": rate, "arrival": arrival, "finished": finished,
+            "latency": finished - arrival, "correct": correct, "exit_reason": exit_reason, "tokens": tokens}
+
+
+def test_summary_and_headline_worked_by_hand():
+    records = [rec("mcts", 1.0, 0, 4, True, "budget"), rec("mcts", 1.0, 1, 9, False, "budget"),
+               rec("mcts+pe+ne+boost", 1.0, 0, 2, True, "accepted"),
+               rec("mcts+pe+ne+boost", 1.0, 1, 3, True, "futile"),
+               rec("mcts", 0.5, 0, 2, True, "budget"), rec("mcts", 0.5, 2, 3, True, "budget"),
+               rec("mcts+pe+ne+boost", 0.5, 0, 1, True, "accepted"),
+               rec("mcts+pe+ne+boost", 0.5, 2, 3, True, "accepted")]
+    rows = {(r.side, r.rate): r for r in summarize(records)}
+    v = rows[("mcts", 1.0)]
+    # latencies 4 and 8: p50 6, p99 4 + 0.99 * 4; 2 jobs over 9 s; 1 of 2 right
+    assert (v.jobs, v.p50, v.p99) == (2, 6.0, pytest.approx(7.96))
+    assert v.throughput == pytest.approx(2 / 9) and not v.sustained
+    assert v.accuracy == 0.5 and v.tolerance == pytest.approx(2 * math.sqrt(0.25 / 2))
+    assert rows[("mcts+pe+ne+boost", 1.0)].exits == {"accepted": 1, "futile": 1}
+    # vanilla sustains 0.5/s (2 jobs over 3 s = 0.667 >= 0.45) but not 1/s: compare at 0.5
+    h = headline(list(rows.values()))
+    assert h["rate"] == 0.5 and h["sustained"]
+    assert h["p99_lower"] == pytest.approx((1 + 0.99 * 1) / (1 + 0.99 * 0))   # vanilla 2, 1 vs boost 1, 1
+    assert h["throughput_higher"] == pytest.approx((2 / 3) / (2 / 3))
+    assert h["accuracy_within_tolerance"]
+    text = format_report(summarize(records))
+    assert "| 1 | mcts | 2 | 6.0 | 8.0 | 0.222 (not sustained) | 50% ± 71 |" in text
+    assert "At 0.5/s (the highest rate vanilla MCTS sustains)" in text
+
+
+def test_each_side_runs_its_program_with_its_exits():
+    s = LoadSettings(first_step_cutoff=0.2)
+    names = {}
+    for side in ("beam_search", "mcts", "mcts+pe", "mcts+pe+ne", "mcts+pe+ne+boost"):
+        program, opts, boost = side_program(side, s)
+        names[side] = (program.func.__name__, opts.get("positive_exit"), opts.get("negative_exit"),
+                       opts.get("first_step_cutoff"), boost)
+    assert names == {"beam_search": ("beam_search", None, None, None, False),
+                     "mcts": ("mcts", False, False, None, False),
+                     "mcts+pe": ("mcts", True, False, None, False),
+                     "mcts+pe+ne": ("mcts", True, True, 0.2, False),
+                     "mcts+pe+ne+boost": ("mcts", True, True, 0.2, True)}
+    assert side_program("beam_search", s)[1]["accept_threshold"] == s.threshold
+    with pytest.raises(ValueError, match=r"unknown side 'mcts\+boost'"):
+        LoadSettings(sides=("mcts+boost",))
+    with pytest.raises(ValueError, match="aggregation must be min or prod"):
+        LoadSettings(aggregation="last")
+
+
+@pytest.mark.server
+def test_a_block_per_side_on_the_live_servers_answers_every_problem_and_leaves_nothing_running(live):
+    from sgl_tts import task
+    from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.prm import StepTagPRM
+
+    url = live.url("generator")
+    prm = StepTagPRM(SGLangEndpoint(live.url("prm")))
+    s = LoadSettings(problems=3, max_jobs=2, rollouts=4, expansion_width=2, max_depth=6, beams=4,
+                     threshold=0.6)
+    problems = task.test_split()[:3]
+    for side in ("beam_search", "mcts+pe+ne+boost"):
+        got = run_block(side, 4.0, problems, url, prm, s)
+        assert sorted(r["problem"] for r in got) == [0, 1, 2]
+        assert all(r["finished"] >= r["started"] >= r["arrival"] and r["reference"] is not None for r in got)
+        with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
+            ld = json.loads(res.read())["loads"][0]
+        assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)

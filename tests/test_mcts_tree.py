@@ -265,3 +265,21 @@ def test_a_leaf_at_the_threshold_is_viable_and_an_unexpanded_root_is_never_futil
         assert tree.exit is None             # "at" scored exactly the threshold: viable (futile is below)
         kids(tree, r, (step("x"), 0.1), (step("y"), 0.2))
         assert tree.exit.reason == "futile"  # "at" was expanded; every leaf is below now
+
+
+def test_the_drawing_places_every_node_under_its_parent_and_names_the_exit():
+    import matplotlib
+    matplotlib.use("Agg")
+    from sgl_tts.mcts_plot import draw_tree, layout
+
+    tree = MCTSTree(MCTSConfig(expansion_width=2, threshold=0.9, aggregation="last"))
+    r = tree.launch()
+    kids(tree, r, (step("a"), 0.5), (step("b"), 0.4))
+    kids(tree, r, (step("a1"), 0.2), (answer("\\boxed{1}"), 0.95))
+    pos = layout(tree)
+    a, b, a1, fin = (by_text(tree, t) for t in ("a", "b", "a1", "\\boxed{1}"))
+    # leaves left to right in depth-first order; a parent over the middle of its children
+    assert [pos[n.id] for n in (a1, fin, b)] == [(0.0, -2.0), (1.0, -2.0), (2.0, -1.0)]
+    assert pos[a.id] == (0.5, -1.0) and pos[0] == (1.25, 0.0)
+    ax = draw_tree(tree)
+    assert "exit: accepted" in ax.get_title() and len(ax.collections[0].get_offsets()) == len(tree.nodes)

@@ -42,6 +42,8 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     for k in (1, 2, 4, 8):
         assert f"N={k}: PRM-greedy " in text
     assert (tmp_path / "quickstart-accuracy.png").stat().st_size > 10_000
+    assert "MCTS: answer " in text and "; exit: " in text
+    assert (tmp_path / "quickstart-mcts-tree.png").stat().st_size > 10_000
 
 
 @pytest.mark.server
@@ -49,5 +51,6 @@ def test_quickstart_notebook_runs_on_live_servers(tmp_path, live):
     gen, prm = live.url("generator"), live.url("prm")
     text = _execute(tmp_path, {"TTS_GENERATOR_URL": gen, "TTS_PRM_URL": prm})
     assert f"generator: {gen} | PRM: {prm}" in text
+    assert "MCTS: answer " in text
     for k in (1, 2, 4, 8):
         assert f"N={k}: PRM-greedy " in text

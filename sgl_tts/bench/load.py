@@ -13,7 +13,8 @@ same arrival times against the same generator and PRM servers, one side and rate
 
 Per side and rate it reports end-to-end latency (arrival to answer, queueing included) p50 and p99,
 throughput (jobs finished over the time from the first arrival to the last answer) and accuracy with
-a binomial tolerance (two standard errors). Each finished (side, rate) block is appended to a JSONL
+a binomial tolerance (two standard errors). Every side samples the same texts (seeds belong to tree
+positions), so both servers' prefix caches are flushed before each block. Each finished (side, rate) block is appended to a JSONL
 file at once; a rerun with the same settings skips the blocks already there.
 """
 
@@ -307,6 +308,16 @@ def read_records(path: Path, key: str) -> list[dict]:
     return out
 
 
+def flush_cache(url: str) -> None:
+    """Empty a server's radix cache (``POST /flush_cache``; SGLang refuses while requests run)."""
+    import urllib.request
+
+    req = urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as res:
+        if res.status != 200:
+            raise RuntimeError(f"{url} did not flush its cache: HTTP {res.status}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-tts load", description=__doc__.split("\n\n")[0])
     d = LoadSettings()
@@ -377,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar = tqdm(total=len(blocks) * s.problems, disable=args.no_progress, desc="load", unit="job")
         for side, rate in blocks:
             bar.set_postfix_str(f"{side} @ {rate:g}/s")
+            # every side samples the same texts (position seeds): a cache warmed by the block before
+            # would serve this one's prefixes for free
+            for url in (gen_url, prm_url):
+                flush_cache(url)
             recs = run_block(side, rate, problems, gen_url, prm, s, on_done=lambda r: bar.update(1))
             with jsonl.open("a") as fh:
                 for r in recs:

@@ -611,7 +611,8 @@ class Summary:
         return dataclasses.asdict(self)
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default); 0 for no values."""
     xs = sorted(xs)
     if not xs:
         return 0.0
@@ -641,8 +642,8 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
         pass_at_n=(sum(r["pass"] for r in graded) / len(graded)) if graded else None,
         accuracy_at=accuracy_at, goodput_tokens_per_s=mean_tokens / mean_secs if mean_secs else 0.0,
         mean_tokens_per_trajectory=mean_tokens, mean_trajectory_seconds=mean_secs,
-        latency_seconds={"mean": statistics.fmean(lat) if lat else 0.0, "p50": _quantile(lat, 0.5),
-                         "p90": _quantile(lat, 0.9), "max": max(lat, default=0.0)},
+        latency_seconds={"mean": statistics.fmean(lat) if lat else 0.0, "p50": quantile(lat, 0.5),
+                         "p90": quantile(lat, 0.9), "max": max(lat, default=0.0)},
         tokens_generated=sum(r["tokens_generated"] for r in records),
         tokens_kept=sum(r["tokens_kept"] for r in records), n=n,
         exact_subsampling=program in ("best_of_n", "self_consistency"),
@@ -865,6 +866,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["PROGRAMS", "ProblemRecord", "RunConfig", "RunError", "Summary", "add_config_arguments",
+__all__ = ["PROGRAMS", "ProblemRecord", "RunConfig", "RunError", "Summary", "add_config_arguments", "quantile",
            "answers_at", "config_from_args", "load_yaml", "main", "plot_summary", "read_problems",
            "read_results", "result_record", "run", "subsample_sizes", "summarize"]

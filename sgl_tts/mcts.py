@@ -141,7 +141,7 @@ class Node:
     @property
     def step_score(self) -> float | None:
         """The score of this node's own step (``None`` at the root or for an empty path)."""
-        return self.scores[-1] if self.scores and self.id != 0 else None
+        return self.scores[-1] if self.scores else None
 
     @property
     def first_score(self) -> float | None:

@@ -4,6 +4,7 @@ through it on the scripted doubles with their degrees obeyed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -28,12 +29,7 @@ def test_the_parallelism_score():
     policy = BoostPolicy()
     assert parallelism_score(A, NOW, policy) == pytest.approx(math.log(11) + 2)
     assert parallelism_score(B, NOW, policy) == pytest.approx(math.log(4))
-    assert parallelism_score(dict_replace(A, ratio=0.9), NOW, policy) == pytest.approx(math.log(11))  # ρ > τ, strictly
-
-
-def dict_replace(view, **changes):
-    import dataclasses
-    return dataclasses.replace(view, **changes)
+    assert parallelism_score(dataclasses.replace(A, ratio=0.9), NOW, policy) == pytest.approx(math.log(11))  # ρ > τ, strictly
 
 
 def test_allocation_worked_by_hand():
@@ -43,10 +39,10 @@ def test_allocation_worked_by_hand():
     # M = 8: A ⌊3.96⌋ = 3, B ⌊1.25⌋ = 1, C 1, D 1; 2 left: A, B
     assert allocate([A, B, C, D], NOW, BoostPolicy(max_rollouts=8)) == {0: 4, 1: 2, 2: 1, 3: 1}
     # caps: A can use only 4 more; the rest goes on to B and D
-    capped = [dict_replace(A, usable=4), B, C, D]
+    capped = [dataclasses.replace(A, usable=4), B, C, D]
     assert allocate(capped, NOW, BoostPolicy(max_rollouts=12)) == {0: 4, 1: 4, 2: 1, 3: 3}
     # every job capped at 1: the rest of M stays unused
-    ones = [dict_replace(v, usable=1) for v in (A, B, D)]
+    ones = [dataclasses.replace(v, usable=1) for v in (A, B, D)]
     assert allocate(ones, NOW, BoostPolicy(max_rollouts=12)) == {0: 1, 1: 1, 3: 1}
 
 
@@ -59,7 +55,7 @@ def test_the_floors_passing_m_give_back_from_the_lowest_score():
 
 
 def test_gating_and_vanilla():
-    gated = [dict_replace(v, observations=1) for v in (A, B, D)]
+    gated = [dataclasses.replace(v, observations=1) for v in (A, B, D)]
     assert allocate(gated, NOW, BoostPolicy(max_rollouts=12, min_observations=2)) == {0: 1, 1: 1, 3: 1}
     assert allocate([A, B, C, D], NOW, BoostPolicy(max_rollouts=12, boosting=False)) == {0: 1, 1: 1, 2: 1, 3: 1}
     assert allocate([], NOW, BoostPolicy()) == {}

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from sgl_tts.experiment import quantile
+
 logger = logging.getLogger(__name__)
 
 SIDES = ("beam_search", "mcts", "mcts+pe", "mcts+pe+ne", "mcts+pe+ne+boost")
@@ -186,17 +188,6 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
 
 
 # ------------------------------------------------------------------------------------- report
-def quantile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default)."""
-    xs = sorted(xs)
-    if not xs:
-        return 0.0
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 @dataclasses.dataclass(frozen=True)
 class LoadRow:
     side: str
@@ -410,4 +401,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "main", "plot_report",
-           "poisson_arrivals", "run_block", "side_program", "summarize"]
+           "poisson_arrivals", "quantile", "run_block", "side_program", "summarize"]

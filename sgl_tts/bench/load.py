@@ -84,6 +84,8 @@ class LoadSettings:
             raise ValueError(f"unknown side {bad[0]!r}; choose from {', '.join(SIDES)}")
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.problems < 1 or self.max_jobs < 1:
             raise ValueError("problems and max_jobs must be >= 1")
         if self.aggregation not in ("min", "prod"):
@@ -322,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=d.threshold)
     p.add_argument("--aggregation", default=d.aggregation, choices=["min", "prod"])
     p.add_argument("--first-step-cutoff", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
     p.add_argument("--beams", type=int, default=d.beams)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -342,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_jobs=args.max_jobs, rollouts=args.rollouts, expansion_width=args.expansion_width,
                          max_depth=args.max_depth, step_tokens=args.step_tokens, threshold=args.threshold,
                          aggregation=args.aggregation, first_step_cutoff=args.first_step_cutoff,
-                         beams=args.beams, beam_width=args.beam_width, seed=args.seed,
+                         beams=args.beams, beam_width=args.beam_width, temperature=args.temperature,
+                         seed=args.seed,
                          sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
     except ValueError as exc:
         print(f"sgl-tts load: error: {exc}", file=sys.stderr)

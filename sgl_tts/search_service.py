@@ -32,6 +32,9 @@ from sgl_tts.tts_request import new_group
 
 logger = logging.getLogger(__name__)
 
+# SGLang's interpreter warns with a whole traceback for every stream a cancel stops: expected, not news
+warnings.filterwarnings("ignore", message=r"(?s)Error in stream_executor:.*SearchCancelled", category=UserWarning)
+
 ABORT_EVERY_S = 0.05   # how often a cancelled search's requests are aborted until its program returns
 
 
@@ -245,13 +248,10 @@ class SearchService:
             box: dict[str, Any] = {}
 
             def work() -> None:
-                with warnings.catch_warnings():
-                    # SGLang's interpreter warns with a traceback for every fork a cancel stops
-                    warnings.simplefilter("ignore")
-                    try:
-                        box["state"] = program.run(backend=endpoint, **args)
-                    except BaseException as exc:   # handed to the caller below
-                        box["error"] = exc
+                try:
+                    box["state"] = program.run(backend=endpoint, **args)
+                except BaseException as exc:   # handed to the caller below
+                    box["error"] = exc
 
             worker = threading.Thread(target=work, name=f"sgl-tts-search-{group}", daemon=True)
             worker.start()

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from sgl_tts.cpu_serving import CPU_ENV, cpu_server_flags
 from sgl_tts.serve import ManagedServer, ServerFailed, ServerSpec
@@ -156,6 +156,32 @@ class LiveServers:
                 raise server.failure(f"did not answer {spec.health_url} within {self.health_timeout:.0f} s "
                                      f"(log: {self.log_path(name)})")
             time.sleep(0.5)
+
+    def start_router(self, name: str, workers: Sequence[str], policy: str = "cache_aware") -> str:
+        """(Re)start SGLang's router ``name`` in front of the named servers (each started if need be)
+        with ``policy``; return its URL."""
+        from sgl_tts.serve import router_spec, wait_router_workers
+
+        urls = [self.url(w) for w in workers]
+        with self._lock:
+            old = self._running.pop(name, None)
+            if old is not None:
+                old.stop(grace=5)
+            port = self._ports.setdefault(name, free_port(self.host))
+            spec = router_spec(urls, host=self.host, port=port, policy=policy, python=self.python, name=name)
+            log = open(self.log_path(name), "a", buffering=1)
+            self._logs[name] = log
+            server = ManagedServer(spec, out=log, tail_lines=40)
+            self._running[name] = server
+            deadline = time.monotonic() + 60
+            while not server.healthy():
+                if not server.alive() or time.monotonic() > deadline:
+                    server.stop(grace=5)
+                    raise server.failure(f"did not become healthy (log: {self.log_path(name)})")
+                time.sleep(0.2)
+        url = f"http://{self.host}:{port}"
+        wait_router_workers(url, len(urls))
+        return url
 
     def kill(self, name: str) -> None:
         """SIGKILL ``name``'s whole process group at once (a crash, not a clean stop); a later

@@ -197,6 +197,50 @@ async def stream_events(service: SearchService, req, rid: str, created: int,
             logger.info("streamed request %s: the client went away; cancelling its search", rid)
 
 
+class BackgroundSearchServer:
+    """serve-search's app served by uvicorn in a thread of this process (a notebook, a test): the
+    same routes as the command, on ``host:port`` (``port`` 0: a free one).
+
+    Attributes:
+        url: the server's base URL (``url + "/v1"`` is the OpenAI base URL).
+    """
+
+    def __init__(self, service: SearchService, *, host: str = "127.0.0.1", port: int = 0,
+                 limits: Limits = Limits(), defaults: Defaults = Defaults(), log_level: str = "warning"):
+        import uvicorn
+
+        if port == 0:
+            from sgl_tts.live_servers import free_port
+            port = free_port(host)
+        self.service = service
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service, limits, defaults), host=host, port=port,
+                                                    log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="sgl-tts-serve-search", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"serve-search did not start on {host}:{port}")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{port}"
+
+    def client(self, **kwargs: Any):
+        """An ``openai.OpenAI`` client for this server."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **{"max_retries": 0, "timeout": 600, **kwargs})
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def __enter__(self) -> "BackgroundSearchServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 # ------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-tts serve-search", description=__doc__.split("\n\n")[0])
@@ -285,4 +329,4 @@ def start_tiny_servers(need_prm: bool = True):
     return servers, gen, prm
 
 
-__all__ = ["completion_body", "create_app", "error_body", "main", "stream_events", "usage"]
+__all__ = ["BackgroundSearchServer", "completion_body", "create_app", "error_body", "main", "stream_events", "usage"]

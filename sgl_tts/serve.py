@@ -202,6 +202,79 @@ def sigterm_stops_servers():
         signal.signal(signal.SIGTERM, old)
 
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+def replicate(specs: Sequence[ServerSpec], replicas: int, *, host: str, router_port: int, replica_ports: Sequence[int],
+              router_policy: str = "cache_aware", gpu_ids: Sequence[int] | None = None,
+              python: str = sys.executable, router_args: Sequence[str] = ()) -> list[ServerSpec]:
+    """``specs`` (from :func:`build_specs`) with the generator started ``replicas`` times on
+    ``replica_ports`` (``generator-0``, ``generator-1``, ...; on GPU ``gpu_ids[i]`` via
+    ``--base-gpu-id``) and SGLang's router (``sglang_router.launch_router``) last, on ``router_port``,
+    in front of them with ``router_policy``: clients keep talking to one generator URL. The
+    replicas and the PRM keep their start-up order (the memory planner's)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if router_policy not in ROUTER_POLICIES:
+        raise ValueError(f"unknown router policy {router_policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+    if len(replica_ports) != replicas or len(set(replica_ports)) != replicas or router_port in replica_ports:
+        raise ValueError(f"need {replicas} distinct replica ports apart from the router's {router_port}, "
+                         f"got {list(replica_ports)}")
+    out: list[ServerSpec] = []
+    urls = []
+    for spec in specs:
+        if spec.name != "generator":
+            out.append(spec)
+            continue
+        cmd = list(spec.command)
+        at = cmd.index("--port")
+        for i, port in enumerate(replica_ports):
+            c = cmd[:at + 1] + [str(port)] + cmd[at + 2:]
+            if gpu_ids is not None:
+                c += ["--base-gpu-id", str(gpu_ids[i])]
+            if "--tts-metrics-file" in c:   # one metrics file (prefix) per replica
+                m = c.index("--tts-metrics-file") + 1
+                c[m] = f"{c[m]}.replica{i}"
+            out.append(ServerSpec(f"generator-{i}", c, f"http://{host}:{port}/health", spec.env))
+            urls.append(f"http://{host}:{port}")
+    out.append(router_spec(urls, host=host, port=router_port, policy=router_policy, python=python,
+                           extra=router_args))
+    return out
+
+
+def router_spec(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
+                python: str = sys.executable, extra: Sequence[str] = (), name: str = "router") -> ServerSpec:
+    """SGLang's router (``python -m sglang_router.launch_router``, package sglang-router) in front of
+    ``worker_urls``, routing by ``policy``."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+           "--host", host, "--port", str(port), "--log-level", "warn", *extra]
+    return ServerSpec(name, cmd, f"http://{host}:{port}/readiness")   # /health answers before workers join
+
+
+def wait_router_workers(url: str, count: int, timeout: float = 120.0) -> list[str]:
+    """Wait until the router at ``url`` lists ``count`` healthy workers (it registers them in the
+    background after it starts answering); return their URLs."""
+    import json
+
+    deadline = time.monotonic() + timeout
+    listed: list = []
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/workers", timeout=5) as res:
+                listed = json.loads(res.read()).get("workers") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            listed = []
+        healthy = [w["url"] for w in listed if isinstance(w, dict) and w.get("is_healthy")]
+        if len(healthy) >= count:
+            return healthy
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"the router at {url} lists {len(healthy)} healthy workers of {count} after "
+                               f"{timeout:.0f} s: {listed}")
+        time.sleep(0.2)
+
+
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin_args: Sequence[str] = (), python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
@@ -249,11 +322,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prm-port", type=int, default=30001)
     ap.add_argument("--tts-policy", default="prefix-aware", choices=["off", "prefix-aware"])
     ap.add_argument("--tts-metrics-file", default=None)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="generator replicas behind SGLang's router (sglang-router), which listens on "
+                         "--generator-port: clients keep one URL. cpu: the generator's KV share is split "
+                         "between them; cuda: replica i runs on GPU i with the planned flags (default 1: "
+                         "no router)")
+    ap.add_argument("--router-policy", default="cache_aware", choices=list(ROUTER_POLICIES),
+                    help="how the router picks a replica (cache_aware: the one whose prefix tree matches "
+                         "the request best, unless the load is unbalanced)")
+    ap.add_argument("--router-args", default="",
+                    help="more flags for sglang_router.launch_router, one quoted string (e.g. "
+                         "\"--cache-threshold 0.5 --balance-abs-threshold 32\")")
+    ap.add_argument("--replica-ports", default=None,
+                    help="comma-separated ports of the replicas (default: --generator-port + 100, + 101, ...)")
     ap.add_argument("--health-timeout", type=float, default=600.0)
     ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
     args = ap.parse_args(argv)
     env = None
     try:
+        if args.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
         if args.device == "cpu":
             from sgl_tts.models import shipped_model
 
@@ -262,6 +350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not (args.generator and args.prm):
                 raise ValueError("this install ships no tiny models: pass --generator and --prm")
             flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
+            if args.replicas > 1:   # the generator's share, split between its replicas
+                from sgl_tts.cpu_serving import cpu_server_flags
+                from sgl_tts.memory import parse_bytes
+
+                share = parse_bytes(args.kv_memory) * args.generator_share / args.replicas
+                flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
             env = dict(CPU_ENV)
         else:
             if not (args.generator and args.prm):
@@ -278,6 +372,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
                         first=args.first, plugin_args=plugin, env=env)
+    if args.replicas > 1:
+        try:
+            ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
+                     else [args.generator_port + 100 + i for i in range(args.replicas)])
+            specs = replicate(specs, args.replicas, host=args.host, router_port=args.generator_port,
+                              replica_ports=ports, router_policy=args.router_policy,
+                              router_args=shlex.split(args.router_args),
+                              gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
+        except ValueError as exc:
+            print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+            return 1
     if args.dry_run:
         for spec in specs:
             print(f"# {spec.name}: healthy at {spec.health_url}")
@@ -287,8 +392,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def ready(servers):
         urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
-        print(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)",
-              flush=True)
+        if "router" in urls:
+            wait_router_workers(urls["router"], args.replicas)
+            reps = ", ".join(u for n, u in urls.items() if n.startswith("generator-"))
+            print(f"sgl-tts serve: generator {urls['router']} (SGLang router, {args.router_policy}, "
+                  f"{args.replicas} replicas: {reps}), PRM {urls['prm']} (Ctrl-C stops all)", flush=True)
+        else:
+            print(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)",
+                  flush=True)
 
     try:
         with sigterm_stops_servers():
@@ -302,5 +413,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ManagedServer", "ServerFailed", "ServerSpec", "build_specs", "main", "run_servers",
-           "sigterm_stops_servers"]
+__all__ = ["ManagedServer", "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_specs", "main", "replicate",
+           "router_spec", "run_servers", "wait_router_workers", "sigterm_stops_servers"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import threading
 import time
 import urllib.request
 
@@ -17,9 +16,8 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
-from sgl_tts.live_servers import free_port
 from sgl_tts.search_api import parse_request
-from sgl_tts.search_server import create_app
+from sgl_tts.search_server import BackgroundSearchServer
 from sgl_tts.search_service import SearchService
 
 pytestmark = pytest.mark.server
@@ -36,30 +34,12 @@ def loads(url: str) -> dict:
         return json.loads(res.read())["loads"][0]
 
 
-class Served:
-    """serve-search's app on a free port (uvicorn in a thread), over the live generator and PRM."""
+class Served(BackgroundSearchServer):
+    """serve-search over the given generator and PRM, in a thread, with an openai client."""
 
     def __init__(self, generator_url: str, prm_url: str, max_concurrent: int = 8):
-        import uvicorn
-
-        self.generator_url = generator_url
-        self.service = SearchService(generator_url, prm_url, max_concurrent=max_concurrent)
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve-search did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(SearchService(generator_url, prm_url, max_concurrent=max_concurrent))
+        self.client = super().client()
 
 
 @pytest.fixture(scope="module")

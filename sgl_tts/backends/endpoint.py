@@ -37,6 +37,7 @@ class SGLangEndpoint(RuntimeEndpoint):
                  chat_template_name: str | None = None, tokenizer_path: str | None = None):
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
+        self._router: bool | None = None   # unknown until workers() asks
         try:
             super().__init__(base_url, api_key=api_key, verify=verify,
                              chat_template_name=chat_template_name)
@@ -200,8 +201,32 @@ class SGLangEndpoint(RuntimeEndpoint):
 
         if not is_group_prefix(prefix):
             raise ValueError(f"an abort prefix must start with 'tts/<group>/' and end with '/', got {prefix!r}")
-        res = self._http("/abort_request", {"rid": prefix})
-        self._assert_success(res)
+        for url in self.workers():   # a router does not pass /abort_request on: ask each server
+            res = self._http("/abort_request", {"rid": prefix}, base=url)
+            self._assert_success(res, url)
+
+    def workers(self) -> list[str]:
+        """The SGLang servers behind this URL: the URL itself, or, for an SGLang router
+        (``sglang-router``), its workers as ``GET /workers`` lists them now (they may change)."""
+        import requests
+
+        if self._router is False:
+            return [self.base_url]
+        with self._answering("GET /workers"):
+            res = requests.get(self.base_url + "/workers", timeout=30, verify=self.verify,
+                               headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
+        try:
+            listed = res.json().get("workers") if res.status_code == 200 else None
+        except ValueError:
+            listed = None
+        if not isinstance(listed, list):      # a server, not a router
+            self._router = False
+            return [self.base_url]
+        self._router = True
+        urls = [w["url"].rstrip("/") for w in listed if isinstance(w, dict) and w.get("url")]
+        if not urls:
+            raise ServerUnavailable(f"the router at {self.base_url} has no workers")
+        return urls
 
     def set_class(self, group: str, cls: str, beams: Sequence[int] | None = None,
                   depth: int | None = None, priority: int | None = None) -> int:
@@ -217,9 +242,14 @@ class SGLangEndpoint(RuntimeEndpoint):
             command["depth"] = int(depth)
         if priority is not None:
             command["priority"] = int(priority)
-        res = self.post("/set_internal_state", {"server_args": {"tts_set_class": command}})
+        answers = []
+        for url in self.workers():   # a router does not pass /set_internal_state on: ask each server
+            res = self._http("/set_internal_state", {"server_args": {"tts_set_class": command}}, base=url)
+            self._assert_success(res, url)
+            got = res.json()
+            answers += got if isinstance(got, list) else [got]
         total = 0
-        for out in res if isinstance(res, list) else [res]:
+        for out in answers:
             if not isinstance(out, dict):   # SGLang's bare flag: the plugin is not loaded there
                 raise RuntimeError(f"{self.base_url} answered {res!r} to tts_set_class: is the sgl-tts "
                                    f"plugin loaded there (SGLANG_PLUGINS)?")
@@ -238,22 +268,23 @@ class SGLangEndpoint(RuntimeEndpoint):
         self._assert_success(res)
         return res.json()
 
-    def _assert_success(self, res):
+    def _assert_success(self, res, base: str | None = None):
         """An error status names the server and its answer (SGLang's own raises the bare answer)."""
         if res.status_code != 200:
             try:
                 content = res.json()
             except ValueError:
                 content = res.text
-            raise ServerError(f"the SGLang server at {self.base_url} answered HTTP {res.status_code}: {content}")
+            raise ServerError(f"the SGLang server at {base or self.base_url} answered HTTP {res.status_code}: "
+                              f"{content}")
 
-    def _http(self, path: str, payload: dict[str, Any], *, stream: bool = False):
-        with self._answering(f"POST {path}"):
-            return http_request(self.base_url + path, json=payload, stream=stream, api_key=self.api_key,
+    def _http(self, path: str, payload: dict[str, Any], *, stream: bool = False, base: str | None = None):
+        with self._answering(f"POST {path}", base):
+            return http_request((base or self.base_url) + path, json=payload, stream=stream, api_key=self.api_key,
                                 verify=self.verify)
 
     @contextlib.contextmanager
-    def _answering(self, what: str):
+    def _answering(self, what: str, base: str | None = None):
         """A server that is gone raises :class:`ServerUnavailable` naming it (urllib's own errors say
         neither which server nor what was asked)."""
         import requests
@@ -262,7 +293,7 @@ class SGLangEndpoint(RuntimeEndpoint):
             yield
         except (OSError, http.client.HTTPException, requests.ConnectionError) as exc:
             reason = getattr(exc, "reason", None) or exc
-            raise ServerUnavailable(f"the SGLang server at {self.base_url} did not answer {what} "
+            raise ServerUnavailable(f"the SGLang server at {base or self.base_url} did not answer {what} "
                                     f"({type(reason).__name__}: {reason}); is it still running?") from exc
 
 

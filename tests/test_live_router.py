@@ -1,0 +1,158 @@
+"""Scale-out on SGLang's own router (sglang-router) with two live CPU generator replicas: a search's
+requests stay on one replica (read from the replicas' own scheduler metrics), round-robin routing
+spreads them and caches less, group aborts and class changes reach every replica, and serve-search
+runs through the router unchanged."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import time
+import urllib.request
+
+import httpx
+import pytest
+
+from programs.beam_search import beam_search
+from sgl_tts import task
+from sgl_tts.backends import SGLangEndpoint
+from sgl_tts.prm import StepTagPRM
+from sgl_tts.search_server import BackgroundSearchServer
+from sgl_tts.search_service import SearchService
+
+pytestmark = pytest.mark.server
+
+REPLICAS = ("rep0", "rep1")
+LONG = {"model": "beam_search:32x4", "messages": [{"role": "user", "content": task.test_split()[3].question}],
+        "seed": 1, "step_tokens": 256, "max_depth": 40, "temperature": 2.0}   # long wild steps
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, live):
+    """Two generator replicas (plugin, metrics, seeded sampling) and a router in front of them;
+    the PRM is the session's."""
+    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.models import shipped_model
+
+    gen = str(shipped_model("generator"))
+    spec = LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=64 << 20, extra=("--tts-seeded-sampling",))
+    servers = LiveServers({name: spec for name in REPLICAS}, tmp_path_factory.mktemp("fleet"))
+    servers.prm_url = live.url("prm")
+    yield servers
+    servers.stop_all()
+
+
+def placement(servers) -> dict[str, set[str]]:
+    """search group -> the replicas that prefilled any of its requests (rid ``tts/<group>/...``)."""
+    time.sleep(2.5)   # the plugin flushes its metrics at least every second
+    where: dict[str, set[str]] = collections.defaultdict(set)
+    for name in REPLICAS:
+        for rec in servers.metrics_records(name):
+            for req in rec.get("requests", []) if rec.get("event") == "prefill" else []:
+                rid = req["rid"]
+                if rid.startswith("tts/"):
+                    where[rid.split("/")[1]].add(name)
+    return where
+
+
+def flush(url: str) -> None:
+    req = urllib.request.Request(url + "/flush_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+
+
+def run_searches(router: str, prm_url: str, tag: str, count: int = 6) -> dict[str, object]:
+    prm = StepTagPRM(SGLangEndpoint(prm_url), cache=False)
+    problems = task.test_split()[:count]
+
+    def one(i):
+        return f"{tag}{i}", beam_search.run(backend=SGLangEndpoint(router), question=problems[i].question, prm=prm,
+                                            num_beams=4, beam_width=2, max_depth=10, step_tokens=48, seed=i,
+                                            search_group=f"{tag}{i}").ret_value
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        return dict(pool.map(one, range(count)))
+
+
+def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(fleet):
+    router = fleet.start_router("router", REPLICAS, "cache_aware")
+    flush(router)
+    aware = run_searches(router, fleet.prm_url, "aware")
+    where = placement(fleet)
+    assert {g: len(where[g]) for g in aware} == {g: 1 for g in aware}, where
+    assert {next(iter(where[g])) for g in aware} == set(REPLICAS)      # the router spread the searches
+    # the same search through the router and on one replica directly: the same samples
+    prm = StepTagPRM(SGLangEndpoint(fleet.prm_url), cache=False)
+    direct = beam_search.run(backend=SGLangEndpoint(fleet.url("rep0")), question=task.test_split()[5].question,
+                             prm=prm, num_beams=4, beam_width=2, max_depth=10, step_tokens=48, seed=5).ret_value
+    assert [t.text for t in direct.trajectories] == [t.text for t in aware["aware5"].trajectories]
+
+    # round robin: the same searches spread over both replicas (what that costs in prefix-cache hits is
+    # measured in docs/BENCHMARKS.md, "Scale-out"; on this short-prompt task it is small)
+    router = fleet.start_router("router", REPLICAS, "round_robin")
+    flush(router)
+    rr = run_searches(router, fleet.prm_url, "rr")
+    where = placement(fleet)
+    assert all(len(where[g]) == 2 for g in rr), where
+    assert [r.answer for r in rr.values()] == [r.answer for r in aware.values()]   # routing changes no sample
+
+
+def loads(url: str) -> int:
+    with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
+        ld = json.loads(res.read())["loads"][0]
+    return ld["num_running_reqs"] + ld["num_waiting_reqs"]
+
+
+def test_group_abort_and_class_change_through_the_router_reach_every_replica(fleet):
+    router = fleet.start_router("router", REPLICAS, "round_robin")
+    endpoint = SGLangEndpoint(router)
+    assert sorted(endpoint.workers()) == sorted(fleet.url(n) for n in REPLICAS)
+    assert SGLangEndpoint(fleet.url("rep0")).workers() == [fleet.url("rep0")]
+
+    def long(i):   # round robin puts them on both replicas
+        body = {"text": "Compute ((1+2)*3)-4.\n\n", "rid": f"tts/spread/0/{i}",
+                "sampling_params": {"max_new_tokens": 400, "temperature": 2.0, "ignore_eos": True,
+                                    "custom_params": {"tts_group": "spread", "tts_beam": i}}}
+        return httpx.post(router + "/generate", json=body, timeout=120).json()["meta_info"]
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(long, i) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while min(loads(fleet.url(n)) for n in REPLICAS) == 0:
+            assert time.monotonic() < deadline, "the requests never reached both replicas"
+            time.sleep(0.02)
+        assert endpoint.set_class("spread", "boosted") >= 2     # re-classed on both
+        endpoint.abort_group("spread")
+        metas = [f.result() for f in futs]
+    assert all(m["finish_reason"]["type"] == "abort" for m in metas), metas
+    assert [loads(fleet.url(n)) for n in REPLICAS] == [0, 0]
+
+
+def test_serve_search_through_the_router_answers_as_one_server_does_and_aborts_on_disconnect(fleet):
+    router = fleet.start_router("router", REPLICAS, "cache_aware")
+    served = BackgroundSearchServer(SearchService(router, fleet.prm_url))
+    try:
+        body = {"budget": 8, "beam_width": 2, "max_depth": 12, "step_tokens": 48}
+        via_router = served.client().chat.completions.create(model="beam_search", messages=[
+            {"role": "user", "content": task.test_split()[9].question}], seed=3, extra_body=body)
+        alone = BackgroundSearchServer(SearchService(fleet.url("rep1"), fleet.prm_url))
+        try:
+            one = alone.client().chat.completions.create(model="beam_search", messages=[
+                {"role": "user", "content": task.test_split()[9].question}], seed=3, extra_body=body)
+        finally:
+            alone.stop()
+        assert via_router.choices[0].message.content == one.choices[0].message.content
+        assert via_router.usage.completion_tokens == one.usage.completion_tokens
+        # a disconnect mid-search: nothing of it is left on either replica
+        with httpx.Client(timeout=600) as h:
+            with h.stream("POST", served.url + "/v1/chat/completions", json=dict(LONG, stream=True)) as r:
+                for line in r.iter_lines():
+                    if '"progress"' in line:
+                        break
+        deadline = time.monotonic() + 15
+        while (served.service.running or any(loads(fleet.url(n)) for n in REPLICAS)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not served.service.running and [loads(fleet.url(n)) for n in REPLICAS] == [0, 0]
+    finally:
+        served.stop()

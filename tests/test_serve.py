@@ -197,3 +197,47 @@ def test_dry_run_prints_the_planned_commands_in_start_up_order(capsys):
     assert main(["serve", "--generator", str(configs / "llama-3.1-8b.json"),
                  "--prm", str(configs / "llama-3.1-8b.json"), "--gpu", "RTX4090", "--dry-run"]) == 1
     assert "the weights alone do not fit" in capsys.readouterr().err
+
+
+def test_replicas_dry_run_starts_k_generators_then_the_router_on_the_generator_port(capsys):
+    from sgl_tts.cli import main
+
+    configs = Path(__file__).parent / "data" / "configs"
+    assert main(["serve", "--generator", str(configs / "qwen2.5-1.5b.json"), "--prm", str(configs / "qwen2.5-1.5b.json"),
+                 "--gpu", "H100", "--replicas", "3", "--first", "prm", "--tts-metrics-file", "/tmp/m",
+                 "--router-args", "--cache-threshold 0.5", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    names = [x.split(":")[0].lstrip("# ") for x in out if x.startswith("#")]
+    assert names == ["prm", "generator-0", "generator-1", "generator-2", "router"]
+    cmds = [x for x in out if not x.startswith("#")]
+    for i, cmd in enumerate(cmds[1:4]):
+        assert f"--port {30100 + i} " in cmd and cmd.endswith(f"--base-gpu-id {i}")
+        assert f"--tts-metrics-file /tmp/m.replica{i} " in cmd        # one metrics file per replica
+    assert cmds[4].split("-m ")[1] == ("sglang_router.launch_router --worker-urls http://127.0.0.1:30100 "
+                                       "http://127.0.0.1:30101 http://127.0.0.1:30102 --policy cache_aware "
+                                       "--host 127.0.0.1 --port 30000 --log-level warn --cache-threshold 0.5")
+    assert "# router: healthy at http://127.0.0.1:30000/readiness" in out
+
+
+def test_replicas_on_the_cpu_split_the_generators_kv_share(capsys):
+    from sgl_tts.cli import main
+
+    def tokens(argv):
+        assert main(["serve", "--device", "cpu", "--kv-memory", "1GiB", "--dry-run", *argv]) == 0
+        lines = [x for x in capsys.readouterr().out.splitlines() if "launch_server" in x and "generator" in x]
+        return [int(x.split("--max-total-tokens ")[1].split()[0]) for x in lines]
+
+    one, two = tokens([]), tokens(["--replicas", "2"])
+    assert len(one) == 1 and len(two) == 2 and two[0] == two[1] == one[0] // 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+    (["--replicas", "2", "--replica-ports", "30100"], "need 2 distinct replica ports"),
+    (["--replicas", "2", "--replica-ports", "30000,30100"], "apart from the router's 30000"),
+])
+def test_bad_replica_settings_are_refused(capsys, argv, words):
+    from sgl_tts.cli import main
+
+    assert main(["serve", "--device", "cpu", "--dry-run", *argv]) == 1
+    assert words in capsys.readouterr().err

@@ -37,7 +37,10 @@ def fleet(tmp_path_factory, live):
 
     gen = str(shipped_model("generator"))
     spec = LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=64 << 20, extra=("--tts-seeded-sampling",))
-    servers = LiveServers({name: spec for name in REPLICAS}, tmp_path_factory.mktemp("fleet"))
+    # one request slot each: requests wait in the queue, where a class change always finds them
+    one_slot = LiveServer(gen, policy="prefix-aware", kv_bytes=64 << 20, extra=("--max-running-requests", "1"))
+    servers = LiveServers({**{name: spec for name in REPLICAS}, "slot0": one_slot, "slot1": one_slot},
+                          tmp_path_factory.mktemp("fleet"))
     servers.prm_url = live.url("prm")
     yield servers
     servers.stop_all()
@@ -98,35 +101,59 @@ def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(flee
     assert [r.answer for r in rr.values()] == [r.answer for r in aware.values()]   # routing changes no sample
 
 
-def loads(url: str) -> int:
+def loads(url: str) -> dict:
     with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
-        ld = json.loads(res.read())["loads"][0]
+        return json.loads(res.read())["loads"][0]
+
+
+def in_flight(url: str) -> int:
+    ld = loads(url)
     return ld["num_running_reqs"] + ld["num_waiting_reqs"]
 
 
 def test_group_abort_and_class_change_through_the_router_reach_every_replica(fleet):
-    router = fleet.start_router("router", REPLICAS, "round_robin")
-    endpoint = SGLangEndpoint(router)
-    assert sorted(endpoint.workers()) == sorted(fleet.url(n) for n in REPLICAS)
-    assert SGLangEndpoint(fleet.url("rep0")).workers() == [fleet.url("rep0")]
+    slots = ("slot0", "slot1")
+    router = fleet.start_router("router_slots", slots, "round_robin")
+    try:
+        endpoint = SGLangEndpoint(router)
+        assert sorted(endpoint.workers()) == sorted(fleet.url(n) for n in slots)
+        assert SGLangEndpoint(fleet.url("slot0")).workers() == [fleet.url("slot0")]
 
-    def long(i):   # round robin puts them on both replicas
-        body = {"text": "Compute ((1+2)*3)-4.\n\n", "rid": f"tts/spread/0/{i}",
-                "sampling_params": {"max_new_tokens": 400, "temperature": 2.0, "ignore_eos": True,
-                                    "custom_params": {"tts_group": "spread", "tts_beam": i}}}
-        return httpx.post(router + "/generate", json=body, timeout=120).json()["meta_info"]
+        def long(base: str, group: str, i: int):
+            body = {"text": "Compute ((1+2)*3)-4.\n\n", "rid": f"tts/{group}/0/{i}",
+                    "sampling_params": {"max_new_tokens": 400, "temperature": 2.0, "ignore_eos": True,
+                                        "custom_params": {"tts_group": group, "tts_beam": i}}}
+            return httpx.post(base + "/generate", json=body, timeout=300).json()["meta_info"]
 
-    with cf.ThreadPoolExecutor(6) as pool:
-        futs = [pool.submit(long, i) for i in range(6)]
-        deadline = time.monotonic() + 30
-        while min(loads(fleet.url(n)) for n in REPLICAS) == 0:
-            assert time.monotonic() < deadline, "the requests never reached both replicas"
-            time.sleep(0.02)
-        assert endpoint.set_class("spread", "boosted") >= 2     # re-classed on both
-        endpoint.abort_group("spread")
-        metas = [f.result() for f in futs]
-    assert all(m["finish_reason"]["type"] == "abort" for m in metas), metas
-    assert [loads(fleet.url(n)) for n in REPLICAS] == [0, 0]
+        def three_each(pool, group: str, via_router: bool):
+            """Three requests on each replica: one running, two waiting (one request slot each)."""
+            futs = [pool.submit(long, router if via_router else fleet.url(slots[i % 2]), group, i) for i in range(6)]
+            deadline = time.monotonic() + 60
+            while min(loads(fleet.url(n))["num_waiting_reqs"] for n in slots) < 2:
+                assert time.monotonic() < deadline, [loads(fleet.url(n)) for n in slots]
+                time.sleep(0.02)
+            return futs
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            # sent to the replicas directly: a class change through the router re-classes the two
+            # waiting on each replica (four or more: both replicas got it)
+            futs = three_each(pool, "spread", via_router=False)
+            assert endpoint.set_class("spread", "boosted") >= 4
+            endpoint.abort_group("spread")
+            assert all(f.result()["finish_reason"]["type"] == "abort" for f in futs)
+            assert [in_flight(fleet.url(n)) for n in slots] == [0, 0]
+            # sent through the router: it keeps the rid but drops sampling_params.custom_params
+            # (sglang-router 0.3.2), so the plugin sees no search tag and re-classes none; the
+            # group abort, which goes by rid, still reaches every request on both replicas
+            futs = three_each(pool, "routed", via_router=True)
+            assert endpoint.set_class("routed", "boosted") == 0
+            endpoint.abort_group("routed")
+            assert all(f.result()["finish_reason"]["type"] == "abort" for f in futs)
+            assert [in_flight(fleet.url(n)) for n in slots] == [0, 0]
+    finally:
+        fleet.kill("router_slots")
+        for n in slots:
+            fleet.kill(n)
 
 
 def test_serve_search_through_the_router_answers_as_one_server_does_and_aborts_on_disconnect(fleet):
@@ -151,8 +178,8 @@ def test_serve_search_through_the_router_answers_as_one_server_does_and_aborts_o
                     if '"progress"' in line:
                         break
         deadline = time.monotonic() + 15
-        while (served.service.running or any(loads(fleet.url(n)) for n in REPLICAS)) and time.monotonic() < deadline:
+        while (served.service.running or any(in_flight(fleet.url(n)) for n in REPLICAS)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not served.service.running and [loads(fleet.url(n)) for n in REPLICAS] == [0, 0]
+        assert not served.service.running and [in_flight(fleet.url(n)) for n in REPLICAS] == [0, 0]
     finally:
         served.stop()

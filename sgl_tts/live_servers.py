@@ -173,14 +173,16 @@ class LiveServers:
             self._logs[name] = log
             server = ManagedServer(spec, out=log, tail_lines=40)
             self._running[name] = server
-            deadline = time.monotonic() + 60
+            # the router answers /readiness once it has registered its workers, which on a busy
+            # machine (a CI run with a dozen servers up) took over a minute
+            deadline = time.monotonic() + self.health_timeout
             while not server.healthy():
                 if not server.alive() or time.monotonic() > deadline:
                     server.stop(grace=5)
                     raise server.failure(f"did not become healthy (log: {self.log_path(name)})")
                 time.sleep(0.2)
         url = f"http://{self.host}:{port}"
-        wait_router_workers(url, len(urls))
+        wait_router_workers(url, len(urls), timeout=self.health_timeout)
         return url
 
     def kill(self, name: str) -> None:

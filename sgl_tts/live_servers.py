@@ -140,8 +140,9 @@ class LiveServers:
             self._start(name)
             return f"http://{self.host}:{self._ports[name]}"
 
-    def _start(self, name: str) -> None:
-        spec = self.command(name)
+    def _start(self, name: str, spec: ServerSpec | None = None) -> None:
+        """Start ``name`` (its :meth:`command`, or ``spec``) and wait until it answers its health URL."""
+        spec = spec or self.command(name)
         log = open(self.log_path(name), "a", buffering=1)
         self._logs[name] = log
         server = ManagedServer(spec, out=log, tail_lines=40, env=spec.env)
@@ -168,19 +169,11 @@ class LiveServers:
             if old is not None:
                 old.stop(grace=5)
             port = self._ports.setdefault(name, free_port(self.host))
-            spec = router_spec(urls, host=self.host, port=port, policy=policy, python=self.python, name=name)
-            log = open(self.log_path(name), "a", buffering=1)
-            self._logs[name] = log
-            server = ManagedServer(spec, out=log, tail_lines=40)
-            self._running[name] = server
-            # the router answers /readiness once it has registered its workers, which on a busy
-            # machine (a CI run with a dozen servers up) took over a minute
-            deadline = time.monotonic() + self.health_timeout
-            while not server.healthy():
-                if not server.alive() or time.monotonic() > deadline:
-                    server.stop(grace=5)
-                    raise server.failure(f"did not become healthy (log: {self.log_path(name)})")
-                time.sleep(0.2)
+            metrics_port = self._ports.setdefault(f"{name}/prometheus", free_port(self.host))
+            # healthy = /readiness: once the router has registered its workers. Each router gets
+            # its own Prometheus port: two on the default one and the second exits at start-up
+            self._start(name, router_spec(urls, host=self.host, port=port, policy=policy, python=self.python,
+                                          name=name, prometheus_port=metrics_port))
         url = f"http://{self.host}:{port}"
         wait_router_workers(url, len(urls), timeout=self.health_timeout)
         return url

@@ -69,27 +69,19 @@ class SearchEndpoint(SGLangEndpoint):
         self.cancelled = threading.Event()
         self._on_generation = on_generation
 
-    def _generate_body(self, s, sampling_params, fields):
+    def _generate_body(self, s, sampling_params, fields):   # every generation, streamed or not
         if self.cancelled.is_set():
             raise SearchCancelled(f"search {self.group} was cancelled")
-        body = super()._generate_body(s, sampling_params, fields)
-        body["_depth"] = _depth_of(body.get("rid"))
-        return body
+        return super()._generate_body(s, sampling_params, fields)
 
     def generate(self, s, sampling_params):
         from sgl_tts.backends.request import take_request_fields
 
         data = self._generate_body(s, sampling_params, take_request_fields())
-        depth = data.pop("_depth")
         obj = self.post("/generate", data)
         if self._on_generation is not None:
-            self._on_generation(depth, int(obj["meta_info"].get("completion_tokens", 0)))
+            self._on_generation(_depth_of(data.get("rid")), int(obj["meta_info"].get("completion_tokens", 0)))
         return obj["text"], obj["meta_info"]
-
-    def generate_stream(self, s, sampling_params):  # programs do not stream; refuse once cancelled
-        if self.cancelled.is_set():
-            raise SearchCancelled(f"search {self.group} was cancelled")
-        return super().generate_stream(s, sampling_params)
 
 
 def _depth_of(rid: Any) -> int:
@@ -286,10 +278,6 @@ class SearchService:
             self.generator.abort_group(group)
         except Exception as exc:   # the next round tries again; the search is stopping anyway
             logger.warning("aborting search %s on %s failed: %s", group, self.generator_url, exc)
-
-    def shutdown(self) -> None:
-        """Cancel nothing, close nothing shared: the servers belong to whoever started them."""
-
 
 __all__ = ["Choice", "Progress", "SearchCancelled", "SearchEndpoint", "SearchOutcome", "SearchService",
            "rank_choices"]

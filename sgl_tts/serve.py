@@ -215,8 +215,6 @@ def replicate(specs: Sequence[ServerSpec], replicas: int, *, host: str, router_p
     replicas and the PRM keep their start-up order (the memory planner's)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
-    if router_policy not in ROUTER_POLICIES:
-        raise ValueError(f"unknown router policy {router_policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
     if len(replica_ports) != replicas or len(set(replica_ports)) != replicas or router_port in replica_ports:
         raise ValueError(f"need {replicas} distinct replica ports apart from the router's {router_port}, "
                          f"got {list(replica_ports)}")
@@ -243,13 +241,19 @@ def replicate(specs: Sequence[ServerSpec], replicas: int, *, host: str, router_p
 
 
 def router_spec(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
-                python: str = sys.executable, extra: Sequence[str] = (), name: str = "router") -> ServerSpec:
+                python: str = sys.executable, extra: Sequence[str] = (), name: str = "router",
+                prometheus_port: int | None = None) -> ServerSpec:
     """SGLang's router (``python -m sglang_router.launch_router``, package sglang-router) in front of
-    ``worker_urls``, routing by ``policy``."""
+    ``worker_urls``, routing by ``policy``. Its Prometheus exporter binds ``prometheus_port``
+    (``None``: the router's default, 29000): a second router on the same host needs another one, or it
+    exits at start-up ("Address already in use")."""
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
-           "--host", host, "--port", str(port), "--log-level", "warn", *extra]
+           "--host", host, "--port", str(port), "--log-level", "warn"]
+    if prometheus_port is not None:
+        cmd += ["--prometheus-port", str(prometheus_port)]
+    cmd += list(extra)
     return ServerSpec(name, cmd, f"http://{host}:{port}/readiness")   # /health answers before workers join
 
 

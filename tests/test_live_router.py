@@ -17,6 +17,7 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
+from sgl_tts.bench.load import flush_cache
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.search_server import BackgroundSearchServer
 from sgl_tts.search_service import SearchService
@@ -59,12 +60,6 @@ def placement(servers) -> dict[str, set[str]]:
     return where
 
 
-def flush(url: str) -> None:
-    req = urllib.request.Request(url + "/flush_cache", method="POST")
-    with urllib.request.urlopen(req, timeout=60):
-        pass
-
-
 def run_searches(router: str, prm_url: str, tag: str, count: int = 6) -> dict[str, object]:
     prm = StepTagPRM(SGLangEndpoint(prm_url), cache=False)
     problems = task.test_split()[:count]
@@ -80,7 +75,7 @@ def run_searches(router: str, prm_url: str, tag: str, count: int = 6) -> dict[st
 
 def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(fleet):
     router = fleet.start_router("router", REPLICAS, "cache_aware")
-    flush(router)
+    flush_cache(router)
     aware = run_searches(router, fleet.prm_url, "aware")
     where = placement(fleet)
     assert {g: len(where[g]) for g in aware} == {g: 1 for g in aware}, where
@@ -94,7 +89,7 @@ def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(flee
     # round robin: the same searches spread over both replicas (what that costs in prefix-cache hits is
     # measured in docs/BENCHMARKS.md, "Scale-out"; on this short-prompt task it is small)
     router = fleet.start_router("router", REPLICAS, "round_robin")
-    flush(router)
+    flush_cache(router)
     rr = run_searches(router, fleet.prm_url, "rr")
     where = placement(fleet)
     assert all(len(where[g]) == 2 for g in rr), where

@@ -219,6 +219,18 @@ def test_replicas_dry_run_starts_k_generators_then_the_router_on_the_generator_p
     assert "# router: healthy at http://127.0.0.1:30000/readiness" in out
 
 
+def test_a_router_binds_the_prometheus_port_it_is_given():
+    """Two routers on one host on the default exporter port (29000): the second exits at start-up
+    (seen in CI), so LiveServers gives each its own."""
+    from sgl_tts.serve import router_spec
+
+    default = router_spec(["http://h:1"], host="h", port=2).command
+    assert "--prometheus-port" not in default
+    spec = router_spec(["http://h:1"], host="h", port=2, prometheus_port=29123, extra=("--cache-threshold", "0.5"))
+    assert spec.command[spec.command.index("--port"):] == ["--port", "2", "--log-level", "warn", "--prometheus-port", "29123",
+                                                   "--cache-threshold", "0.5"]
+
+
 def test_replicas_on_the_cpu_split_the_generators_kv_share(capsys):
     from sgl_tts.cli import main
 

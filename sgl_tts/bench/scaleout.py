@@ -25,10 +25,10 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from sgl_tts.bench.load import flush_cache
 from sgl_tts.experiment import quantile
 
 REPLICAS = ("rep0", "rep1")
@@ -57,12 +57,6 @@ def prefill_by_group(records: Sequence[dict]) -> dict[str, tuple[int, int]]:
                 out[parts[1]][0] += int(req["cached"])
                 out[parts[1]][1] += int(req["computed"])
     return {g: (c, p) for g, (c, p) in out.items()}
-
-
-def flush(url: str) -> None:
-    req = urllib.request.Request(url + "/flush_cache", method="POST")
-    with urllib.request.urlopen(req, timeout=60):
-        pass
 
 
 def routing_row(servers, router: str, policy: str, prm, s: ScaleOutSettings) -> dict:
@@ -202,12 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in ("cache_aware", "round_robin"):
             router = servers.start_router("router", REPLICAS, policy)
             for n in (*REPLICAS, "prm"):
-                flush(servers.url(n))
+                flush_cache(servers.url(n))
             record(routing_row(servers, router, policy, prm, s))
         for k in (1, 2):
             router = servers.start_router("router", REPLICAS[:k], "cache_aware")
             for n in (*REPLICAS, "prm"):
-                flush(servers.url(n))
+                flush_cache(servers.url(n))
             record(serve_search_row(router, prm_url, k, s))
     report = format_report(rows)
     out.with_suffix(".md").write_text(report + "\n")

@@ -192,6 +192,15 @@ class LiveServers:
                 pass
             server.stop(grace=5)
 
+    def stop(self, *names: str) -> None:
+        """Stop the named servers cleanly; each starts again on its next :meth:`url`. A test that
+        starts servers of its own stops the idle ones first: a CPU server takes about 2 GB, and the
+        machine has 24 GiB."""
+        with self._lock:
+            servers = [self._running.pop(n) for n in names if n in self._running]
+        for server in servers:
+            server.stop(grace=10)
+
     def running(self) -> list[str]:
         return [name for name, server in self._running.items() if server.alive()]
 

@@ -79,3 +79,11 @@ def live(tmp_path_factory, tiny_model_path):
     servers = LiveServers(specs, work / "servers")
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture
+def live_stopped(live):
+    """The session's live servers stopped (each starts again on its next use), for a test that starts
+    servers of its own: a CPU server takes about 2 GB, and six session servers plus a test's own
+    outgrew the 24 GiB machine (a CI run was killed for memory)."""
+    live.stop(*live.running())

@@ -71,7 +71,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.mark.server
-def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path):
+def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path, live_stopped):
     gport, pport = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--kv-memory", "128MiB",
                              "--generator-port", str(gport), "--prm-port", str(pport)],
@@ -114,7 +114,7 @@ def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path):
 
 
 @pytest.mark.server
-def test_smoke_cpu_runs_a_search_through_both_servers():
+def test_smoke_cpu_runs_a_search_through_both_servers(live_stopped):
     gport, pport = free_port(), free_port()
     done = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "smoke", "--device", "cpu", "--port", str(gport),
                            "--prm-port", str(pport), "--problems", "2", "--beams", "4"],

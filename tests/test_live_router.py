@@ -32,7 +32,7 @@ LONG = {"model": "beam_search:32x4", "messages": [{"role": "user", "content": ta
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, live):
     """Two generator replicas (plugin, metrics, seeded sampling) and a router in front of them;
-    the PRM is the session's."""
+    the PRM is the session's, whose other servers are stopped to make room (about 2 GB each)."""
     from sgl_tts.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
@@ -40,6 +40,7 @@ def fleet(tmp_path_factory, live):
     spec = LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=64 << 20, extra=("--tts-seeded-sampling",))
     # one request slot each: requests wait in the queue, where a class change always finds them
     one_slot = LiveServer(gen, policy="prefix-aware", kv_bytes=64 << 20, extra=("--max-running-requests", "1"))
+    live.stop(*(set(live.running()) - {"prm"}))
     servers = LiveServers({**{name: spec for name in REPLICAS}, "slot0": one_slot, "slot1": one_slot},
                           tmp_path_factory.mktemp("fleet"))
     servers.prm_url = live.url("prm")

@@ -14,7 +14,6 @@ PRM is given, ``majority`` otherwise.
 from __future__ import annotations
 
 import time
-import uuid
 
 import sglang as sgl
 
@@ -36,7 +35,7 @@ def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: st
         tag = SearchTag(group, 0, -1, i)
         f += sgl_tts.gen("solution", max_tokens=max_tokens, temperature=sampling_temperature,
                          seed=derive_seed("best_of_n", seed, question, i), custom_params=tag.custom_params(),
-                         rid=f"{tag.rid()}/{uuid.uuid4().hex[:8]}")
+                         rid=tag.request_id())
     texts, done_at = [], []
     for f in forks:  # read in order: a sample's time is when it and every earlier one had finished
         texts.append(read_var(f, "solution"))

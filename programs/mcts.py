@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 from typing import Any, Sequence
 
 import sglang as sgl
@@ -168,7 +167,7 @@ class _Runtime:
                 f += node.text
             f += sgl_tts.gen(name, max_tokens=limit, temperature=self.temperature, stop=self.tree.delimiter,
                              seed=derive_seed("mcts", self.seed, self.question, node.address, j),
-                             custom_params=tag.custom_params(), rid=f"{tag.rid(str(j))}/{uuid.uuid4().hex[:8]}")
+                             custom_params=tag.custom_params(), rid=tag.request_id(str(j)))
         self.inflight[r.id] = _Expansion(r, node, forks, name)
 
     def told(self, e: _Expansion) -> None:

@@ -43,7 +43,6 @@ import logging
 import math
 import random
 import time
-import uuid
 from typing import Any, Callable, Sequence
 
 import sgl_tts
@@ -337,7 +336,7 @@ class StepPipeline:
         tag = SearchTag(self.group, depth, b.parent, index, ordinal=b.ordinal)
         b.state += sgl_tts.gen(name, max_tokens=max(1, limit - used), temperature=self.temperature,
                                stop=self.delimiter, seed=self.seed_of(depth, b.parent, b.ordinal),
-                               custom_params=tag.custom_params(), rid=f"{tag.rid()}/{uuid.uuid4().hex[:8]}")
+                               custom_params=tag.custom_params(), rid=tag.request_id())
 
     def _ended(self, b: Beam, index: int, depth: int, name: str, limit: int, what: str) -> Step | None:
         """The beam's step, once what it waited on ended; ``None`` when it needs another request."""
@@ -389,7 +388,7 @@ class StepPipeline:
             name = f"speculative{depth}"
             kid += sgl_tts.gen(name, max_tokens=limit, temperature=self.temperature, stop=self.delimiter,
                                seed=self.seed_of(depth, c.index, j), custom_params=tag.custom_params(),
-                               rid=prefix + uuid.uuid4().hex[:8])
+                               rid=tag.request_id(prefix=prefix))
             self._branches.setdefault(c.index, []).append(
                 Branch(c.index, j, kid, c.beam.state, closes, prefix, beam_id, limit, name, self.answer_pattern))
             free -= 1

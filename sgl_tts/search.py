@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import math
 import re
-import uuid
 from typing import Any, Callable, Mapping, Sequence
 
 import sgl_tts
@@ -234,7 +233,7 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
         rid = None
         if tags is not None:
             params = {**(params or {}), **tags[i].custom_params()}
-            rid = f"{tags[i].rid(attempt)}/{uuid.uuid4().hex[:8]}"
+            rid = tags[i].request_id(attempt)
         st += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, stop=delimiter,
                           seed=None if seeds is None else seeds[i], custom_params=params, rid=rid)
     return [read_step(st, name, answer_pattern) for st in states]

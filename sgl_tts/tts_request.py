@@ -3,7 +3,7 @@
 A program tags every request with its search group, its depth (search iteration), the index of its
 parent beam at the previous depth, its own beam index and its class, through SGLang's
 ``sampling_params.custom_params`` (``sgl_tts.gen(..., custom_params=...)``); the request's ``rid``
-and ``priority`` travel beside it. The sgl-tts scheduler plugin (``--tts-policy prefix-aware``)
+(:meth:`SearchTag.request_id`, which repeats the tag) and ``priority`` travel beside it. The sgl-tts scheduler plugin (``--tts-policy prefix-aware``)
 orders a search's requests by these fields: siblings together, parents in their previous order.
 Stock SGLang ignores the fields, so tagged programs run unchanged on any server.
 """
@@ -17,6 +17,7 @@ from typing import Any, Mapping
 #: request classes: boosted requests go first, speculative ones only into free slots
 CLASSES = ("normal", "speculative", "boosted")
 KEYS = ("tts_group", "tts_depth", "tts_parent", "tts_beam", "tts_class")
+RID_TAG = "#tag="   # where a request id carries its tag (SearchTag.request_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,31 @@ class SearchTag:
         request; ``attempt`` distinguishes repeated requests at the same place (e.g. rollouts)."""
         return f"tts/{self.group}/{self.depth}/{self.beam}" + (f"/{attempt}" if attempt else "")
 
+    def request_id(self, attempt: str = "", *, prefix: str | None = None) -> str:
+        """A unique request id for this tag: ``prefix`` (by default :meth:`rid` and ``/``, so group
+        and depth aborts find it), a random part, then the tag itself after ``#tag=``. The scheduler
+        plugin reads the tag from there when ``custom_params`` did not arrive: sglang-router 0.3.2
+        forwards the rid but drops ``sampling_params.custom_params``."""
+        head = prefix if prefix is not None else self.rid(attempt) + "/"
+        fields = [self.depth, self.parent, self.beam, self.cls] + ([self.ordinal] if self.ordinal is not None else [])
+        return f"{head}{uuid.uuid4().hex[:8]}{RID_TAG}{','.join(map(str, fields))}"
+
+    @classmethod
+    def from_rid(cls, rid: Any) -> "SearchTag | None":
+        """The tag a :meth:`request_id` carries (``tts/<group>/...#tag=depth,parent,beam,class[,ordinal]``),
+        or ``None`` for any other rid."""
+        if not isinstance(rid, str) or not rid.startswith("tts/") or RID_TAG not in rid:
+            return None
+        group = rid.split("/", 2)[1]
+        fields = rid.rsplit(RID_TAG, 1)[1].split(",")
+        if len(fields) not in (4, 5):
+            return None
+        try:
+            return cls(group, int(fields[0]), int(fields[1]), int(fields[2]), fields[3],
+                       int(fields[4]) if len(fields) == 5 else None)
+        except ValueError:   # a malformed number or class: an untagged request, never an error
+            return None
+
     @classmethod
     def from_custom_params(cls, params: Mapping[str, Any] | None) -> "SearchTag | None":
         """The tag in a request's ``custom_params``, or ``None`` for an untagged request."""
@@ -78,4 +104,4 @@ def new_group() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["CLASSES", "KEYS", "SearchTag", "new_group"]
+__all__ = ["CLASSES", "KEYS", "RID_TAG", "SearchTag", "new_group"]

@@ -21,6 +21,7 @@ from sgl_tts.bench.load import flush_cache
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.search_server import BackgroundSearchServer
 from sgl_tts.search_service import SearchService
+from sgl_tts.tts_request import SearchTag
 
 pytestmark = pytest.mark.server
 
@@ -116,9 +117,10 @@ def test_group_abort_and_class_change_through_the_router_reach_every_replica(fle
         assert SGLangEndpoint(fleet.url("slot0")).workers() == [fleet.url("slot0")]
 
         def long(base: str, group: str, i: int):
-            body = {"text": "Compute ((1+2)*3)-4.\n\n", "rid": f"tts/{group}/0/{i}",
+            tag = SearchTag(group, 0, -1, i)
+            body = {"text": "Compute ((1+2)*3)-4.\n\n", "rid": tag.request_id(),
                     "sampling_params": {"max_new_tokens": 400, "temperature": 2.0, "ignore_eos": True,
-                                        "custom_params": {"tts_group": group, "tts_beam": i}}}
+                                        "custom_params": tag.custom_params()}}
             return httpx.post(base + "/generate", json=body, timeout=300).json()["meta_info"]
 
         def three_each(pool, group: str, via_router: bool):
@@ -131,21 +133,16 @@ def test_group_abort_and_class_change_through_the_router_reach_every_replica(fle
             return futs
 
         with cf.ThreadPoolExecutor(6) as pool:
-            # sent to the replicas directly: a class change through the router re-classes the two
-            # waiting on each replica (four or more: both replicas got it)
-            futs = three_each(pool, "spread", via_router=False)
-            assert endpoint.set_class("spread", "boosted") >= 4
-            endpoint.abort_group("spread")
-            assert all(f.result()["finish_reason"]["type"] == "abort" for f in futs)
-            assert [in_flight(fleet.url(n)) for n in slots] == [0, 0]
-            # sent through the router: it keeps the rid but drops sampling_params.custom_params
-            # (sglang-router 0.3.2), so the plugin sees no search tag and re-classes none; the
-            # group abort, which goes by rid, still reaches every request on both replicas
-            futs = three_each(pool, "routed", via_router=True)
-            assert endpoint.set_class("routed", "boosted") == 0
-            endpoint.abort_group("routed")
-            assert all(f.result()["finish_reason"]["type"] == "abort" for f in futs)
-            assert [in_flight(fleet.url(n)) for n in slots] == [0, 0]
+            # sent to the replicas directly and sent through the router (which forwards the rid but
+            # drops sampling_params.custom_params: the plugin reads the tag from the rid): either way
+            # a class change through the router re-classes the two waiting on each replica (four or
+            # more: both replicas got it), and the group abort reaches every request on both
+            for group, via_router in (("spread", False), ("routed", True)):
+                futs = three_each(pool, group, via_router)
+                assert endpoint.set_class(group, "boosted") >= 4, group
+                endpoint.abort_group(group)
+                assert all(f.result()["finish_reason"]["type"] == "abort" for f in futs)
+                assert [in_flight(fleet.url(n)) for n in slots] == [0, 0]
     finally:
         fleet.kill("router_slots")
         for n in slots:

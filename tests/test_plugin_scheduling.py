@@ -407,3 +407,66 @@ def test_a_malformed_tag_is_untagged_and_never_crashes_the_scheduler():
     out = Scheduler.set_internal_state(sched, SetInternalStateReq(
         server_args={"tts_set_class": {"group": "g", "cls": "boosted", "beams": [float("inf")]}}))
     assert not out.updated and "error" in out.server_args["tts_set_class"]
+
+
+# ------------------------------------------------- the tag in the rid (requests through sglang-router)
+def test_a_request_id_carries_its_whole_tag():
+    plain = SearchTag("g1", 3, -1, 2)
+    rid = plain.request_id()
+    assert rid.startswith("tts/g1/3/2/") and rid.endswith("#tag=3,-1,2,normal") and len(rid) == len("tts/g1/3/2/") + 8 + 18
+    assert plain.request_id() != rid                                     # unique per request
+    assert SearchTag.from_rid(rid) == plain
+    assert SearchTag("g1", 3, -1, 2).request_id("7").startswith("tts/g1/3/2/7/")
+    spec = SearchTag("g1", 2, 1, 2_000_001, "speculative", ordinal=1)
+    rid = spec.request_id(prefix="tts/g1/2/spec1/1/")
+    assert rid.startswith("tts/g1/2/spec1/1/") and rid.endswith("#tag=2,1,2000001,speculative,1")
+    assert SearchTag.from_rid(rid) == spec
+    # anything else is untagged, never an error
+    for other in (None, 17, "chatcmpl-1", "tts/g1/3/2/abc", "x/g1/0/0/a#tag=0,-1,0,normal", "tts/g1/0/0/a#tag=0,-1,0",
+                  "tts/g1/0/0/a#tag=0,-1,x,normal", "tts/g1/0/0/a#tag=0,-1,0,gold", "tts//0/0/a#tag=0,-1,0,normal",
+                  "tts/g1/0/0/a#tag=0,-1,0,normal,1,2"):
+        assert SearchTag.from_rid(other) is None, other
+
+
+def test_requests_that_lost_custom_params_are_ordered_and_reclassed_by_their_rid():
+    """sglang-router 0.3.2 forwards the rid and drops ``custom_params``: the same requests with and
+    without them get the same order, the same classes, and a class change finds them."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    rng = random.Random(3)
+    prompt = tokens(5, 40)
+    tags = [SearchTag("g", 1, p, p * 3 + c) for p in range(4) for c in range(3)] + \
+           [SearchTag("g", 1, 0, 1_000_000 + j, "speculative", ordinal=j) for j in range(2)] + \
+           [SearchTag("h", 0, -1, b) for b in range(3)]
+    rid_of = {t: t.request_id() for t in tags}
+    body = {t: prompt + [t.parent % 200 + 1] * 4 + tokens(t.beam % 97, 6) for t in tags}
+
+    def queue(with_params: bool):
+        reqs = [make_req(rid_of[t], body[t], t) for t in tags]
+        if not with_params:
+            for r in reqs:
+                r.sampling_params.custom_params = None
+        return reqs
+
+    arrival = list(range(len(tags)))
+    rng.shuffle(arrival)
+    tagged, routed = queue(True), queue(False)
+    tagged, routed = [tagged[i] for i in arrival], [routed[i] for i in arrival]
+    policy_for(Cache()).calc_priority(tagged)
+    policy_for(Cache()).calc_priority(routed)
+    assert rids(routed) == rids(tagged)
+    by_rid = {rid_of[t]: t for t in tags}
+    # the order is the search's (speculative last, siblings together), not the arrival order
+    assert [by_rid[r].cls for r in rids(routed)][-2:] == ["speculative", "speculative"]
+    families = [k for k, _ in itertools.groupby((by_rid[r].group, by_rid[r].parent) for r in rids(routed)[:-2])]
+    assert len(families) == len(set(families)) == 5
+    assert [tts_policy.request_class(r) for r in routed] == [by_rid[r.rid].cls for r in routed]
+    # a class change on requests tagged by their rid alone
+    sched = object.__new__(Scheduler)
+    sched.waiting_queue, sched.running_batch, sched.enable_priority_scheduling = routed, ScheduleBatch(reqs=[]), False
+    assert tts_policy.set_class(sched, "h", "boosted", beams=[2]) == 1
+    moved = next(r for r in routed if r.rid == rid_of[SearchTag("h", 0, -1, 2)])
+    assert tts_policy.tag_of(moved) == SearchTag("h", 0, -1, 2, "boosted")
+    assert moved.sampling_params.custom_params == SearchTag("h", 0, -1, 2, "boosted").custom_params()
+    policy_for(Cache()).calc_priority(routed)
+    assert routed[0] is moved

@@ -54,12 +54,14 @@ MAX_GROUPS = 100_000             # first-seen ranks kept (oldest forgotten first
 
 
 def tag_of(req: Any) -> SearchTag | None:
-    """The sgl-tts search tag of an SGLang ``Req`` (from ``sampling_params.custom_params``)."""
+    """The sgl-tts search tag of an SGLang ``Req``: from ``sampling_params.custom_params``, else from
+    its rid (:meth:`SearchTag.request_id`; a request that came through sglang-router, which drops
+    ``custom_params``)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    if not isinstance(params, dict):
-        return None
     try:
-        return SearchTag.from_custom_params(params)
+        if isinstance(params, dict) and "tts_group" in params:
+            return SearchTag.from_custom_params(params)
+        return SearchTag.from_rid(getattr(req, "rid", None))
     except Exception:   # e.g. {"tts_depth": Infinity} from a client: untagged, never a scheduler crash
         return None
 
@@ -372,6 +374,8 @@ def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None 
             continue
         if (wanted is not None and tag.beam not in wanted) or (depth is not None and tag.depth != depth):
             continue
+        if not isinstance(req.sampling_params.custom_params, dict):   # tagged by its rid alone
+            req.sampling_params.custom_params = tag.custom_params()
         req.sampling_params.custom_params["tts_class"] = cls
         if priority is not None:
             req.priority = priority

@@ -62,26 +62,49 @@ def placement(servers) -> dict[str, set[str]]:
     return where
 
 
-def run_searches(router: str, prm_url: str, tag: str, count: int = 6) -> dict[str, object]:
+def run_searches(router: str, prm_url: str, tag: str, problems: list[int]) -> dict[str, object]:
+    """Beam search on each of ``problems`` (test-split indices), four at a time, through ``router``;
+    search group ``<tag><index>``."""
     prm = StepTagPRM(SGLangEndpoint(prm_url), cache=False)
-    problems = task.test_split()[:count]
+    split = task.test_split()
 
     def one(i):
-        return f"{tag}{i}", beam_search.run(backend=SGLangEndpoint(router), question=problems[i].question, prm=prm,
+        return f"{tag}{i}", beam_search.run(backend=SGLangEndpoint(router), question=split[i].question, prm=prm,
                                             num_beams=4, beam_width=2, max_depth=10, step_tokens=48, seed=i,
                                             search_group=f"{tag}{i}").ret_value
 
     with cf.ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(one, range(count)))
+        return dict(pool.map(one, problems))
 
 
 def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(fleet):
     router = fleet.start_router("router", REPLICAS, "cache_aware")
     flush_cache(router)
-    aware = run_searches(router, fleet.prm_url, "aware")
+    # sglang-router 0.3.2, cache_aware: a request whose text shares over --cache-threshold (0.3) of
+    # itself with what a replica was sent goes there; any other goes to the replica with the fewest
+    # requests in flight. So: a long request with problem 0's prompt keeps one replica busy; problem
+    # 3's search (its prompt shares only "Compute ((", 0.19 of it) goes to the other one, problem 0's
+    # to the busy one, where its prompt is. A search's later requests share most of their text with
+    # its earlier ones and stay with them; the other four searches run at once, wherever they land.
+    split = task.test_split()
+    blocker = SearchTag("blocker", 0, -1, 0)
+    with cf.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, router + "/generate", timeout=300, json={
+            "text": split[0].question + "\n\n", "rid": blocker.request_id(),
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}})
+        deadline = time.monotonic() + 60
+        while not any(in_flight(fleet.url(n)) for n in REPLICAS):
+            assert time.monotonic() < deadline and not held.done()
+            time.sleep(0.05)
+        busy = {n for n in REPLICAS if in_flight(fleet.url(n))}
+        aware = run_searches(router, fleet.prm_url, "aware", [3])
+        aware |= run_searches(router, fleet.prm_url, "aware", [0])
+        SGLangEndpoint(router).abort_group("blocker")
+        held.result()
+    aware |= run_searches(router, fleet.prm_url, "aware", [1, 2, 4, 5])
     where = placement(fleet)
     assert {g: len(where[g]) for g in aware} == {g: 1 for g in aware}, where
-    assert {next(iter(where[g])) for g in aware} == set(REPLICAS)      # the router spread the searches
+    assert where["aware0"] == busy and where["aware3"] == set(REPLICAS) - busy, (busy, where)
     # the same search through the router and on one replica directly: the same samples
     prm = StepTagPRM(SGLangEndpoint(fleet.prm_url), cache=False)
     direct = beam_search.run(backend=SGLangEndpoint(fleet.url("rep0")), question=task.test_split()[5].question,
@@ -92,10 +115,10 @@ def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(flee
     # measured in docs/BENCHMARKS.md, "Scale-out"; on this short-prompt task it is small)
     router = fleet.start_router("router", REPLICAS, "round_robin")
     flush_cache(router)
-    rr = run_searches(router, fleet.prm_url, "rr")
+    rr = run_searches(router, fleet.prm_url, "rr", list(range(6)))
     where = placement(fleet)
     assert all(len(where[g]) == 2 for g in rr), where
-    assert [r.answer for r in rr.values()] == [r.answer for r in aware.values()]   # routing changes no sample
+    assert [rr[f"rr{i}"].answer for i in range(6)] == [aware[f"aware{i}"].answer for i in range(6)]   # routing changes no sample
 
 
 def loads(url: str) -> dict:

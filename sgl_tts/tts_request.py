@@ -56,8 +56,8 @@ class SearchTag:
         return params
 
     def rid(self, attempt: str = "") -> str:
-        """A request id that starts with the group (``tts/<group>/<depth>/<beam>``), unique per
-        request; ``attempt`` distinguishes repeated requests at the same place (e.g. rollouts)."""
+        """This place's rid prefix, ``tts/<group>/<depth>/<beam>`` (``attempt`` appended: repeated
+        requests at one place, e.g. rollouts); :meth:`request_id` makes a unique rid from it."""
         return f"tts/{self.group}/{self.depth}/{self.beam}" + (f"/{attempt}" if attempt else "")
 
     def request_id(self, attempt: str = "", *, prefix: str | None = None) -> str:

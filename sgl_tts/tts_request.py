@@ -3,8 +3,9 @@
 A program tags every request with its search group, its depth (search iteration), the index of its
 parent beam at the previous depth, its own beam index and its class, through SGLang's
 ``sampling_params.custom_params`` (``sgl_tts.gen(..., custom_params=...)``); the request's ``rid``
-(:meth:`SearchTag.request_id`, which repeats the tag) and ``priority`` travel beside it. The sgl-tts scheduler plugin (``--tts-policy prefix-aware``)
-orders a search's requests by these fields: siblings together, parents in their previous order.
+(:meth:`SearchTag.request_id`, which repeats the tag) and ``priority`` travel beside it. The sgl-tts
+scheduler plugin (``--tts-policy prefix-aware``) orders a search's requests by these fields:
+siblings together, parents in their previous order.
 Stock SGLang ignores the fields, so tagged programs run unchanged on any server.
 """
 

@@ -233,6 +233,35 @@ class LiveServers:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+def loads(url: str) -> dict:
+    """The (first) scheduler's entry of ``GET /v1/loads``: running and waiting requests, used KV
+    tokens, queues. A snapshot: SGLang 0.5.15's scheduler publishes it at each prefill, every 15th
+    decode step (``--load-snapshot-publish-interval``) and when it goes idle."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/loads", timeout=60) as res:
+        return json.loads(res.read())["loads"][0]
+
+
+def in_flight(url: str) -> int:
+    """Requests running or waiting on ``url``, as its :func:`loads` snapshot shows them."""
+    ld = loads(url)
+    return int(ld["num_running_reqs"]) + int(ld["num_waiting_reqs"])
+
+
+def settled_loads(url: str, timeout: float = 5.0) -> dict:
+    """:func:`loads` once it shows no request running or waiting, or the last one read when
+    ``timeout`` seconds have passed: for checking that a server was left empty. The answer to a
+    request's last step can reach its client before the scheduler publishes its idle snapshot, so a
+    read right after the last answer may still count requests that are gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ld = loads(url)
+        if (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0) or time.monotonic() > deadline:
+            return ld
+        time.sleep(0.05)
+
+
 def server_info(url: str) -> dict:
     """``GET /server_info`` of a running SGLang server (its args and each scheduler's internal state)."""
     import urllib.request
@@ -241,4 +270,5 @@ def server_info(url: str) -> dict:
         return json.loads(res.read())
 
 
-__all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "ServerFailed", "free_port", "server_info"]
+__all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "ServerFailed", "free_port", "in_flight", "loads",
+           "server_info", "settled_loads"]

@@ -50,7 +50,7 @@ from sglang.lang.chat_template import get_chat_template
 from sglang.lang.ir import SglSamplingParams
 
 from sgl_tts.backends import UnsupportedFeatureError
-from sgl_tts.backends.request import take_request_fields
+from sgl_tts.backends.request import AbortLedger, aborted_answer, take_request_fields
 
 Script = Callable[[str, "int | None"], str]
 
@@ -97,6 +97,7 @@ class ScriptedBackend(BaseBackend):
         self.draws: list[Draw] = []
         self._lock = threading.Lock()
         self._running: dict[int, tuple[str | None, dict | None, threading.Event, list]] = {}
+        self._aborts = AbortLedger()
         self.peak = 0   # the most paced requests generating at once
 
     def running(self) -> int:
@@ -107,7 +108,9 @@ class ScriptedBackend(BaseBackend):
     def abort_prefix(self, prefix: str) -> int:
         """Abort every running request whose rid starts with ``prefix`` (as the sgl-tts plugin's group
         abort does): it answers at once with the tokens it has, ``finish_reason`` ``abort``. Returns
-        how many were running."""
+        how many were running. A request made before the abort but not sent yet is answered as aborted
+        when it comes (:class:`~sgl_tts.backends.request.AbortLedger`, as :class:`SGLangEndpoint` does)."""
+        self._aborts.record(prefix)
         return self._interrupt(lambda rid, params: bool(rid) and rid.startswith(prefix), "abort")
 
     def stop_speculative(self) -> int:
@@ -141,6 +144,12 @@ class ScriptedBackend(BaseBackend):
         limit = 128 if limit is None else int(limit)
         stop = sampling_params.stop
         stop = tuple(x for x in ((stop,) if isinstance(stop, str) else (stop or ())) if x)
+        if self._aborts.covers(fields):   # aborted before it was sent: never generated
+            text, meta = aborted_answer(fields)
+            with self._lock:
+                self.draws.append(Draw(prefix, fields.seed, text, meta["finish_reason"], limit, stop, fields.rid,
+                                       dict(fields.custom_params) if fields.custom_params else None))
+            return text, meta
         text, reason, generated = continuation(full, stop, limit, self.EOS_TOKEN_ID)
         if self.seconds_per_token:
             text, reason, generated = self._paced(full, text, reason, generated, fields)

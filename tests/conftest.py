@@ -4,17 +4,49 @@ it and kept until the run ends."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from _pytest.faulthandler import get_stderr_fileno
 
 from sgl_tts.models import build_tiny_model
 
 
+SERVER_TEST_TIMEOUT = 900   # s; under pyproject's faulthandler_timeout (1200), the backstop behind it
+EXIT_TIMEOUT = 120          # s the process may take to exit once the run has ended
+_EXIT_FD = pytest.StashKey[int]()
+
+
+def _pytest_owns_the_process() -> bool:
+    """Whether this process is the pytest command (not ``pytest.main()`` inside a notebook, say)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (spec is not None and spec.name in ("pytest", "pytest.__main__")) or \
+        Path(sys.argv[0]).name in ("pytest", "py.test")
+
+
+def pytest_configure(config):
+    if _pytest_owns_the_process():
+        config.stash[_EXIT_FD] = os.dup(get_stderr_fileno())   # the real stderr, as pytest's faulthandler takes it
+
+
+def pytest_unconfigure(config):
+    # Threads the run left behind (a request stuck on a server) would keep the interpreter from
+    # exiting, with every test passed: print their stacks and exit failed instead of hanging CI.
+    if _EXIT_FD in config.stash:
+        faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True, file=config.stash[_EXIT_FD])
+
+
 def pytest_collection_modifyitems(config, items):
-    # a live-server test may start servers (~20-60 s each) and run searches on 2 busy cores
+    # a live-server test may start servers (~20-60 s each) and run searches on 2 busy cores (the
+    # slowest takes about 3.5 minutes on a quiet machine)
     for item in items:
         if "server" in item.keywords and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(1800))
+            item.add_marker(pytest.mark.timeout(SERVER_TEST_TIMEOUT))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")

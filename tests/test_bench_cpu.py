@@ -51,7 +51,7 @@ def _answers(port: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(900)
 def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_beams(tmp_path):
     gen_port, prm_port = _free_ports(2)
     out = tmp_path / "run.jsonl"
@@ -61,7 +61,7 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
            "--models-dir", str(tmp_path / "models"), "--output", str(out),
            "--generator-port", str(gen_port), "--prm-port", str(prm_port), "--health-timeout", "300",
            "--no-progress", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-6000:]
     assert "DIFFER" not in run.stdout + run.stderr
 

@@ -498,6 +498,18 @@ def _launches(log):
     return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
 
 
+def _wait_until_held(proc, log, timeout: float = 120.0) -> None:
+    """Wait until the fake plugin-side generator holds its requests (``FAKE_HOLD_AFTER``): the
+    command ``proc`` is then certainly mid-run."""
+    import time
+
+    held = Path(str(log) + ".held")
+    deadline = time.monotonic() + timeout
+    while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held.exists(), proc.communicate(timeout=60)[1][-3000:] if proc.poll() is not None else "never held"
+
+
 def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path, fake_sglang, monkeypatch, capsys):
     # the sgl-tts side's generator dies after 40 requests: the stock side's searches are kept
     monkeypatch.setenv("FAKE_DIE_AFTER", "40")
@@ -545,7 +557,7 @@ def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, fake_sglang, caps
     assert _launches(fake_sglang) == []   # no server was started for nothing
 
 
-def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglang):
+def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglang, monkeypatch):
     """``timeout`` or a job runner ends the command with SIGTERM: the servers (own process groups)
     must not outlive it."""
     import os
@@ -554,12 +566,14 @@ def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglan
     import sys
     import time
 
+    # the stock side runs to its end; the plugin side's generator then holds its requests after the
+    # fifth, so the signal finds the command mid-run (a fixed wait once lost the race: the whole
+    # command had finished before the signal came, and exited 0)
+    monkeypatch.setenv("FAKE_HOLD_AFTER", "5")
     proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "bench", *_bench_args(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(_launches(fake_sglang)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    _wait_until_held(proc, fake_sglang)
+    assert len(_launches(fake_sglang)) == 4   # both sides' generator and PRM
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
@@ -581,7 +595,6 @@ def test_sigterm_during_a_search_ends_its_forks_and_exits(tmp_path, fake_sglang,
     # the first search (n=4) has its 4 first steps and one second step answered, then the rest is held:
     # one fork waits idle for work while the others wait on the server
     monkeypatch.setenv("FAKE_HOLD_AFTER", "5")
-    held = Path(str(fake_sglang) + ".held")
     # A signal that lands inside ``ProgramState.__del__`` (or between a fork's executor and its state)
     # is swallowed there, and that executor's worker is never ended; make every state's end go missing
     # so the command cannot rely on it
@@ -589,10 +602,7 @@ def test_sigterm_during_a_search_ends_its_forks_and_exits(tmp_path, fake_sglang,
             "from sgl_tts.cli import main; sys.exit(main())")
     proc = subprocess.Popen([sys.executable, "-c", code, "bench", *_bench_args(tmp_path, "--sides", "sgl-tts")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert held.exists(), proc.communicate(timeout=60)[1][-3000:] if proc.poll() is not None else "never held"
+    _wait_until_held(proc, fake_sglang)
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=60)

@@ -3,23 +3,17 @@ server): seed-deterministic when serial, and rollouts it cancels leave no reques
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import pytest
 
 from programs.mcts import mcts
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
+from sgl_tts.live_servers import loads, settled_loads
 from sgl_tts.prm import StepTagPRM
 
 pytestmark = pytest.mark.server
-
-
-def loads(url: str) -> dict:
-    with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
-        return json.loads(res.read())["loads"][0]
 
 
 def shape(tree):
@@ -75,5 +69,5 @@ def test_cancelled_rollouts_leave_no_request_on_the_generator(live):
     assert control.emptied_in is not None and len(res.tree.cancelled) >= 4
     assert res.requests_aborted > 0              # some were still generating when cancelled: aborted
     assert res.exit_reason in ("budget", "exhausted")
-    ld = loads(url)
+    ld = settled_loads(url)
     assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)

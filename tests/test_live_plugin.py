@@ -5,7 +5,6 @@ with its flags off the server answers byte for byte as stock SGLang."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.request
 from pathlib import Path
@@ -15,16 +14,12 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
+from sgl_tts.live_servers import loads, settled_loads
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.tts_request import SearchTag
 
 pytestmark = pytest.mark.server
-
-
-def loads(url: str) -> dict:
-    with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
-        return json.loads(res.read())["loads"][0]
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
@@ -257,7 +252,7 @@ def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothi
         assert all(st.error() is None for st in states), [st.error() for st in states]
         got[name] = [st.ret_value for st in states]
         if name == "spec":
-            ld = loads(url)
+            ld = settled_loads(url)
             assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0), ld
     for plain, spec in zip(got["plain"], got["spec"]):
         assert [(t.steps, t.step_scores, t.answer) for t in spec.trajectories] == \
@@ -267,6 +262,33 @@ def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothi
     rids = [req["rid"] for rec in metrics_since(live, "generator", start) if rec["event"] == "prefill"
             for req in rec["requests"]]
     assert any(r.startswith("tts/live-spec-") and "/spec" in r for r in rids)
+
+
+def test_a_request_made_before_its_groups_abort_is_answered_aborted_and_never_reaches_the_server(live):
+    """A search can abort a request its interpreter thread has queued but not sent (a branch pruned at
+    selection moments after it started): the server's abort finds nothing then. SGLangEndpoint answers
+    such a request as aborted itself; one made after the abort (a rerun of the group) is served."""
+    import sglang as sgl
+
+    import sgl_tts
+
+    @sgl.function
+    def one_step(s, step):
+        s += task.test_split()[4].question + "\n\n"
+        s += step
+
+    url = live.url("generator")
+    backend = SGLangEndpoint(url)
+    start = len(live.metrics_records("generator"))
+    early = sgl_tts.gen("x", max_tokens=8, rid="tts/queued-abort/1/spec0/0/early")
+    backend.abort_group("queued-abort")
+    late = sgl_tts.gen("x", max_tokens=8, rid="tts/queued-abort/1/spec0/0/late")
+    got = [one_step.run(step=step, backend=backend) for step in (early, late)]
+    assert [(st["x"], st.get_meta_info("x")["finish_reason"]["type"]) for st in got][0] == ("", "abort")
+    assert got[1].get_meta_info("x")["finish_reason"]["type"] == "length" and got[1]["x"]
+    prefilled = {req["rid"] for rec in metrics_since(live, "generator", start) if rec["event"] == "prefill"
+                 for req in rec["requests"]}
+    assert "tts/queued-abort/1/spec0/0/late" in prefilled and "tts/queued-abort/1/spec0/0/early" not in prefilled
 
 
 @pytest.mark.parametrize("occupant", ["speculative", "normal"])

@@ -1,7 +1,7 @@
 """Every program through SGLangEndpoint on the live generator, scored by the live PRM server, against
-the same program on LocalBackend: accuracy on 50 test problems agrees within a binomial tolerance, and
-every step score the live PRM gave equals the local PRM's to 1e-3. The reward-head PRM through a live
-``/classify`` server scores as the step-tag PRM does."""
+the same program on LocalBackend: accuracy on 30 test problems (20 for the variants) agrees within a
+binomial tolerance, and every step score the live PRM gave equals the local PRM's to 1e-3. The
+reward-head PRM through a live ``/classify`` server scores as the step-tag PRM does."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from sgl_tts.prm import RewardHeadPRM, StepTagPRM
 
 pytestmark = pytest.mark.server
 
-PROBLEMS = 50
+PROBLEMS = 30   # the live runs are most of this file's ~6 minutes; CI runs it on 2 busy cores
 # (program, settings): beam search and its variants, DVTS, best-of-N, all at N = 4
 CASES = {
     "beam_search": dict(program="beam_search", n=4, beam_width=2),
@@ -37,7 +37,7 @@ PROBLEMS_OF = {"beam_search_lookahead": 20, "beam_search_schedule": 20, "beam_se
 
 def binomial_tolerance(p: float, n: int) -> float:
     """Three standard errors of the difference of two independent accuracies over n problems each
-    (0.30 at p = 0.5, n = 50): two runs sample independently, so only this much agreement is owed."""
+    (0.39 at p = 0.5, n = 30): two runs sample independently, so only this much agreement is owed."""
     p = min(max(p, 1 / n), 1 - 1 / n)
     return 3 * math.sqrt(2 * p * (1 - p) / n)
 

@@ -16,6 +16,7 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
+from sgl_tts.live_servers import loads
 from sgl_tts.search_api import parse_request
 from sgl_tts.search_server import BackgroundSearchServer
 from sgl_tts.search_service import SearchService
@@ -27,11 +28,6 @@ QUESTION = task.test_split()[3].question
 
 def ask(content: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": content}]
-
-
-def loads(url: str) -> dict:
-    with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
-        return json.loads(res.read())["loads"][0]
 
 
 class Served(BackgroundSearchServer):

@@ -3,9 +3,7 @@ the sides' programs, and one small block per side on the live CPU servers."""
 
 from __future__ import annotations
 
-import json
 import math
-import urllib.request
 
 import pytest
 
@@ -79,6 +77,7 @@ def test_each_side_runs_its_program_with_its_exits():
 def test_a_block_per_side_on_the_live_servers_answers_every_problem_and_leaves_nothing_running(live):
     from sgl_tts import task
     from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.live_servers import settled_loads
     from sgl_tts.prm import StepTagPRM
 
     url = live.url("generator")
@@ -90,6 +89,5 @@ def test_a_block_per_side_on_the_live_servers_answers_every_problem_and_leaves_n
         got = run_block(side, 4.0, problems, url, prm, s)
         assert sorted(r["problem"] for r in got) == [0, 1, 2]
         assert all(r["finished"] >= r["started"] >= r["arrival"] and r["reference"] is not None for r in got)
-        with urllib.request.urlopen(url + "/v1/loads", timeout=30) as res:
-            ld = json.loads(res.read())["loads"][0]
-        assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)
+        ld = settled_loads(url)
+        assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0), ld

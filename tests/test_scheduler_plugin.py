@@ -5,6 +5,7 @@ request classes, and stock behaviour when the plugin is not enabled."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import itertools
 import json
 import os
@@ -100,18 +101,22 @@ def _launch(*args, env=None):
 
 
 def test_launch_server_help_lists_and_validates_the_flags():
-    out = _launch("--help")
+    from sgl_tts.bench.command import STOCK_ENV
+
+    # four launches, two at a time (each spends ~10 s importing sglang on one core)
+    with cf.ThreadPoolExecutor(2) as pool:
+        out, bad_policy, bad_dedup, other = pool.map(lambda a: _launch(*a[0], env=a[1]), [
+            (("--help",), None),
+            (("--model-path", "x", "--tts-policy", "lpm"), None),
+            (("--model-path", "x", "--tts-dedup-tokens", "0"), None),
+            # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag (the benchmark's stock side)
+            (("--help",), STOCK_ENV)])
     assert out.returncode == 0
     assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware}" in out.stdout
     assert "--tts-dedup-tokens" in out.stdout and "--tts-metrics-file PATH" in out.stdout
-    bad = _launch("--model-path", "x", "--tts-policy", "lpm")
-    assert bad.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad.stderr
-    bad = _launch("--model-path", "x", "--tts-dedup-tokens", "0")
-    assert bad.returncode == 2 and "argument --tts-dedup-tokens: expected a positive integer, got 0" in bad.stderr
-    # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag (the benchmark's stock side)
-    from sgl_tts.bench.command import STOCK_ENV
-
-    other = _launch("--help", env=STOCK_ENV)
+    assert bad_policy.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad_policy.stderr
+    assert bad_dedup.returncode == 2 and \
+        "argument --tts-dedup-tokens: expected a positive integer, got 0" in bad_dedup.stderr
     assert other.returncode == 0 and "--tts-policy" not in other.stdout and "--mem-fraction-static" in other.stdout
 
 

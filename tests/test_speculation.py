@@ -10,7 +10,9 @@ import threading
 import time
 
 import pytest
+import sglang as sgl
 
+import sgl_tts
 from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.backends.local import admission_priority
@@ -229,13 +231,37 @@ def test_pruned_branches_are_aborted_at_selection_and_nothing_is_left_running():
                     step_tokens=256, speculative=True)
     assert backend.running() == 0
     spec = [d for d in backend.draws if "/spec" in d.rid]
-    kept_parents = {d.custom_params["tts_parent"] for d in spec if d.finish_reason["type"] != "abort"}
-    aborted = [d for d in spec if d.finish_reason["type"] == "abort"]
-    # the two pruned beams' branches (all of them) were aborted; the kept ones' ran to their end
-    assert aborted and {d.custom_params["tts_parent"] for d in aborted}.isdisjoint(kept_parents)
-    assert all(d.text == "y" * 199 for d in spec if d.finish_reason["type"] != "abort")
+    kept = [d for d in spec if d.prefix.endswith(("s1" + D, "s2" + D))]     # branches of the kept beams
+    pruned = [d for d in spec if not d.prefix.endswith(("s1" + D, "s2" + D))]
+    # the two pruned beams' branches (all of them) were aborted mid-step; the kept ones' ran to their end
+    assert pruned and all(d.finish_reason["type"] == "abort" for d in pruned), \
+        [(d.prefix[-8:], d.finish_reason, len(d.text)) for d in pruned]
+    assert len(kept) == 2 and all(d.text == "y" * 199 and d.finish_reason["type"] == "stop" for d in kept)
     # the kept beams' branches were all taken over: what was wasted is what the aborted ones generated
-    assert got.tokens_wasted == sum(len(d.text) for d in aborted)
+    assert got.tokens_wasted == sum(len(d.text) for d in pruned)
+
+
+@sgl.function
+def one_step(s, step):
+    s += "q" + D
+    s += step
+
+
+def test_a_request_made_before_an_abort_of_its_prefix_is_answered_aborted_and_never_generated():
+    """The race behind a pruned branch that ran to its end: the pipeline starts a branch (its gen is
+    made and queued on the fork's interpreter thread), selection aborts its prefix before that thread
+    sent it, and the abort found nothing. Such a request is answered as aborted; one made after
+    the abort (a rerun of the same group) and one under another prefix are generated."""
+    backend = ScriptedBackend(lambda prefix, draw: "abc" + D)
+    made = {name: sgl_tts.gen("x", max_tokens=8, stop=D, rid=rid)
+            for name, rid in (("early", "tts/g/1/spec0/0/aa"), ("other", "tts/g/1/spec1/0/bb"))}
+    assert backend.abort_prefix("tts/g/1/spec0/") == 0          # nothing running: nothing it could stop
+    made["late"] = sgl_tts.gen("x", max_tokens=8, stop=D, rid="tts/g/1/spec0/0/cc")
+    got = {name: one_step.run(step=step, backend=backend) for name, step in made.items()}
+    assert {name: (st["x"], st.get_meta_info("x")["finish_reason"]["type"]) for name, st in got.items()} == \
+        {"early": ("", "abort"), "other": ("abc", "stop"), "late": ("abc", "stop")}
+    assert [(d.rid, d.text, d.finish_reason["type"]) for d in backend.draws] == [
+        ("tts/g/1/spec0/0/aa", "", "abort"), ("tts/g/1/spec1/0/bb", "abc", "stop"), ("tts/g/1/spec0/0/cc", "abc", "stop")]
 
 
 def test_lookahead_sends_each_speculated_pair_once_and_reuses_its_score():

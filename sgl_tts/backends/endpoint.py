@@ -13,7 +13,7 @@ from sglang.global_config import global_config
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import http_request
 
-from sgl_tts.backends.request import RequestFields, take_request_fields
+from sgl_tts.backends.request import AbortLedger, RequestFields, aborted_answer, take_request_fields
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class SGLangEndpoint(RuntimeEndpoint):
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
         self._router: bool | None = None   # unknown until workers() asks
+        self._aborts = AbortLedger()
         try:
             super().__init__(base_url, api_key=api_key, verify=verify,
                              chat_template_name=chat_template_name)
@@ -67,12 +68,18 @@ class SGLangEndpoint(RuntimeEndpoint):
         return data
 
     def generate(self, s, sampling_params):
-        data = self._generate_body(s, sampling_params, take_request_fields())
-        obj = self.post("/generate", data)
+        fields = take_request_fields()
+        if self._aborts.covers(fields):
+            return aborted_answer(fields)
+        obj = self.post("/generate", self._generate_body(s, sampling_params, fields))
         return obj["text"], obj["meta_info"]
 
     def generate_stream(self, s, sampling_params):
-        data = self._generate_body(s, sampling_params, take_request_fields())
+        fields = take_request_fields()
+        if self._aborts.covers(fields):
+            yield aborted_answer(fields)
+            return
+        data = self._generate_body(s, sampling_params, fields)
         data["stream"] = True
         res = self._http("/generate", data, stream=True)
         self._assert_success(res)
@@ -201,6 +208,7 @@ class SGLangEndpoint(RuntimeEndpoint):
 
         if not is_group_prefix(prefix):
             raise ValueError(f"an abort prefix must start with 'tts/<group>/' and end with '/', got {prefix!r}")
+        self._aborts.record(prefix)   # its requests not sent yet are answered here (AbortLedger)
         for url in self.workers():   # a router does not pass /abort_request on: ask each server
             res = self._http("/abort_request", {"rid": prefix}, base=url)
             self._assert_success(res, url)

@@ -12,7 +12,9 @@ another call. Stock SGLang backends never take the fields (they are not sent); t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import threading
 import warnings
 from typing import Any, Mapping, Sequence
@@ -21,6 +23,7 @@ from sglang.lang.api import gen as _sgl_gen
 from sglang.lang.ir import SglExpr, SglGen
 
 _slot = threading.local()
+_clock = itertools.count(1)   # orders request creation and aborts (next() is atomic under the GIL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,8 @@ class RequestFields:
         token_ids_logprob: token ids whose log-probabilities to return at every returned position
             (turns ``return_logprob`` on).
         seed: per-request sampling seed (SGLang ``sampling_params.sampling_seed``).
+        issued: when ``sgl_tts.gen`` made the request, on the clock :class:`AbortLedger` reads (0:
+            unknown); not sent.
     """
 
     rid: str | None = None
@@ -42,9 +47,10 @@ class RequestFields:
     custom_params: Mapping[str, Any] | None = None
     token_ids_logprob: Sequence[int] | None = None
     seed: int | None = None
+    issued: int = dataclasses.field(default=0, compare=False)
 
     def is_empty(self) -> bool:
-        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self) if f.name != "issued")
 
 
 class RequestGen(SglGen):
@@ -79,6 +85,54 @@ def take_request_fields() -> RequestFields:
     return fields if fields is not None else RequestFields()
 
 
+class AbortLedger:
+    """The ``tts/<group>/...`` rid prefixes a backend aborted, and when.
+
+    A search can abort a request its interpreter thread has queued but not sent yet (a speculative
+    branch pruned at selection moments after it was started): the server's abort finds nothing then,
+    and the request, sent a moment later, runs to its end. So a backend answers a request made
+    (``sgl_tts.gen``) before an abort of a prefix of its rid as aborted, without sending it; one made
+    after it (a rerun of the same search group) is sent as usual. The last ``groups`` groups are kept.
+    """
+
+    def __init__(self, groups: int = 1024):
+        self._groups = groups
+        self._by_group: collections.OrderedDict[str, list[tuple[str, int]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, prefix: str) -> None:
+        """Note an abort of ``prefix`` (call it before the abort is sent)."""
+        group = _group_of(prefix)
+        if group is None:
+            return
+        with self._lock:
+            entries = self._by_group.pop(group, [])
+            entries.append((prefix, next(_clock)))
+            self._by_group[group] = entries
+            while len(self._by_group) > self._groups:
+                self._by_group.popitem(last=False)
+
+    def covers(self, fields: RequestFields) -> bool:
+        """Whether an abort recorded after ``fields``' request was made covers its rid."""
+        group = _group_of(fields.rid or "")
+        if group is None or not fields.issued:
+            return False
+        with self._lock:
+            entries = list(self._by_group.get(group, ()))
+        return any(fields.rid.startswith(prefix) and when > fields.issued for prefix, when in entries)
+
+
+def _group_of(rid: str) -> str | None:
+    parts = rid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tts" and parts[1] else None
+
+
+def aborted_answer(fields: RequestFields) -> tuple[str, dict[str, Any]]:
+    """What a backend answers for a request an :class:`AbortLedger` covers: no text, ``abort``."""
+    return "", {"id": fields.rid, "finish_reason": {"type": "abort", "message": "aborted before it was sent"},
+                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+
+
 def gen(
     name: str | None = None,
     *,
@@ -97,7 +151,8 @@ def gen(
                                        custom_params={"group": "q17", "depth": 2})
     """
     fields = RequestFields(rid, priority, dict(custom_params) if custom_params is not None else None,
-                           list(token_ids_logprob) if token_ids_logprob is not None else None, seed)
+                           list(token_ids_logprob) if token_ids_logprob is not None else None, seed,
+                           issued=next(_clock))
     base = _sgl_gen(name, **kwargs)
     if fields.is_empty():
         return base

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgl_tts.backends.endpoint import SGLangEndpoint
-from sgl_tts.backends.request import take_request_fields
+from sgl_tts.backends.request import aborted_answer, take_request_fields
 from sgl_tts.bench.trace import StepTrace
 from sgl_tts.search import STEP_DELIMITER, SearchTag, end_stream_executors
 
@@ -207,6 +207,8 @@ class TraceEndpoint(MeteredEndpoint):
 
     def generate(self, s, sampling_params):
         fields = take_request_fields()
+        if self._aborts.covers(fields):
+            return aborted_answer(fields)
         tag = SearchTag.from_custom_params(fields.custom_params)
         if tag is None:
             raise BenchError("the benchmark generator only serves tagged step requests "

@@ -33,27 +33,16 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from sgl_tts.live_servers import in_flight, loads
 from sgl_tts.machine import cpu_model
 from sgl_tts.plugin.abort import MODE_ENV, group_prefix
 from sgl_tts.tts_request import SearchTag
 
 PATHS = ("per-request", "one")
 PROMPT_IDS = [17, 42, 101, 7, 64, 230, 15, 88, 9, 151, 33, 72, 5, 120, 61, 200]   # vocab 284
-
-
-def loads(url: str) -> dict:
-    """The (single) scheduler's ``/v1/loads`` entry: running, waiting, used KV tokens, queues."""
-    with urllib.request.urlopen(url + "/v1/loads", timeout=60) as res:
-        return json.loads(res.read())["loads"][0]
-
-
-def in_scheduler(url: str) -> int:
-    ld = loads(url)
-    return int(ld["num_running_reqs"]) + int(ld["num_waiting_reqs"])
 
 
 def is_empty(ld: dict) -> bool:
@@ -128,7 +117,7 @@ async def start_all(sess, url: str, groups: dict[str, list[dict]], *, timeout: f
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
     while True:
-        inside = await loop.run_in_executor(None, in_scheduler, url)
+        inside = await loop.run_in_executor(None, in_flight, url)
         if inside + flight.answered() >= total:
             return flight
         if time.monotonic() > deadline:

@@ -14,10 +14,15 @@ from sgl_tts.backends import (
     connect,
     gen,
 )
+from sgl_tts.frontend import Waiter, guard_thread_bootstrap
+
+# SGLang's frontend starts and drops a worker thread per fork: guard CPython's thread bookkeeping
+# against the finalizer deadlock those can hit (sgl_tts.frontend)
+guard_thread_bootstrap()
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "InProcessSGLang", "LocalBackend", "RequestFields", "SGLangEndpoint", "UnsupportedFeatureError",
+    "InProcessSGLang", "LocalBackend", "RequestFields", "SGLangEndpoint", "UnsupportedFeatureError", "Waiter",
     "__version__", "connect", "gen",
 ]

@@ -33,7 +33,8 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, end_stream_executors, top_k, vote
+from sgl_tts.frontend import end_stream_executors
+from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, top_k, vote
 
 logger = logging.getLogger(__name__)
 

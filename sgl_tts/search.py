@@ -249,28 +249,6 @@ def read_step(state: Any, name: str, answer_pattern: str = BOXED) -> Step:
                 reason, text)
 
 
-def end_stream_executors() -> list[BaseException]:
-    """Stop the worker thread of every live SGLang frontend stream executor; return the errors the
-    executors recorded (a fork's failure).
-
-    A program that raises never reaches its joins, so its forks' workers wait for work forever, and
-    being non-daemon threads they keep the process from exiting. Only for a process that runs its
-    programs to the end (the benchmark, ``sgl-tts run`` once it stops): it stops every program's forks.
-    """
-    import gc
-
-    from sglang.lang.interpreter import StreamExecutor
-
-    errors = []
-    for obj in gc.get_objects():
-        if isinstance(obj, StreamExecutor):
-            if getattr(obj, "error_", None) is not None:
-                errors.append(obj.error_)
-            if obj.use_thread and obj.worker.is_alive():
-                obj.queue.put(None)
-    return errors
-
-
 @dataclasses.dataclass
 class Trajectory:
     """A finished (or, when the search ran out of depth, unfinished) candidate solution.
@@ -354,5 +332,5 @@ class SearchResult:
 
 
 __all__ = ["AGGREGATIONS", "BOXED", "STEP_DELIMITER", "SearchResult", "Step", "Trajectory",
-           "Advance", "PathSoFar", "advance", "aggregate", "end_stream_executors", "derive_seed", "read_var", "expand", "expand_proportional",
+           "Advance", "PathSoFar", "advance", "aggregate", "derive_seed", "read_var", "expand", "expand_proportional",
            "extract_answer", "gen_step", "is_final", "read_step", "new_group", "SearchTag", "split_steps", "step_limit", "top_k", "vote"]

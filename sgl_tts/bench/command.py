@@ -23,7 +23,8 @@ from typing import Sequence
 
 from sgl_tts.bench.goodput import (ALGORITHMS, ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchError,
                                    BenchSettings, RecordWriter, format_report, measure_limit, plot_report,
-                                   end_stream_executors, read_records, run_side, summarize)
+                                   read_records, run_side, summarize)
+from sgl_tts.frontend import end_stream_executors
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")

@@ -45,7 +45,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from sgl_tts.backends.endpoint import SGLangEndpoint
 from sgl_tts.backends.request import aborted_answer, take_request_fields
 from sgl_tts.bench.trace import StepTrace
-from sgl_tts.search import STEP_DELIMITER, SearchTag, end_stream_executors
+from sgl_tts.frontend import end_stream_executors
+from sgl_tts.search import STEP_DELIMITER, SearchTag
 
 logger = logging.getLogger(__name__)
 
@@ -642,5 +643,5 @@ class RecordWriter:
 
 __all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "MeteredEndpoint", "RecordWriter",
            "ReportRow", "SIDES", "ALL_SIDES", "SIDE_OPTIONS", "program_options", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
-           "end_stream_executors", "format_report", "measure_limit", "plot_report", "read_records",
+           "format_report", "measure_limit", "plot_report", "read_records",
            "run_side", "search_group", "summarize"]

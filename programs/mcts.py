@@ -32,14 +32,13 @@ from typing import Any, Sequence
 import sglang as sgl
 
 import sgl_tts
+from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.mcts import MCTSConfig, MCTSTree, Node, Rollout, RolloutControl, Sample
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed,
                             new_group, read_step, step_limit, vote)
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.002   # how often the runtime looks for expansions that ended (the frontend has no callback)
-RECHECK_SECONDS = 0.02  # how often a waiting search re-reads its control's degree
 
 
 @dataclasses.dataclass
@@ -52,7 +51,7 @@ class _Expansion:
     name: str
 
     def ended(self) -> bool:
-        return all(f.stream_executor.variable_event[self.name].is_set() for f in self.forks)
+        return all(_gen_ended(f, self.name) for f in self.forks)
 
 
 @sgl.function
@@ -75,6 +74,9 @@ def mcts(s, question: str, prm, num_rollouts: int = 16, expansion_width: int = 4
     s += question + delimiter
     run = _Runtime(s, question, prm, tree, search_group or new_group(), step_tokens, sampling_temperature,
                    seed, answer_pattern, t0, control)
+    watch = getattr(control, "watch", None)
+    if watch is not None:   # the control wakes the search when its degree may have changed
+        watch(run.waiter.wake)
     try:
         run.loop(lambda: control.degree(tree) if control is not None else parallel)
     finally:
@@ -111,6 +113,7 @@ class _Runtime:
         self.step_tokens, self.temperature, self.seed = step_tokens, temperature, seed
         self.answer_pattern, self.t0, self.control = answer_pattern, t0, control
         self.inflight: dict[int, _Expansion] = {}
+        self.waiter = Waiter()   # every fork's step end wakes the search
         self.discarded: list[_Expansion] = []
         self.made_at: dict[int, float] = {0: 0.0}
         self.tokens = 0
@@ -120,8 +123,12 @@ class _Runtime:
         self.seconds_verifying = 0.0
 
     def loop(self, degree) -> None:
-        tree = self.tree
+        """Launch up to ``degree()`` rollouts, tell the tree each expansion as it ends, until an exit.
+        Between ends the search sleeps (no CPU): a fork's step ending, or the control
+        (``RolloutControl.watch``), wakes it."""
+        tree, waiter = self.tree, self.waiter
         while tree.exit is None:
+            seen = waiter.seen()   # before looking: an end or a wake after this ends the wait below
             want = max(0, int(degree()))
             if len(self.inflight) > want:
                 for r in tree.to_preempt(len(self.inflight) - want):
@@ -131,23 +138,17 @@ class _Runtime:
                 if r is None:
                     break
                 self.expand(r)
-            if not self.inflight:
-                if tree.exit is None and want > 0:   # nothing launchable and nothing running
-                    raise RuntimeError("MCTS runtime: no rollout in flight and none launchable, yet no exit")
-                time.sleep(POLL_SECONDS)   # degree 0: the job scheduler holds this search back
-                continue
-            waited = time.perf_counter()
+            if not self.inflight and want > 0:   # nothing launchable and nothing running
+                raise RuntimeError("MCTS runtime: no rollout in flight and none launchable, yet no exit")
             ended = [e for e in self.inflight.values() if e.ended()]
-            while not ended:
-                time.sleep(POLL_SECONDS)
+            if not ended:
+                waited = time.perf_counter()
+                waiter.wait(seen)   # degree 0: the job scheduler holds this search back until it wakes it
+                if self.inflight:
+                    self.seconds_generating += time.perf_counter() - waited
                 ended = [e for e in self.inflight.values() if e.ended()]
-                if not ended and time.perf_counter() - waited > RECHECK_SECONDS:
-                    waited_more = time.perf_counter()
-                    if max(0, int(degree())) < len(self.inflight):   # shrunk: cancel now, not at a step's end
-                        break
-                    self.seconds_generating += waited_more - waited
-                    waited = waited_more
-            self.seconds_generating += time.perf_counter() - waited
+                if not ended:       # woken by the control: read the degree again
+                    continue
             for e in sorted(ended, key=lambda e: e.rollout.id):
                 if tree.exit is not None:
                     break
@@ -162,6 +163,7 @@ class _Runtime:
         # a boosted job's requests go in as such (the plugin serves that class first)
         cls = getattr(self.control, "request_class", None) or "normal"
         for j, f in enumerate(forks):
+            self.waiter.watch(f)
             tag = SearchTag(self.group, node.depth, node.id, r.id, cls)
             if node.text:
                 f += node.text

@@ -186,7 +186,9 @@ class RolloutControl(Protocol):
     """Who decides how many rollouts a search runs at once (the job scheduler's parallelism degree).
 
     A runtime asks before it launches: with more in flight than :meth:`degree` says, it cancels the
-    surplus (:meth:`MCTSTree.to_preempt`); with fewer, it launches up to it."""
+    surplus (:meth:`MCTSTree.to_preempt`); with fewer, it launches up to it. A control whose degree
+    can change while the search waits also has ``watch(wake)``: it calls ``wake()`` then, and the
+    runtime (asleep until a step ends otherwise) reads the degree again."""
 
     def degree(self, tree: "MCTSTree") -> int: ...
 

@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from sgl_tts.frontend import Waiter
+
 logger = logging.getLogger(__name__)
 
 
@@ -147,6 +149,11 @@ class JobControl:
         self.job.tree = tree
         return self.scheduler.degree(self.job)
 
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Have ``wake`` called whenever this job's degree may have changed (a re-allocation changed
+        it, a job was admitted or finished): the search sleeps between its own events otherwise."""
+        self.scheduler.watch(self.job, wake)
+
     @property
     def request_class(self) -> str:
         """``boosted`` once the job is boosted: the requests it sends from then on are served first."""
@@ -176,13 +183,16 @@ class JobScheduler:
         self._lock = threading.Lock()
         self._allocated_at = -math.inf
         self._next_id = 0
+        self._wakers: dict[int, Callable[[], None]] = {}   # job id -> wakes its search
+        self.changed = Waiter()   # woken when a job is submitted or finishes (a driver admits then)
 
     def submit(self, group: str, arrival: float | None = None) -> Job:
         with self._lock:
             job = Job(self._next_id, self.clock() if arrival is None else arrival, group)
             self._next_id += 1
             self.pending.append(job)
-            return job
+        self.changed.wake()
+        return job
 
     def admit(self) -> list[Job]:
         """Phase 1: move pending jobs (arrival order) into the running set while it holds fewer than M."""
@@ -194,7 +204,10 @@ class JobScheduler:
                 self.running.append(job)
                 admitted.append(job)
             self._allocated_at = -math.inf
-            return admitted
+            wake = list(self._wakers.values()) if admitted else []
+        for w in wake:   # the running jobs make room for the new ones at once
+            w()
+        return admitted
 
     def finish(self, job: Job) -> None:
         with self._lock:
@@ -203,6 +216,17 @@ class JobScheduler:
                 self.running.remove(job)
             self.done.append(job)
             self._allocated_at = -math.inf
+            self._wakers.pop(job.id, None)
+            wake = list(self._wakers.values())
+        for w in wake:   # the others may grow into what it freed
+            w()
+        self.changed.wake()
+
+    def watch(self, job: Job, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever ``job``'s degree may have changed (until it finishes)."""
+        with self._lock:
+            if job not in self.done:
+                self._wakers[job.id] = wake
 
     def view(self, job: Job) -> JobView:
         tree = job.tree
@@ -215,18 +239,23 @@ class JobScheduler:
     def degree(self, job: Job) -> int:
         """The job's current degree (re-allocating every ``refresh`` seconds); boosts on the way."""
         newly_boosted = []
+        wake = []
         with self._lock:
             now = self.clock()
             if now - self._allocated_at >= self.refresh:
                 views = [self.view(j) for j in self.running]
                 degrees = allocate(views, now, self.policy)
                 for j, v in zip(self.running, views):
+                    if degrees[j.id] != j.degree and j is not job and j.id in self._wakers:
+                        wake.append(self._wakers[j.id])   # its search re-reads it now, not at its next step
                     j.degree = degrees[j.id]
                     if self.policy.boosting and not j.boosted and v.ratio > self.policy.proximity:
                         j.boosted = True
                         newly_boosted.append(j)
                 self._allocated_at = now
             degree = job.degree if job in self.running else 0
+        for w in wake:
+            w()
         for j in newly_boosted:
             if self.boost is not None:
                 try:

@@ -46,13 +46,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import sgl_tts
+from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
                             aggregate, is_final, read_step)
 
 logger = logging.getLogger(__name__)
 
 SPECULATION_MODES = ("exact", "truncate")
-POLL_SECONDS = 0.002   # how often a depth looks for steps that ended (the frontend has no callback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +132,7 @@ class Branch:
     failed: BaseException | None = None
 
     def ended(self) -> bool:
-        return (self.step is not None or self.failed is not None
-                or self.state.stream_executor.variable_event[self.name].is_set())
+        return self.step is not None or self.failed is not None or _gen_ended(self.state, self.name)
 
     def read(self) -> Step | None:
         """Its step once ended (waits for it), or ``None`` when its request failed: a request the
@@ -271,6 +270,7 @@ class StepPipeline:
         self._current: list[Candidate] = []                     # this depth's candidates
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="sgl-tts-verify") if overlap else None
         self._class_change = True
+        self._waiter = Waiter()   # every state this search generates on wakes it when its step ends
 
     # ------------------------------------------------------------------------------ one depth
     def run_depth(self, beams: Sequence[Beam], depth: int) -> list[Candidate]:
@@ -290,7 +290,8 @@ class StepPipeline:
         verifying: list[tuple[list[Candidate], Any]] = []   # (candidates, future of their scores)
         sent: set[int] = set()
         while waiting:
-            ended = [i for i, (_, st, var) in waiting.items() if st.stream_executor.variable_event[var].is_set()]
+            seen = self._waiter.seen()   # before looking: an end after this wakes the wait below
+            ended = [i for i, (_, st, var) in waiting.items() if _gen_ended(st, var)]
             ready = []
             for i in ended:
                 what = waiting.pop(i)[0]
@@ -312,8 +313,8 @@ class StepPipeline:
             if ready:   # what became ready in one look goes out as one PRM call
                 verifying.append((ready, self._verify(ready)))
                 sent.update(c.index for c in ready)
-            if waiting and not ended:
-                time.sleep(POLL_SECONDS)
+            if waiting and not ended:   # sleep (no CPU) until a step or a branch of this search ends
+                self._waiter.wait(seen)
         barrier = time.perf_counter()
         # no new branch while the PRM verifies (FlashTTS speculates only while stragglers generate):
         # on a shared device they would slow the verification selection waits for (CPU bench: 12x)
@@ -334,6 +335,7 @@ class StepPipeline:
     def _request(self, b: Beam, index: int, depth: int, name: str, limit: int) -> None:
         used = b.piece.tokens if b.piece is not None else 0
         tag = SearchTag(self.group, depth, b.parent, index, ordinal=b.ordinal)
+        self._waiter.watch(b.state)
         b.state += sgl_tts.gen(name, max_tokens=max(1, limit - used), temperature=self.temperature,
                                stop=self.delimiter, seed=self.seed_of(depth, b.parent, b.ordinal),
                                custom_params=tag.custom_params(), rid=tag.request_id())
@@ -386,6 +388,7 @@ class StepPipeline:
             tag = SearchTag(self.group, depth, c.index, beam_id, "speculative", ordinal=j)
             prefix = f"{self._candidate_prefix(c.index, depth)}{j}/"
             name = f"speculative{depth}"
+            self._waiter.watch(kid)
             kid += sgl_tts.gen(name, max_tokens=limit, temperature=self.temperature, stop=self.delimiter,
                                seed=self.seed_of(depth, c.index, j), custom_params=tag.custom_params(),
                                rid=tag.request_id(prefix=prefix))

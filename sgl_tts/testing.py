@@ -99,6 +99,36 @@ class ScriptedBackend(BaseBackend):
         self._running: dict[int, tuple[str | None, dict | None, threading.Event, list]] = {}
         self._aborts = AbortLedger()
         self.peak = 0   # the most paced requests generating at once
+        self._open = threading.Event()   # cleared by pause(): requests wait (no CPU) until resume()
+        self._open.set()
+        self._held = 0
+        self._held_changed = threading.Condition()
+
+    def pause(self) -> None:
+        """Hold every request that arrives from now on until :meth:`resume` (a backend that stalls:
+        what a search does while it waits can be watched)."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        """Let every held request, and those to come, be answered."""
+        self._open.set()
+
+    def wait_held(self, count: int, timeout: float | None = None) -> bool:
+        """Wait until at least ``count`` requests are held by :meth:`pause`; ``True`` if they are."""
+        with self._held_changed:
+            return self._held_changed.wait_for(lambda: self._held >= count, timeout)
+
+    def _hold(self) -> None:
+        if self._open.is_set():
+            return
+        with self._held_changed:
+            self._held += 1
+            self._held_changed.notify_all()
+        try:
+            self._open.wait()
+        finally:
+            with self._held_changed:
+                self._held -= 1
 
     def running(self) -> int:
         """How many paced requests are generating now."""
@@ -135,6 +165,7 @@ class ScriptedBackend(BaseBackend):
 
     def generate(self, s, sampling_params: SglSamplingParams):
         fields = take_request_fields()
+        self._hold()
         prefix = s.text_
         full = self.script(prefix, fields.seed)
         if not isinstance(full, str):

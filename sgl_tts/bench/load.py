@@ -172,6 +172,7 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
     threads: list[threading.Thread] = []
     submitted = 0
     while submitted < len(problems) or sched.pending or sched.running:
+        seen = sched.changed.seen()   # before looking: a finish after this ends the wait below
         now = time.monotonic() - t0
         while submitted < len(problems) and arrivals[submitted] <= now:
             job = sched.submit(f"load-{side}-{rate}-{submitted}-{s.seed}", arrival=t0 + arrivals[submitted])
@@ -181,7 +182,10 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
             th = threading.Thread(target=serve, args=(job, by_id[job.id]), daemon=True)
             th.start()
             threads.append(th)
-        time.sleep(0.005)
+        if submitted < len(problems) or sched.pending or sched.running:
+            # asleep until the next arrival or a finished job (which may free an admission slot)
+            nxt = arrivals[submitted] - (time.monotonic() - t0) if submitted < len(problems) else None
+            sched.changed.wait(seen, None if nxt is None else max(0.0, nxt))
     for th in threads:
         th.join()
     if errors:

@@ -101,6 +101,33 @@ def test_admission_boosting_and_finishing():
     assert [j.id for j in sched.admit()] == [2] and jobs[0] in sched.done and jobs[0].finished == 1.0
 
 
+def test_a_watched_job_is_woken_whenever_its_degree_may_change():
+    """A search sleeps between its own steps: the scheduler wakes it when a re-allocation changes its
+    degree (not the job whose read caused it), when a job is admitted (room to make) and when one
+    finishes (room to take); `changed` wakes a driver on every submit and finish."""
+    clock = Clock()
+    sched = JobScheduler(BoostPolicy(max_rollouts=6, min_observations=1), threshold=0.8, clock=clock, refresh=0.0)
+    jobs = [sched.submit(f"g{i}") for i in range(3)]
+    assert len(sched.admit()) == 3
+    woken = [0, 0, 0]
+    for j in jobs:
+        sched.control(j).watch(lambda i=j.id: woken.__setitem__(i, woken[i] + 1))
+    assert [sched.degree(j) for j in jobs] == [1, 1, 1]   # no observations yet: every job gated at 1
+    assert woken == [0, 0, 0]                              # nothing changed
+    clock.t = 1.0
+    jobs[0].tree = grown_tree(0.75)   # observed and near the threshold: its share grows
+    assert sched.degree(jobs[1]) == 1 and jobs[0].degree > 1
+    assert woken == [1, 0, 0]         # job 0's degree changed; job 1 read its own
+    seen = sched.changed.seen()
+    sched.finish(jobs[2])
+    assert woken == [2, 1, 0] and sched.changed.wait(seen, timeout=0)
+    sched.submit("g3")
+    assert sched.admit() and woken == [3, 2, 0]
+    sched.control(jobs[2]).watch(lambda: woken.__setitem__(2, 99))   # a finished job is not watched
+    sched.finish(jobs[1])
+    assert woken == [4, 2, 0]
+
+
 def test_many_searches_through_the_scheduler_obey_their_degrees():
     """Six MCTS searches on the scripted doubles, M = 4: admission holds the running set to 4 jobs,
     some job runs rollouts in parallel once it has an observation, and every search completes with
@@ -126,6 +153,9 @@ def test_many_searches_through_the_scheduler_obey_their_degrees():
         def request_class(self):
             return self.inner.request_class
 
+        def watch(self, wake):
+            self.inner.watch(wake)
+
     results = {}
 
     def run(job, seed):
@@ -140,12 +170,14 @@ def test_many_searches_through_the_scheduler_obey_their_degrees():
     for i in range(6):
         sched.submit(f"job{i}")
     threads = []
-    while sched.pending or sched.running or any(t.is_alive() for t in threads):
+    while sched.pending or sched.running:
+        changed = sched.changed.seen()
         for job in sched.admit():
             t = threading.Thread(target=run, args=(job, job.id))
             t.start()
             threads.append(t)
-        threads[-1].join(0.01)
+        if sched.pending or sched.running:
+            assert sched.changed.wait(changed, timeout=60)   # a finished job frees a place
     for t in threads:
         t.join()
     assert sorted(results) == list(range(6))

@@ -20,6 +20,7 @@ kept in the returned trajectories.
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import dataclasses
 import hashlib
@@ -47,7 +48,15 @@ RULES = ("majority", "prm_weighted", "prm_best")
 
 
 class RunError(Exception):
-    """A bad input or a failed run: its message is one line naming the problem and the fix."""
+    """A bad input or a failed run: its message is one line naming the problem and the fix.
+
+    ``settings``: the :class:`RunConfig` fields a bad-setting error is about (so an error caused by a
+    config file's key can name the file and the key's line).
+    """
+
+    def __init__(self, message: str, settings: Sequence[str] = ()):
+        super().__init__(message)
+        self.settings = tuple(settings)
 
 
 @dataclasses.dataclass
@@ -160,60 +169,70 @@ class RunConfig:
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
                      ) -> "RunConfig":
-        """Defaults, then the YAML file's keys, then ``overrides`` (already typed)."""
+        """Defaults, then the YAML file's keys, then ``overrides`` (already typed). A bad setting that
+        came from the file is reported as ``config file PATH line N: ...`` (N: its key's line)."""
         values: dict[str, Any] = {}
+        lines: dict[str, int] = {}
         if yaml_path is not None:
-            values.update(load_yaml(yaml_path))
+            values, lines = read_yaml(yaml_path)
         values.update(overrides or {})
         cfg = cls(**values)
-        cfg.validate()
+        try:
+            cfg.validate()
+        except RunError as exc:
+            from_file = [lines[n] for n in exc.settings if n in lines and n not in (overrides or {})]
+            if not from_file:
+                raise
+            raise RunError(f"config file {Path(yaml_path)} line {min(from_file)}: {exc}", exc.settings) from None
         return cfg
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise RunError(msg)
+        def bad(msg: str, *settings: str) -> None:
+            raise RunError(msg, settings)
 
         if self.program not in PROGRAMS:
-            bad(f"unknown program {self.program!r}; choose one of {', '.join(PROGRAMS)}")
+            bad(f"unknown program {self.program!r}; choose one of {', '.join(PROGRAMS)}", "program")
         for name in ("n", "beam_width", "max_depth", "max_tokens", "in_flight"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}", name)
         if self.limit is not None and self.limit < 1:
-            bad(f"limit must be a positive integer, got {self.limit}")
+            bad(f"limit must be a positive integer, got {self.limit}", "limit")
         if not self.step_tokens or any(not isinstance(x, int) or x < 1 for x in self.step_tokens):
-            bad(f"step_tokens must be positive integers, got {self.step_tokens!r}")
+            bad(f"step_tokens must be positive integers, got {self.step_tokens!r}", "step_tokens")
         if self.aggregation not in AGGREGATIONS:
-            bad(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+            bad(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}", "aggregation")
         if self.branching not in ("equal", "proportional"):
-            bad(f"unknown branching {self.branching!r}; choose equal or proportional")
+            bad(f"unknown branching {self.branching!r}; choose equal or proportional", "branching")
         if self.lookahead < 0:
-            bad(f"lookahead must be >= 0, got {self.lookahead}")
+            bad(f"lookahead must be >= 0, got {self.lookahead}", "lookahead")
         if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+            bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if self.semantics not in ("sgl-tts", "search-and-learn"):
-            bad(f"unknown semantics {self.semantics!r}; choose sgl-tts or search-and-learn")
+            bad(f"unknown semantics {self.semantics!r}; choose sgl-tts or search-and-learn", "semantics")
         if self.program != "beam_search" and (self.semantics != "sgl-tts" or self.filter_duplicates
                                               or self.sort_completed):
-            bad("semantics, filter_duplicates and sort_completed are beam_search settings")
+            bad("semantics, filter_duplicates and sort_completed are beam_search settings",
+                "program", "semantics", "filter_duplicates", "sort_completed")
         if self.semantics == "search-and-learn" and (self.branching != "equal" or self.lookahead):
             bad("semantics search-and-learn has no branching or lookahead (its beam search never reads "
-                "its lookahead steps)")
+                "its lookahead steps)", "semantics", "branching", "lookahead")
         if self.sort_completed and self.semantics != "search-and-learn":
-            bad("sort_completed needs semantics search-and-learn")
+            bad("sort_completed needs semantics search-and-learn", "sort_completed", "semantics")
         if self.speculative not in ("off", "exact", "truncate"):
-            bad(f"unknown speculative mode {self.speculative!r}; choose off, exact or truncate")
+            bad(f"unknown speculative mode {self.speculative!r}; choose off, exact or truncate", "speculative")
         if (self.speculative != "off" or self.overlap_verification) and (
                 self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
-            bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)")
+            bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)",
+                "speculative", "overlap_verification", "program", "semantics")
         if self.program != "mcts":
             changed = [k for k, v in MCTS_SETTINGS.items() if getattr(self, k) != v]
             if changed:
-                bad(f"{', '.join(changed)}: settings of program mcts")
+                bad(f"{', '.join(changed)}: settings of program mcts", *changed)
         else:
             if self.uses_prm is False:
-                bad("mcts needs a PRM; drop prm: none")
+                bad("mcts needs a PRM; drop prm: none", "program", "prm")
             if self.parallel < 1:
-                bad(f"parallel must be a positive integer, got {self.parallel}")
+                bad(f"parallel must be a positive integer, got {self.parallel}", "parallel")
             from sgl_tts.mcts import MCTSConfig
             try:
                 MCTSConfig(num_rollouts=self.n, expansion_width=self.beam_width, c_puct=self.c_puct,
@@ -222,15 +241,15 @@ class RunConfig:
                            futility=self.futility, first_step_cutoff=self.first_step_cutoff,
                            max_depth=self.max_depth)
             except ValueError as exc:
-                bad(str(exc))
+                bad(str(exc), "program", "n", "beam_width", "aggregation", "max_depth", *MCTS_SETTINGS)
         if self.prm_kind not in PRM_KINDS:
-            bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}")
+            bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}", "prm_kind")
         if self.program == "dvts" and self.n < self.beam_width:
-            bad(f"dvts needs n >= beam_width, got n={self.n} and beam_width={self.beam_width}")
+            bad(f"dvts needs n >= beam_width, got n={self.n} and beam_width={self.beam_width}", "n", "beam_width")
         if self.program in ("beam_search", "dvts") and self.uses_prm is False:
-            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)")
+            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)", "program", "prm")
         if self.runtime not in ("auto", "server", "cuda", "cpu"):
-            bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu")
+            bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu", "runtime")
 
     @property
     def uses_prm(self) -> bool:
@@ -293,29 +312,92 @@ def program_function(name: str):
 # ------------------------------------------------------------------------------------- config I/O
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """A config file's settings, checked against :class:`RunConfig`'s fields."""
+    return read_yaml(path)[0]
+
+
+def read_yaml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, int]]:
+    """A config file's settings (checked against :class:`RunConfig`'s fields) and the line each
+    setting's key is on. Every error is one line: ``config file PATH line N: what is wrong``."""
     import yaml
 
     p = Path(path)
-    if not p.is_file():
-        raise RunError(f"config file {p} not found; pass --config PATH to a YAML file of RunConfig keys")
+    where = f"config file {p}"
+    fix = "pass --config PATH to a YAML file of RunConfig keys"
+    text = utf8_text(read_input(p, where, fix), where)
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        loader = yaml.SafeLoader(text)   # checks the characters already
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
-        raise RunError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise RunError(f"{where} {_yaml_error(exc, text)}") from None
+    if data is None:
+        return {}, {}
     if not isinstance(data, dict):
-        raise RunError(f"config file {p} must be a mapping of settings, got {type(data).__name__}")
+        raise RunError(f"{where} must be a mapping of settings, got {type(data).__name__}")
+    key_lines = {}
+    for key_node, _ in node.value:
+        if isinstance(key_node, yaml.ScalarNode):
+            key_lines[str(key_node.value).replace("-", "_")] = key_node.start_mark.line + 1
     known = {f.name: f for f in dataclasses.fields(RunConfig)}
-    out = {}
+    out, lines = {}, {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        at = f"{where} line {key_lines[name]}" if name in key_lines else where
         if name not in known:
-            raise RunError(f"config file {p}: unknown setting {key!r}; known settings: "
-                           f"{', '.join(known)}")
+            raise RunError(f"{at}: unknown setting {key!r}; known settings: {', '.join(known)}")
         try:
             out[name] = _coerce(known[name], value)
         except (TypeError, ValueError) as exc:
-            raise RunError(f"config file {p}: {key}: {exc}") from None
-    return out
+            raise RunError(f"{at}: {key}: {exc}") from None
+        if name in key_lines:
+            lines[name] = key_lines[name]
+    return out, lines
+
+
+def _yaml_error(exc: Exception, text: str) -> str:
+    """``line N: not valid YAML: ...`` from a PyYAML error (its lines are 0-based)."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        line = exc.problem_mark.line + 1
+        what = exc.problem or str(exc).splitlines()[0]
+        if exc.context and exc.context_mark is not None and exc.context_mark.line + 1 != line:
+            what += f" ({exc.context} that began on line {exc.context_mark.line + 1})"
+        return f"line {line}: not valid YAML: {what}"
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        return f"line {line}: not valid YAML: {str(exc).splitlines()[0]}"
+    return f"is not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+def read_input(path: Path, where: str, fix: str) -> bytes:
+    """The bytes of an input file; a missing file, a directory or an unreadable file is a
+    :class:`RunError` naming ``where`` (e.g. ``problems file PATH``) and ``fix``."""
+    if path.is_dir():
+        raise RunError(f"{where} is a directory; {fix}")
+    if not path.is_file():
+        raise RunError(f"{where} not found; {fix}")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise RunError(f"{where} cannot be read: {exc.strerror or exc}; {fix}") from None
+
+
+def utf8_text(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are a
+    :class:`RunError` ``WHERE line N: not UTF-8 text (byte 0x.. at column C)``."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        line = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise RunError(f"{where} line {line}: not UTF-8 text (byte 0x{data[at]:02x} at column {column}); "
+                       f"save the file as UTF-8") from None
 
 
 def _field_kind(field: dataclasses.Field) -> str:
@@ -431,30 +513,35 @@ def read_problems(path: str | os.PathLike | None, limit: int | None = None) -> l
         return records[:limit] if limit else records
     p = Path(path)
     fix = 'each line must be a JSON object {"question": "...", "answer": "..." (optional)}'
-    if not p.is_file():
-        raise RunError(f"problems file {p} not found; pass --problems PATH to a JSONL file ({fix})")
+    text = utf8_text(read_input(p, f"problems file {p}", f"pass --problems PATH to a JSONL file ({fix})"), str(p))
     out: list[ProblemRecord] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RunError(f"{p} line {lineno}: not valid JSON ({exc.msg}); {fix}") from None
-            if not isinstance(rec, dict):
-                raise RunError(f"{p} line {lineno}: expected a JSON object, got "
-                               f"{type(rec).__name__}; {fix}")
-            if "question" not in rec:
-                raise RunError(f"{p} line {lineno}: no \"question\" field; {fix}")
-            q = rec["question"]
-            if not isinstance(q, str) or not q.strip():
-                raise RunError(f"{p} line {lineno}: \"question\" must be a non-empty string; {fix}")
-            answer = rec.get("answer")
-            pid = str(rec.get("id", len(out)))
-            out.append(ProblemRecord(len(out), pid, q, None if answer is None else str(answer).strip()))
-            if limit and len(out) >= limit:
-                break
+    for lineno, line in enumerate(text.split("\n"), 1):   # JSON Lines: \n ends a line (\r\n too)
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RunError(f"{p} line {lineno}: not valid JSON ({exc.msg}); {fix}") from None
+        if not isinstance(rec, dict):
+            raise RunError(f"{p} line {lineno}: expected a JSON object, got "
+                           f"{type(rec).__name__}; {fix}")
+        if "question" not in rec:
+            raise RunError(f"{p} line {lineno}: no \"question\" field; {fix}")
+        q = rec["question"]
+        if not isinstance(q, str) or not q.strip():
+            raise RunError(f"{p} line {lineno}: \"question\" must be a non-empty string; {fix}")
+        answer = rec.get("answer")
+        if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+            raise RunError(f"{p} line {lineno}: \"answer\" must be a string or a number, got "
+                           f"{type(answer).__name__}; {fix}")
+        pid = rec.get("id")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
+            raise RunError(f"{p} line {lineno}: \"id\" must be a string or an integer, got "
+                           f"{type(pid).__name__}; {fix}")
+        pid = str(len(out) if pid is None else pid)
+        out.append(ProblemRecord(len(out), pid, q, None if answer is None else str(answer).strip()))
+        if limit and len(out) >= limit:
+            break
     if not out:
         raise RunError(f"{p} has no problems; {fix}")
     return out
@@ -516,7 +603,7 @@ def read_results(path: Path, run_key: str, problems: Sequence[ProblemRecord]) ->
     written by a different config or dataset is an error rather than mixed into."""
     if not path.exists():
         return {}
-    data = path.read_bytes()
+    data = read_input(path, f"output file {path}", "pass --output PATH to a JSONL file")
     good_end = data.rfind(b"\n") + 1
     if good_end < len(data):
         logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path,
@@ -525,7 +612,7 @@ def read_results(path: Path, run_key: str, problems: Sequence[ProblemRecord]) ->
             fh.truncate(good_end)
     by_index = {p.index: p for p in problems}
     done: dict[int, dict] = {}
-    for lineno, line in enumerate(data[:good_end].decode("utf-8").splitlines(), 1):
+    for lineno, line in enumerate(utf8_text(data[:good_end], str(path)).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -838,8 +925,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         summary, records = run(cfg)
-    except (RunError, ConnectionError, FileNotFoundError, ValueError) as exc:
-        print(f"sgl-tts run: error: {exc}", file=sys.stderr)
+    except (RunError, OSError, ValueError) as exc:   # OSError: ConnectionError, FileNotFoundError, ...
+        logger.debug("sgl-tts run failed", exc_info=True)
+        # one line, always: a multi-line message (a server's reply, say) is joined
+        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"sgl-tts run: error: {message or type(exc).__name__}", file=sys.stderr)
         # a search that failed mid-way left fork workers waiting (non-daemon threads): without this
         # the process can outlive its error (seen once in CI after a generator was killed)
         end_stream_executors()
@@ -869,4 +959,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["PROGRAMS", "ProblemRecord", "RunConfig", "RunError", "Summary", "add_config_arguments", "quantile",
            "answers_at", "config_from_args", "load_yaml", "main", "plot_summary", "read_problems",
-           "read_results", "result_record", "run", "subsample_sizes", "summarize"]
+           "read_results", "read_yaml", "result_record", "run", "subsample_sizes", "summarize"]

@@ -131,6 +131,49 @@ def test_bad_settings_name_the_setting(tmp_path, content, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("content, where, message", [
+    (b"n: 4\nprm: caf\xe9\n", "line 2", "not UTF-8 text (byte 0xe9 at column 9)"),
+    (b"n: 4\n  beam_width: 2\n", "line 2", "not valid YAML: mapping values are not allowed here"),
+    (b"n: 4\nprogram: [dvts\nbeam_width: 2\n", "line 3",
+     "not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence that began on line 2)"),
+    (b"n: 4\nprm: a\x00b\n", "line 2", "not valid YAML: unacceptable character #x0000"),
+    (b"- n\n- 4\n", "", "must be a mapping of settings, got list"),
+    (b"n: 4\nprogram: dvts\nbeam_widht: 4\n", "line 3", "unknown setting 'beam_widht'; known settings: problems"),
+    (b"# a comment\nn: many\n", "line 2", "n: expected an integer, got 'many'"),
+    (b"n: 4\nprogram: mcst\n", "line 2", "unknown program 'mcst'; choose one of beam_search"),
+    (b"program: dvts\nn: 2\nbeam_width: 4\n", "line 2", "dvts needs n >= beam_width, got n=2 and beam_width=4"),
+])
+def test_config_file_errors_name_the_file_and_line(tmp_path, content, where, message, capsys):
+    """Every error of a --config file is one line: the file, the line yaml (or the bad key) is on,
+    what is wrong; the same line from `sgl-tts run` on stderr."""
+    conf = tmp_path / "run.yaml"
+    conf.write_bytes(content)
+    with pytest.raises(RunError) as err:
+        RunConfig.from_sources(str(conf))
+    head = f"config file {conf} {where}: " if where else f"config file {conf} "
+    assert str(err.value).startswith(head + message), str(err.value)
+    assert experiment.main(["--config", str(conf), "--output", str(tmp_path / "o.jsonl")]) == 1
+    assert capsys.readouterr().err == f"sgl-tts run: error: {err.value}\n"
+
+
+def test_a_config_flag_that_fixes_the_file_wins_and_a_flag_error_names_no_file(tmp_path):
+    conf = tmp_path / "run.yaml"
+    conf.write_text("program: dvts\nn: 2\nbeam_width: 4\n")
+    assert RunConfig.from_sources(str(conf), {"n": 8}).n == 8
+    with pytest.raises(RunError) as err:
+        RunConfig.from_sources(str(conf), {"n": 2, "beam_width": 4})
+    assert str(err.value) == "dvts needs n >= beam_width, got n=2 and beam_width=4"
+
+
+def test_a_config_that_is_missing_or_a_directory_is_named(tmp_path):
+    with pytest.raises(RunError, match="^config file .*nope.yaml not found; pass --config PATH"):
+        RunConfig.from_sources(str(tmp_path / "nope.yaml"))
+    with pytest.raises(RunError) as err:
+        RunConfig.from_sources(str(tmp_path))
+    assert str(err.value) == f"config file {tmp_path} is a directory; pass --config PATH to a YAML file " \
+                             f"of RunConfig keys"
+
+
 def test_settings_that_change_results_change_the_run_key(tmp_path):
     a = cfg_for(tmp_path)
     assert a.run_key() == cfg_for(tmp_path, in_flight=1, output="elsewhere.jsonl", plot="x.png").run_key()
@@ -169,6 +212,54 @@ def test_bad_datasets_give_one_clear_line(tmp_path, text, message, capsys):
     assert err.count("\n") == 0 and err.startswith("sgl-tts run: error: ")
     assert message in err
     assert not out.exists()  # nothing was started
+
+
+@pytest.mark.parametrize("content, where, message", [
+    (b'{"question": "a"}\n{"question": "caf\xe9"}\n', "line 2", "not UTF-8 text (byte 0xe9 at column 18)"),
+    (b'\xff\xfe{\x00"\x00', "line 1", "not UTF-8 text (byte 0xff at column 1)"),
+    (b'{"question": "a"}\n{"question": "b"\n', "line 2", "not valid JSON (Expecting ',' delimiter)"),
+    (b'{"question": "a"}\n\n3\n', "line 3", "expected a JSON object, got int"),
+    (b'{"question": 7}\n', "line 1", '"question" must be a non-empty string'),
+    (b'{"question": "a", "answer": ["1"]}\n', "line 1", '"answer" must be a string or a number, got list'),
+    (b'{"question": "a", "answer": true}\n', "line 1", '"answer" must be a string or a number, got bool'),
+    (b'{"question": "a", "id": {"n": 1}}\n', "line 1", '"id" must be a string or an integer, got dict'),
+    (b"", "", "has no problems; each line must be a JSON object"),
+])
+def test_every_dataset_error_names_the_file_and_line(tmp_path, content, where, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(RunError) as err:
+        read_problems(path)
+    head = f"{path} {where}: " if where else f"{path} "
+    assert str(err.value).startswith(head + message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_dataset_with_a_bom_crlf_and_numbers_reads(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"question": "a", "answer": 3}\r\n{"question": "b", "answer": 0.5, "id": 9}\r\n'
+                     b'{"question": "c", "answer": null, "id": null}\n')
+    Problem = experiment.ProblemRecord
+    assert read_problems(path) == [Problem(0, "0", "a", "3"), Problem(1, "9", "b", "0.5"), Problem(2, "2", "c", None)]
+
+
+def test_a_dataset_that_is_a_directory_is_named(tmp_path, capsys):
+    assert experiment.main(["--problems", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 1
+    assert capsys.readouterr().err == f"sgl-tts run: error: problems file {tmp_path} is a directory; pass " \
+        f"--problems PATH to a JSONL file (each line must be a JSON object {{\"question\": \"...\", \"answer\": " \
+        f"\"...\" (optional)}})\n"
+
+
+def test_an_output_file_that_is_not_utf8_or_a_directory_is_named(tmp_path):
+    cfg = cfg_for(tmp_path)
+    Path(cfg.output).write_bytes(b'{"index": 0}\n\xe9\n')
+    with pytest.raises(RunError) as err:
+        run(cfg, generator=ScriptedBackend(solution), prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    assert str(err.value).startswith(f"{cfg.output} line 2: not UTF-8 text (byte 0xe9 at column 1)")
+    with pytest.raises(RunError) as err:
+        run(cfg_for(tmp_path, output=str(tmp_path)), generator=ScriptedBackend(solution),
+            prm=ScriptedPRM(PRM_TABLE, default=0.0))
+    assert str(err.value).startswith(f"output file {tmp_path} is a directory; pass --output PATH")
 
 
 def test_a_missing_dataset_names_the_flag(tmp_path, capsys):
@@ -354,6 +445,37 @@ def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectorie
     assert spec_s["tokens_speculative"] > 0 and spec_s["tokens_reused"] > 0 and plain_s["tokens_speculative"] == 0
 
 
+def sgl_tts_run_command(*args) -> list[str]:
+    """`sgl-tts run ARGS` as a subprocess command (run it with :func:`cli_env`)."""
+    return [sys.executable, "-m", "sgl_tts.cli", "run", *map(str, args)]
+
+
+def cli_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+
+JSONL_FIX = 'each line must be a JSON object {"question": "...", "answer": "..." (optional)}'
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"question": "a"}\n{"question": "caf\xe9"}\n',
+     "not UTF-8 text (byte 0xe9 at column 18); save the file as UTF-8"),
+    (b'{"question": "a"}\n{"question": "b"\n', f"not valid JSON (Expecting ',' delimiter); {JSONL_FIX}"),
+])
+def test_a_bad_dataset_is_one_line_on_stderr_of_the_command(tmp_path, content, message):
+    """The real `sgl-tts run` process: its whole stderr is the one error line (file and line number),
+    no warning or traceback after it, exit status 1, before any model loads."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(sgl_tts_run_command("--problems", path, "--output", out), env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == f"sgl-tts run: error: {path} line 2: {message}\n"
+    assert not out.exists()
+
+
 def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     """A real `sgl-tts run` process on the tiny models is killed (SIGKILL) once some problems are
     written; the same command then finishes the rest: every problem exactly once, each line the
@@ -364,11 +486,11 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     out = tmp_path / "out.jsonl"
 
     def command(output):
-        return [sys.executable, "-m", "sgl_tts.cli", "run", "--problems", str(problems), "--output",
-                str(output), "--program", "best_of_n", "--n", "4", "--in-flight", "1", "--no-progress"]
+        return sgl_tts_run_command("--problems", problems, "--output", output, "--program", "best_of_n",
+                                   "--n", "4", "--in-flight", "1", "--no-progress")
 
     cmd = command(out)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = cli_env()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):

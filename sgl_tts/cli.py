@@ -118,6 +118,8 @@ def _delegated(command: str):
         from sgl_tts.search_server import main as delegate
     elif command == "scale-out":
         from sgl_tts.bench.scaleout import main as delegate
+    elif command == "bench-frontend":
+        from sgl_tts.bench.frontend import main as delegate
     elif command == "wheelhouse":
         from sgl_tts.wheelhouse import main as delegate
     elif command == "smoke":
@@ -174,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("scale-out", add_help=False,
                    help="generator replicas behind SGLang's router: cache hits of cache-aware vs round-robin "
                         "routing, serve-search throughput with 1 vs 2 replicas (CPU; see its --help)")
+    sub.add_parser("bench-frontend", add_help=False,
+                   help="many searches at once (K in flight) on the CPU backend and live CPU servers: "
+                        "searches/s and tokens/s against the generator's decode limit, client CPU per "
+                        "1,000 tokens, threads (see its --help)")
     sub.add_parser("wheelhouse", add_help=False,
                    help="build the wheels that carry SGLang to a GPU machine without network (see its --help)")
     sub.add_parser("smoke", add_help=False,
@@ -189,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train-tiny", "quality", "run", "plan", "serve", "bench", "load",
-                             "serve-search", "scale-out", "wheelhouse", "smoke"):
+                             "serve-search", "scale-out", "bench-frontend", "wheelhouse", "smoke"):
         return _delegated(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

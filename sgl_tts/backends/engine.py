@@ -451,6 +451,12 @@ class BatchEngine:
         """Drop every cached prefix (takes effect before the engine's next step)."""
         self._flush = True
 
+    @property
+    def native_thread_id(self) -> int | None:
+        """The OS thread id of the engine thread (the model's CPU time is this thread's), e.g. to
+        tell the engine's CPU from its callers' with ``psutil.Process().threads()``."""
+        return self._thread.native_id
+
     def close(self) -> None:
         """Stop the engine; every request not finished yet fails with "the engine was closed"."""
         with self._lock:

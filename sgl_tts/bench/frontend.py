@@ -1,0 +1,652 @@
+"""``sgl-tts bench-frontend``: do many searches at once slow each other down?
+
+For each backend (``cpu``: the tiny generator and PRM in this process on :class:`sgl_tts.LocalBackend`;
+``server``: live CPU SGLang servers, the generator with the sgl-tts plugin), each program
+(``beam_search``, ``best_of_n`` with the PRM, ``mcts``) and each K, it runs max(K, ``--min-searches``)
+problems of the arithmetic task's test split with K in flight through the project's own runner
+(:func:`sgl_tts.runner.run_continuously`, the path ``sgl-tts run`` takes, with ``sgl-tts run``'s
+program arguments and a fixed seed), both prefix caches flushed first, and records per block:
+
+- searches, wall seconds, searches/s, generated tokens (the programs' own ``tokens_generated``) and
+  tokens/s, accuracy;
+- this process's CPU (``getrusage(RUSAGE_SELF)`` user and system seconds over the block) per 1,000
+  generated tokens. On the ``cpu`` backend the models run here too, on the generator's and the PRM's
+  :class:`~sgl_tts.backends.engine.BatchEngine` threads: their CPU (read per native thread with
+  psutil) is reported apart, and the *client* share is the process's CPU minus theirs. On ``server``
+  the process is the client. The share of system CPU in the block's CPU is reported too;
+- the peak thread count (``threading.active_count()``, sampled every 0.2 s);
+- the limit: the generator's own decode throughput at the running batch the searches had,
+  B = min(K x requests a search keeps in flight, the generator's max running requests), measured as
+  B concurrent plain generations of 64 tokens with ``ignore_eos`` (``cpu``: straight to the engine;
+  ``server``: one batched ``POST /generate``); the searches' tokens/s as a fraction of it.
+
+Each finished block is appended to ``--out`` (JSONL) at once, naming the machine, the command and the
+date; a rerun with the same settings skips the blocks already there. At the end it prints a table and
+the goals (PASS/FAIL per line) and writes PREFIX.md and a plot PREFIX.png next to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import resource
+import shlex
+import sys
+import tempfile
+import threading
+import time
+import typing
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from sgl_tts.bench.load import flush_cache, read_records
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "server")
+PROGRAMS = ("beam_search", "best_of_n", "mcts")
+LIMIT_NEW_TOKENS = 64          # tokens of each plain generation of the limit measurement
+GEN_KV_BYTES = 1 << 30         # the generator server's KV pool when this command starts it
+PRM_KV_BYTES = 512 << 20       # the PRM server's
+
+
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"{flag}: {part!r} is not a positive integer (give a comma-separated list, e.g. 1,8,32)")
+        out.append(int(part))
+    return tuple(out)
+
+
+def _names(text: str, flag: str, choices: Sequence[str]) -> tuple[str, ...]:
+    out = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in out if x not in choices]
+    if bad or not out:
+        raise ValueError(f"{flag}: unknown value {bad[0] if bad else text!r}; choose from {', '.join(choices)}")
+    return out
+
+
+# ------------------------------------------------------------------------------------- settings
+@dataclasses.dataclass(frozen=True)
+class FrontendSettings:
+    """One run's settings.
+
+    Attributes:
+        backends, programs, ks: what to run (blocks: every backend x program x K).
+        min_searches: searches per block are max(K, this).
+        beams, beam_width: beam search's N and M.
+        samples: best-of-N's N.
+        rollouts, expansion_width, parallel: MCTS's rollout budget, children per expansion and
+            rollouts in flight.
+        max_depth, step_tokens: most steps of a tree search and a step's token limit.
+        max_tokens: a best-of-N sample's token limit.
+        temperature: sampling temperature.
+        seed: the sampling seed (``sgl-tts run``'s: each sample's seed derives from it).
+    """
+
+    backends: tuple[str, ...] = BACKENDS
+    programs: tuple[str, ...] = PROGRAMS
+    ks: tuple[int, ...] = (1, 8, 32, 128)
+    min_searches: int = 8
+    beams: int = 16
+    beam_width: int = 4
+    samples: int = 16
+    rollouts: int = 16
+    expansion_width: int = 4
+    parallel: int = 4
+    max_depth: int = 40
+    step_tokens: int = 64
+    max_tokens: int = 256
+    temperature: float = 0.8
+    seed: int = 0
+
+    # --quick: K in {1, 4}, 4 searches, small budgets (a CI check, not a measurement)
+    QUICK: typing.ClassVar[dict[str, Any]] = dict(ks=(1, 4), min_searches=4, beams=4, beam_width=2, samples=4,
+                                                  rollouts=4, expansion_width=2, parallel=2)
+    # what may differ between runs whose records are shared (which blocks to run)
+    NOT_IN_KEY: typing.ClassVar[tuple[str, ...]] = ("backends", "programs", "ks")
+
+    def __post_init__(self):
+        _names(",".join(self.backends), "--backends", BACKENDS)
+        _names(",".join(self.programs), "--programs", PROGRAMS)
+        if not self.ks or any(k < 1 for k in self.ks):
+            raise ValueError(f"--ks: every K must be a positive integer, got {self.ks}")
+        for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",
+                     "max_depth", "step_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
+        from sgl_tts.task import TEST_SIZE
+        if self.searches(max(self.ks)) > TEST_SIZE:
+            raise ValueError(f"--ks: {max(self.ks)} searches exceed the {TEST_SIZE} test problems")
+
+    def key(self) -> str:
+        """What a record must match to be reused (every setting that changes a block's result)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+    def searches(self, k: int) -> int:
+        """Searches of a block with K in flight."""
+        return max(k, self.min_searches)
+
+    def run_config(self, program: str):
+        """``sgl-tts run``'s :class:`~sgl_tts.experiment.RunConfig` for ``program`` at these budgets."""
+        from sgl_tts.experiment import RunConfig
+
+        common = dict(program=program, max_depth=self.max_depth, step_tokens=[self.step_tokens],
+                      max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed, progress=False)
+        if program == "beam_search":
+            cfg = RunConfig(n=self.beams, beam_width=self.beam_width, **common)
+        elif program == "best_of_n":
+            cfg = RunConfig(n=self.samples, **common)
+        else:   # MCTS scores trajectories by their weakest step (the program's default)
+            cfg = RunConfig(n=self.rollouts, beam_width=self.expansion_width, parallel=self.parallel,
+                            aggregation="min", **common)
+        cfg.validate()
+        return cfg
+
+    def requests_per_search(self, program: str) -> int:
+        """Generation requests one search keeps in flight."""
+        if program == "beam_search":
+            return self.beams
+        if program == "best_of_n":
+            return self.samples
+        return self.parallel * self.expansion_width
+
+    def limit_batch(self, program: str, k: int, max_running: int) -> int:
+        """B: the running batch K searches give the generator (at most its max running requests)."""
+        return max(1, min(k * self.requests_per_search(program), max_running))
+
+
+def program_options(s: FrontendSettings, program: str) -> dict[str, Any]:
+    """The program's keyword arguments other than the question and the PRM (recorded with a block)."""
+    args = s.run_config(program).program_arguments("", None)
+    return {k: v for k, v in args.items() if k not in ("question", "prm")}
+
+
+# ------------------------------------------------------------------------------------- targets
+@dataclasses.dataclass
+class Target:
+    """What a block runs on.
+
+    Attributes:
+        name: ``cpu`` or ``server``.
+        generator: the SGLang backend the programs generate on.
+        new_prm: a fresh PRM scorer (its score cache empty) per block.
+        flush: empties the generator's and the PRM's prefix caches.
+        engine_threads: native ids of the threads that run models in this process (``cpu``), whose
+            CPU is not the client's.
+        max_running: the generator's most running requests.
+        decode_limit: ``(batch, prompts) -> tokens/s`` of ``batch`` plain generations.
+        close: releases what the target opened.
+    """
+
+    name: str
+    generator: Any
+    new_prm: Callable[[], Any]
+    flush: Callable[[], None]
+    engine_threads: tuple[int, ...]
+    max_running: int
+    decode_limit: Callable[[int, Sequence[str]], float]
+    close: Callable[[], None]
+
+
+def cpu_decode_limit(backend, batch: int, prompts: Sequence[str], temperature: float, seed: int,
+                     new_tokens: int = LIMIT_NEW_TOKENS) -> float:
+    """Tokens/s of ``batch`` concurrent plain generations of ``new_tokens`` each (``ignore_eos``),
+    submitted straight to a :class:`~sgl_tts.LocalBackend`'s engine."""
+    from sgl_tts.backends.engine import SamplingSpec
+
+    ids = [backend.encode(p) for p in prompts]
+    t0 = time.perf_counter()
+    futs = [backend.engine.submit(ids[i % len(ids)], SamplingSpec(max_new_tokens=new_tokens, ignore_eos=True,
+                                                                  temperature=temperature, seed=seed + i))
+            for i in range(batch)]
+    generated = sum(len(f.result().output_ids) for f in futs)
+    return generated / (time.perf_counter() - t0)
+
+
+def _http_json(url: str, body: dict | None = None, timeout: float = 900.0) -> Any:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=timeout) as res:
+        return json.loads(res.read())
+
+
+def server_decode_limit(url: str, batch: int, prompts: Sequence[str], temperature: float,
+                        new_tokens: int = LIMIT_NEW_TOKENS) -> float:
+    """Tokens/s of ``batch`` concurrent plain generations on an SGLang server: one ``POST /generate``
+    with ``batch`` prompts and ``sampling_params: {max_new_tokens, ignore_eos: true}`` (the server
+    admits them together, as many requests would be)."""
+    body = {"text": [prompts[i % len(prompts)] for i in range(batch)],
+            "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": temperature}}
+    t0 = time.perf_counter()
+    out = _http_json(url.rstrip("/") + "/generate", body)
+    wall = time.perf_counter() - t0
+    outs = out if isinstance(out, list) else [out]
+    return sum(int(o["meta_info"]["completion_tokens"]) for o in outs) / wall
+
+
+def server_max_running(url: str) -> int:
+    """The server's max running requests (``/server_info``: what the scheduler settled on)."""
+    info = _http_json(url.rstrip("/") + "/server_info")
+    for state in info.get("internal_states") or []:
+        if state.get("effective_max_running_requests_per_dp"):
+            return int(state["effective_max_running_requests_per_dp"])
+    if info.get("max_running_requests"):
+        return int(info["max_running_requests"])
+    raise RuntimeError(f"{url}/server_info names no max running requests")
+
+
+def open_cpu(s: FrontendSettings) -> Target:
+    """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines in this process."""
+    from sgl_tts import LocalBackend
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM
+
+    gen = LocalBackend(shipped_model("generator"), seed=s.seed)
+    try:
+        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed)
+    except BaseException:
+        gen.shutdown()
+        raise
+    ids = tuple(i for i in (gen.engine.native_thread_id, prm_backend.engine.native_thread_id) if i is not None)
+
+    def flush() -> None:
+        gen.flush_cache()
+        prm_backend.flush_cache()
+
+    def close() -> None:
+        gen.shutdown()
+        prm_backend.shutdown()
+
+    return Target("cpu", gen, lambda: StepTagPRM(prm_backend), flush, ids, gen.engine.max_running,
+                  lambda b, prompts: cpu_decode_limit(gen, b, prompts, s.temperature, s.seed), close)
+
+
+def open_server(s: FrontendSettings, generator_url: str, prm_url: str) -> Target:
+    """The generator and PRM servers at these URLs."""
+    from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.prm import StepTagPRM
+
+    gen = SGLangEndpoint(generator_url)
+    prm_backend = SGLangEndpoint(prm_url)
+
+    def flush() -> None:
+        for url in (generator_url, prm_url):
+            flush_cache(url)
+
+    return Target("server", gen, lambda: StepTagPRM(prm_backend), flush, (), server_max_running(generator_url),
+                  lambda b, prompts: server_decode_limit(generator_url, b, prompts, s.temperature), lambda: None)
+
+
+def start_servers(workdir: str | None = None):
+    """The tiny generator (plugin, prefix-aware, seeded sampling) and the tiny PRM as live CPU servers."""
+    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.models import shipped_model
+
+    return LiveServers({
+        "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=GEN_KV_BYTES,
+                                extra=("--tts-seeded-sampling",)),
+        "prm": LiveServer(str(shipped_model("prm")), kv_bytes=PRM_KV_BYTES)},
+        workdir or tempfile.mkdtemp(prefix="sgl-tts-bench-frontend-"))
+
+
+# ------------------------------------------------------------------------------------- measuring
+def thread_cpu(native_ids: Iterable[int]) -> tuple[float, float]:
+    """User and system CPU seconds of this process's threads with these native ids."""
+    import psutil
+
+    wanted = set(native_ids)
+    if not wanted:
+        return 0.0, 0.0
+    user = system = 0.0
+    for t in psutil.Process().threads():
+        if t.id in wanted:
+            user += t.user_time
+            system += t.system_time
+    return user, system
+
+
+class CPUMeter:
+    """This process's CPU over a ``with`` block, and the part of it the given threads took."""
+
+    def __init__(self, engine_threads: Sequence[int] = ()):
+        self.engine_threads = tuple(engine_threads)
+        self.user = self.system = self.engine_user = self.engine_system = 0.0
+
+    def __enter__(self) -> "CPUMeter":
+        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._e0 = thread_cpu(self.engine_threads)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        e1 = thread_cpu(self.engine_threads)
+        self.user, self.system = r1.ru_utime - self._r0.ru_utime, r1.ru_stime - self._r0.ru_stime
+        self.engine_user, self.engine_system = e1[0] - self._e0[0], e1[1] - self._e0[1]
+
+
+class PeakThreads:
+    """The most threads alive during a ``with`` block (``threading.active_count()``, the sampler's own
+    thread included), sampled every ``interval`` seconds by a thread that waits on an event."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sgl-tts-thread-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, threading.active_count())
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "PeakThreads":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, threading.active_count())
+
+
+def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: FrontendSettings, *,
+              progress: bool = True) -> tuple[dict[str, Any], list[Any]]:
+    """Run ``program`` over the first max(K, min_searches) problems with K in flight on ``target``.
+
+    Returns the block's measurements (no limit or provenance fields yet) and the searches'
+    :class:`~sgl_tts.search.SearchResult` in problem order. A failed search raises after the block.
+    """
+    from tqdm.auto import tqdm
+
+    from sgl_tts.experiment import program_function
+    from sgl_tts.runner import run_continuously
+
+    cfg = s.run_config(program)
+    fn = program_function(program)
+    prm = target.new_prm()
+    n = s.searches(k)
+    if n > len(problems):
+        raise ValueError(f"{n} searches need {n} problems, got {len(problems)}")
+    args = [cfg.program_arguments(p.question, prm) for p in problems[:n]]
+    results: list[Any] = [None] * n
+    errors: list[str] = []
+    bar = tqdm(total=n, desc=f"{target.name} {program} K={k}", unit="search", disable=not progress, leave=False)
+    with PeakThreads() as threads, CPUMeter(target.engine_threads) as cpu:
+        t0 = time.perf_counter()
+        for i, state in run_continuously(fn, args, backend=target.generator, in_flight=k, total=n):
+            err = state if isinstance(state, BaseException) else state.error()
+            if err is not None or state.ret_value is None:
+                errors.append(f"search {i}: {err!r}" if err is not None else f"search {i} returned nothing")
+            else:
+                results[i] = state.ret_value
+            bar.update(1)
+        wall = time.perf_counter() - t0
+    bar.close()
+    if errors:
+        raise RuntimeError(f"{target.name} {program} K={k}: {len(errors)} of {n} searches failed; first: {errors[0]}")
+    tokens = sum(r.tokens_generated for r in results)
+    correct = sum(r.answer is not None and r.answer == str(p.answer) for r, p in zip(results, problems))
+    run_cpu = cpu.user + cpu.system
+    client_user, client_system = max(0.0, cpu.user - cpu.engine_user), max(0.0, cpu.system - cpu.engine_system)
+
+    def per_1k(x: float) -> float | None:
+        return round(1000 * x / tokens, 4) if tokens else None
+
+    rec = {"backend": target.name, "program": program, "k": k, "searches": n, "wall_s": round(wall, 3),
+           "searches_per_s": round(n / wall, 4), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+           "cpu_user_s": round(cpu.user, 3), "cpu_system_s": round(cpu.system, 3),
+           "engine_threads": len(target.engine_threads),
+           "engine_user_s": round(cpu.engine_user, 3), "engine_system_s": round(cpu.engine_system, 3),
+           "client_user_s": round(client_user, 3), "client_system_s": round(client_system, 3),
+           "cpu_user_per_1k_tokens": per_1k(cpu.user), "cpu_system_per_1k_tokens": per_1k(cpu.system),
+           "client_user_per_1k_tokens": per_1k(client_user), "client_system_per_1k_tokens": per_1k(client_system),
+           "system_share": round(cpu.system / run_cpu, 4) if run_cpu else None,
+           "client_system_share": round(client_system / run_cpu, 4) if run_cpu else None,
+           "peak_threads": threads.peak, "correct": correct, "accuracy": round(correct / n, 4)}
+    return rec, results
+
+
+# ------------------------------------------------------------------------------------- report
+def _blocks(records: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(records, key=lambda r: (BACKENDS.index(r["backend"]), PROGRAMS.index(r["program"]), r["k"])):
+        out.setdefault((r["backend"], r["program"]), []).append(r)
+    return out
+
+
+def goals(records: Sequence[dict]) -> list[tuple[str, str]]:
+    """The goals, one ``(PASS | FAIL | SKIP, text)`` per line."""
+    lines: list[tuple[str, str]] = []
+    blocks = _blocks(records)
+    for (backend, program), recs in blocks.items():
+        best: tuple[float, int] | None = None
+        fell = []
+        for r in recs:
+            if best is not None and r["searches_per_s"] < 0.9 * best[0]:
+                fell.append(f"K={r['k']} {r['searches_per_s']:.3f} < 90% of {best[0]:.3f} (K={best[1]})")
+            if best is None or r["searches_per_s"] > best[0]:
+                best = (r["searches_per_s"], r["k"])
+        seen = ", ".join(f"{r['searches_per_s']:.3f} (K={r['k']})" for r in recs)
+        lines.append(("FAIL" if fell else "PASS", f"throughput never falls as K grows, {backend} {program}: "
+                      + ("; ".join(fell) if fell else f"searches/s {seen}")))
+    for (backend, program), recs in blocks.items():
+        r = next((x for x in recs if x["k"] == 128), recs[-1])
+        where = "K=128" if r["k"] == 128 else f"K={r['k']} (largest run; the goal names K=128)"
+        share = r.get("client_system_share")
+        lines.append(("SKIP" if share is None else "PASS" if share < 0.10 else "FAIL",
+                      f"client system CPU under 10% of the run's CPU at {where}, {backend} {program}: "
+                      + ("no CPU measured" if share is None else f"{100 * share:.1f}%")))
+    r = next((x for x in records if x["backend"] == "server" and x["program"] == "beam_search" and x["k"] == 32), None)
+    if r is None:
+        lines.append(("SKIP", "on the server at K=32 beam search reaches >= 85% of the decode limit: not run"))
+    else:
+        f = r["limit_fraction"]
+        lines.append(("PASS" if f >= 0.85 else "FAIL",
+                      f"on the server at K=32 beam search reaches >= 85% of the decode limit: {100 * f:.0f}% "
+                      f"({r['tokens_per_s']:.0f} of {r['limit_tokens_per_s']:.0f} tokens/s at B={r['limit_batch']})"))
+    return lines
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_report(records: Sequence[dict]) -> str:
+    """A Markdown table of every block, then the goals."""
+    lines = ["| backend | program | K | searches | wall (s) | searches/s | tokens | tokens/s | limit B | limit tok/s | "
+             "of limit | CPU user/1k tok | sys/1k | client user/1k | client sys/1k | sys share | peak threads | accuracy |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: | ---: |"]
+    for recs in _blocks(records).values():
+        for r in recs:
+            lines.append(
+                f"| {r['backend']} | {r['program']} | {r['k']} | {r['searches']} | {r['wall_s']:.1f} | "
+                f"{r['searches_per_s']:.3f} | {r['tokens']} | {r['tokens_per_s']:.0f} | {r['limit_batch']} | "
+                f"{r['limit_tokens_per_s']:.0f} | {100 * r['limit_fraction']:.0f}% | "
+                f"{_f(r['cpu_user_per_1k_tokens'], '.3f')} | {_f(r['cpu_system_per_1k_tokens'], '.3f')} | "
+                f"{_f(r['client_user_per_1k_tokens'], '.3f')} | {_f(r['client_system_per_1k_tokens'], '.3f')} | "
+                f"{_f(None if r['system_share'] is None else 100 * r['system_share'], '.1f')}% | "
+                f"{r['peak_threads']} | {100 * r['accuracy']:.0f}% |")
+    lines.append("")
+    lines += [f"{verdict} {text}" for verdict, text in goals(records)]
+    return "\n".join(lines)
+
+
+def plot_report(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Per program: tokens/s against K, one solid line per backend and its decode limit dashed (top);
+    the client's CPU seconds (user + system) per 1,000 generated tokens (bottom)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    programs = [p for p in PROGRAMS if any(r["program"] == p for r in records)]
+    fig, axes = plt.subplots(2, max(1, len(programs)), figsize=(4.2 * max(1, len(programs)), 6.4), squeeze=False)
+    for col, program in enumerate(programs):
+        top, bottom = axes[0][col], axes[1][col]
+        for i, backend in enumerate(BACKENDS):
+            recs = sorted((r for r in records if r["program"] == program and r["backend"] == backend),
+                          key=lambda r: r["k"])
+            if not recs:
+                continue
+            ks = [r["k"] for r in recs]
+            color = f"C{i}"
+            top.plot(ks, [r["tokens_per_s"] for r in recs], "-o", color=color, label=f"{backend} searches")
+            top.plot(ks, [r["limit_tokens_per_s"] for r in recs], "--", color=color, alpha=0.7,
+                     label=f"{backend} decode limit")
+            cpu = [(r["client_user_per_1k_tokens"] or 0) + (r["client_system_per_1k_tokens"] or 0) for r in recs]
+            bottom.plot(ks, cpu, "-o", color=color, label=f"{backend} client")
+        ks_run = sorted({r["k"] for r in records if r["program"] == program})
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks_run, [str(k) for k in ks_run])
+            ax.set_xlabel("K (searches in flight)")
+            ax.set_ylim(bottom=0)
+        top.set_title(program)
+        top.set_ylabel("generated tokens / s")
+        bottom.set_ylabel("client CPU s / 1,000 tokens")
+        top.legend(fontsize=7)
+        bottom.legend(fontsize=7)
+    fig.suptitle(title or "many searches at once", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sgl-tts bench-frontend", description=__doc__.split("\n\n")[0])
+    d = FrontendSettings()
+    p.add_argument("--backends", default=",".join(d.backends), help="comma-separated, from " + ", ".join(BACKENDS))
+    p.add_argument("--programs", default=",".join(d.programs), help="comma-separated, from " + ", ".join(PROGRAMS))
+    p.add_argument("--ks", default=None, help="searches in flight, comma-separated (default 1,8,32,128; --quick 1,4)")
+    p.add_argument("--quick", action="store_true",
+                   help="K in {1, 4}, 4 searches per block, budgets of 4 (a CI check, not a measurement)")
+    for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",
+                 "max_depth", "step_tokens", "max_tokens", "seed"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"default {getattr(d, name)}" + (f" (--quick {d.QUICK[name]})" if name in d.QUICK else ""))
+    p.add_argument("--temperature", type=float, default=None, help=f"default {d.temperature}")
+    p.add_argument("--generator-url", default=None, help="a running generator for the server backend (default: "
+                   "start the tiny generator with the plugin on the CPU)")
+    p.add_argument("--prm-url", default=None, help="a running step-tag PRM server (default: start the tiny PRM)")
+    p.add_argument("--out", default="docs/benchmarks/frontend.jsonl",
+                   help="records (JSONL, appended); the table (.md) and plot (.png) go next to it")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each block")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
+    """The settings the flags give (``--quick`` presets first, explicit flags over them); a bad value
+    raises ``ValueError`` whose message starts with the flag."""
+    values: dict[str, Any] = dict(FrontendSettings.QUICK) if args.quick else {}
+    values["backends"] = _names(args.backends, "--backends", BACKENDS)
+    values["programs"] = _names(args.programs, "--programs", PROGRAMS)
+    if args.ks is not None:
+        values["ks"] = _positive_ints(args.ks, "--ks")
+    for f in dataclasses.fields(FrontendSettings):
+        if f.name not in ("backends", "programs", "ks") and getattr(args, f.name, None) is not None:
+            values[f.name] = getattr(args, f.name)
+    return FrontendSettings(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logger.setLevel(logging.INFO)
+    else:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
+    try:
+        s = settings_from_args(args)
+    except ValueError as exc:
+        print(f"sgl-tts bench-frontend: error: {exc}", file=sys.stderr)
+        return 2
+    from sgl_tts import task
+    from sgl_tts.machine import describe
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    key = s.key()
+    records = read_records(out, key)
+    done = {(r["backend"], r["program"], r["k"]) for r in records}
+    todo = [(b, p, k) for b in s.backends for p in s.programs for k in sorted(s.ks) if (b, p, k) not in done]
+    skipped = len(s.backends) * len(s.programs) * len(s.ks) - len(todo)
+    if skipped:
+        print(f"sgl-tts bench-frontend: {skipped} block(s) already in {out} under settings {key}: skipped")
+    problems = task.test_split()[:s.searches(max(s.ks))]
+    prompts = [p.question + "\n\n" for p in problems]
+    limits = {(r["backend"], r["limit_batch"]): r["limit_tokens_per_s"] for r in records}
+    provenance = {"machine": describe(), "command": "sgl-tts bench-frontend " + shlex.join(argv)}
+    servers = None
+    try:
+        for backend in s.backends:
+            mine = [(p, k) for b, p, k in todo if b == backend]
+            if not mine:
+                continue
+            if backend == "cpu":
+                target = open_cpu(s)
+            else:
+                gen_url, prm_url = args.generator_url, args.prm_url
+                if gen_url is None or prm_url is None:
+                    servers = servers or start_servers()
+                    gen_url = gen_url or servers.url("generator")
+                    prm_url = prm_url or servers.url("prm")
+                target = open_server(s, gen_url, prm_url)
+            try:
+                for program, k in mine:
+                    batch = s.limit_batch(program, k, target.max_running)
+                    if (backend, batch) not in limits:
+                        target.flush()
+                        limits[(backend, batch)] = round(target.decode_limit(batch, prompts), 2)
+                        logger.info("%s decode limit at B=%d: %.0f tokens/s", backend, batch, limits[(backend, batch)])
+                    target.flush()   # every block samples the same texts: no block starts on a warm cache
+                    rec, _ = run_block(target, program, k, problems, s, progress=not args.no_progress)
+                    limit = limits[(backend, batch)]
+                    rec.update(key=key, limit_batch=batch, limit_new_tokens=LIMIT_NEW_TOKENS,
+                               limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
+                               max_running=target.max_running, options=program_options(s, program),
+                               settings={k_: v for k_, v in dataclasses.asdict(s).items()
+                                         if k_ not in FrontendSettings.NOT_IN_KEY},
+                               **provenance, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+                    with out.open("a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                    records.append(rec)
+                    logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
+                                program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
+            finally:
+                target.close()
+    finally:
+        if servers is not None:
+            servers.stop_all()
+    shown = [r for r in records if r["backend"] in s.backends and r["program"] in s.programs and r["k"] in s.ks]
+    report = format_report(shown)
+    out.with_suffix(".md").write_text(report + "\n")
+    plot = plot_report(shown, out.with_suffix(".png"),
+                       f"{'--quick: ' if args.quick else ''}searches in flight on {provenance['machine']}")
+    print(report)
+    print(f"records: {out}; table: {out.with_suffix('.md')}; plot: {plot}")
+    return 0
+
+
+__all__ = ["BACKENDS", "CPUMeter", "FrontendSettings", "PROGRAMS", "PeakThreads", "Target", "cpu_decode_limit",
+           "format_report", "goals", "main", "open_cpu", "open_server", "plot_report", "program_options",
+           "run_block", "server_decode_limit", "server_max_running", "settings_from_args", "start_servers",
+           "thread_cpu"]

@@ -33,7 +33,7 @@ from fastapi import Request   # at module level: FastAPI resolves the route's an
 
 from sgl_tts.experiment import PROGRAMS
 from sgl_tts.search_api import APIError, Defaults, Limits, parse_request
-from sgl_tts.search_service import Progress, SearchCancelled, SearchOutcome, SearchService
+from sgl_tts.search_service import CancelEvent, Progress, SearchCancelled, SearchOutcome, SearchService
 
 logger = logging.getLogger(__name__)
 
@@ -111,17 +111,15 @@ def create_app(service: SearchService, limits: Limits = Limits(), defaults: Defa
             return JSONResponse(exc.body(), status_code=exc.status)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        cancel = threading.Event()
+        cancel = CancelEvent()
         loop = asyncio.get_running_loop()
         if not req.stream:
             fut = loop.run_in_executor(pool, lambda: service.run(req, cancel=cancel))
+            gone = asyncio.ensure_future(disconnected(request.receive))
             try:
-                while True:
-                    done, _ = await asyncio.wait({fut}, timeout=0.1)
-                    if done:
-                        break
-                    if await request.is_disconnected():
-                        cancel.set()
+                done, _ = await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:   # the client went away before its answer: cancel (wakes the search)
+                    cancel.set()
                 out = await fut
             except SearchCancelled:
                 logger.info("request %s: the client went away; its search was cancelled", rid)
@@ -133,11 +131,22 @@ def create_app(service: SearchService, limits: Limits = Limits(), defaults: Defa
                 logger.exception("request %s failed", rid)
                 status, err = error_body(exc)
                 return JSONResponse(err, status_code=status)
+            finally:
+                gone.cancel()
             return JSONResponse(completion_body(out, rid, created))
+        # streamed: Starlette's StreamingResponse (ASGI spec 2.3, as uvicorn serves it) awaits the
+        # client's http.disconnect beside the stream and cancels the stream then; its finally cancels
         return StreamingResponse(stream_events(service, req, rid, created, cancel, pool),
                                  media_type="text/event-stream")
 
     return app
+
+
+async def disconnected(receive) -> None:
+    """Return once the client has gone away: awaits the ASGI ``receive()`` (the request's body read
+    already) until its ``http.disconnect``; no polling, the server wakes it."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def stream_events(service: SearchService, req, rid: str, created: int,
@@ -159,6 +168,7 @@ async def stream_events(service: SearchService, req, rid: str, created: int,
         return f"data: {json.dumps(obj)}\n\n"
 
     fut = loop.run_in_executor(pool, lambda: service.run(req, cancel=cancel, on_progress=progressed))
+    getter = None
     try:
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         while True:
@@ -192,8 +202,11 @@ async def stream_events(service: SearchService, req, rid: str, created: int,
             yield chunk([], usage=usage(out))
         yield "data: [DONE]\n\n"
     finally:
+        if getter is not None:
+            getter.cancel()   # a no-op unless the client went away while it waited
         if not fut.done():   # the client went away (the response task was cancelled)
             cancel.set()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # its SearchCancelled: expected
             logger.info("streamed request %s: the client went away; cancelling its search", rid)
 
 
@@ -213,15 +226,29 @@ class BackgroundSearchServer:
             from sgl_tts.live_servers import free_port
             port = free_port(host)
         self.service = service
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service, limits, defaults), host=host, port=port,
-                                                    log_level=log_level))
-        self.thread = threading.Thread(target=self.server.run, name="sgl-tts-serve-search", daemon=True)
+        ready = threading.Event()   # set once uvicorn is listening, or has given up
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                try:
+                    await super().startup(sockets)
+                finally:
+                    ready.set()
+
+        def serve() -> None:
+            try:
+                self.server.run()
+            except SystemExit:   # uvicorn's failed start (logged by it); __init__ raises below
+                pass
+            finally:
+                ready.set()   # it failed before its startup too (the app, the config)
+
+        self.server = Server(uvicorn.Config(create_app(service, limits, defaults), host=host, port=port,
+                                            log_level=log_level))
+        self.thread = threading.Thread(target=serve, name="sgl-tts-serve-search", daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"serve-search did not start on {host}:{port}")
-            time.sleep(0.05)
+        if not ready.wait(30) or not self.server.started:
+            raise RuntimeError(f"serve-search did not start on {host}:{port}")
         self.url = f"http://{host}:{port}"
 
     def client(self, **kwargs: Any):
@@ -329,4 +356,5 @@ def start_tiny_servers(need_prm: bool = True):
     return servers, gen, prm
 
 
-__all__ = ["BackgroundSearchServer", "completion_body", "create_app", "error_body", "main", "stream_events", "usage"]
+__all__ = ["BackgroundSearchServer", "completion_body", "create_app", "disconnected", "error_body", "main",
+           "stream_events", "usage"]

@@ -8,9 +8,15 @@ a fixed number of problems in flight). Each search gets its own group id and its
 
 - reports progress (generations finished, tokens, deepest step) to a callback, and
 - once the search is cancelled (its client went away), refuses every new generation and aborts the
-  search's requests on the server by group prefix (the sgl-tts plugin's group abort), again and again
-  until the program has returned: a request sent just before the abort is caught by the next one, so
-  when :meth:`SearchService.run` returns nothing of the search is left on the generator.
+  search's requests on the server by group prefix (the sgl-tts plugin's group abort). A request that
+  was already on its way when the search was cancelled may reach the server after that abort (the
+  abort then finds nothing and the request would run to its end), so the abort is repeated every
+  ``ABORT_EVERY_S`` while such a request is still outstanding, and no longer: when
+  :meth:`SearchService.run` returns nothing of the search is left on the generator.
+
+Nothing here polls: a search waiting for its slot or for its program sleeps on a condition that the
+other side signals (a slot freed, the program returned, a request answered, the cancel set: see
+:class:`CancelEvent`), so it uses no CPU and wakes at once.
 
 The result is a :class:`SearchOutcome`: the program's :class:`~sgl_tts.search.SearchResult` plus the
 choices ranked for the response, the prompt's token count and the timings.
@@ -18,12 +24,14 @@ choices ranked for the response, the prompt's token count and the timings.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.search import SearchResult, Trajectory
@@ -35,11 +43,63 @@ logger = logging.getLogger(__name__)
 # SGLang's interpreter warns with a whole traceback for every stream a cancel stops: expected, not news
 warnings.filterwarnings("ignore", message=r"(?s)Error in stream_executor:.*SearchCancelled", category=UserWarning)
 
-ABORT_EVERY_S = 0.05   # how often a cancelled search's requests are aborted until its program returns
+ABORT_EVERY_S = 0.05   # how often a cancelled search's abort is repeated while a request sent before it is out
 
 
 class SearchCancelled(RuntimeError):
     """The search was cancelled (its client disconnected); raised by its endpoint's next generation."""
+
+
+_CALLBACKS = threading.Lock()   # guards every CancelEvent's callback list (held for a list operation only)
+
+
+class CancelEvent(threading.Event):
+    """A ``threading.Event`` that also calls its callbacks when it is set, so that a thread can wait for
+    "cancelled *or* something else" on one condition (no polling). :meth:`SearchService.run` turns a
+    plain ``threading.Event`` it is given into one (in place; it stays an ordinary ``Event``)."""
+
+    def set(self) -> None:
+        super().set()
+        with _CALLBACKS:
+            callbacks = list(self.__dict__.get("_callbacks", ()))
+        for fn in callbacks:
+            fn()
+
+    def add_callback(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` (on the setting thread) when the event is set, at once when it already is;
+        returns a function that removes it. ``fn`` must be quick and must not block."""
+        with _CALLBACKS:
+            if not self.is_set():
+                self.__dict__.setdefault("_callbacks", []).append(fn)
+                return lambda: self._remove_callback(fn)
+        fn()
+        return lambda: None
+
+    def _remove_callback(self, fn: Callable[[], None]) -> None:
+        with _CALLBACKS:
+            callbacks = self.__dict__.get("_callbacks", [])
+            if fn in callbacks:
+                callbacks.remove(fn)
+
+
+def as_cancel_event(event: threading.Event | None) -> CancelEvent:
+    """``event`` as a :class:`CancelEvent`: a new one for ``None``; a plain ``threading.Event`` has its
+    class changed in place (same object, same state, same behaviour, plus callbacks)."""
+    if event is None:
+        return CancelEvent()
+    if isinstance(event, CancelEvent):
+        return event
+    if type(event) is threading.Event:
+        event.__class__ = CancelEvent
+        return event   # type: ignore[return-value]
+    raise TypeError(f"cancel must be a threading.Event or a CancelEvent, got {type(event).__name__}")
+
+
+def _notifier(cond: threading.Condition) -> Callable[[], None]:
+    def notify() -> None:
+        with cond:
+            cond.notify_all()
+    return notify
 
 
 @dataclasses.dataclass
@@ -60,14 +120,37 @@ class Progress:
 
 
 class SearchEndpoint(SGLangEndpoint):
-    """One search's connection to the generator: counts its generations and stops on cancel."""
+    """One search's connection to the generator: counts its generations and stops on cancel.
+
+    Attributes:
+        cancelled: once set (with ``changed``'s lock held), every generation raises
+            :class:`SearchCancelled` before it is sent.
+        in_flight: generations let through and not answered yet (once ``cancelled`` is set it only falls).
+        changed: its lock guards ``in_flight``; notified whenever ``in_flight`` falls after the cancel.
+    """
 
     def __init__(self, base_url: str, group: str, on_generation: Callable[[int, int], None] | None = None,
                  **kwargs: Any):
         super().__init__(base_url, **kwargs)
         self.group = group
         self.cancelled = threading.Event()
+        self.changed = threading.Condition(threading.Lock())
+        self.in_flight = 0
         self._on_generation = on_generation
+
+    @contextlib.contextmanager
+    def _sending(self) -> Iterator[None]:
+        with self.changed:   # the lock the cancel is set under: a generation is either refused or counted
+            if self.cancelled.is_set():
+                raise SearchCancelled(f"search {self.group} was cancelled")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.in_flight -= 1
+                if self.cancelled.is_set():   # someone may be waiting for the last of them
+                    self.changed.notify_all()
 
     def _generate_body(self, s, sampling_params, fields):   # every generation, streamed or not
         if self.cancelled.is_set():
@@ -77,11 +160,17 @@ class SearchEndpoint(SGLangEndpoint):
     def generate(self, s, sampling_params):
         from sgl_tts.backends.request import take_request_fields
 
-        data = self._generate_body(s, sampling_params, take_request_fields())
-        obj = self.post("/generate", data)
+        fields = take_request_fields()
+        with self._sending():
+            data = self._generate_body(s, sampling_params, fields)
+            obj = self.post("/generate", data)
         if self._on_generation is not None:
             self._on_generation(_depth_of(data.get("rid")), int(obj["meta_info"].get("completion_tokens", 0)))
         return obj["text"], obj["meta_info"]
+
+    def generate_stream(self, s, sampling_params):
+        with self._sending():
+            yield from super().generate_stream(s, sampling_params)
 
 
 def _depth_of(rid: Any) -> int:
@@ -183,8 +272,11 @@ class SearchService:
             cfg = RunConfig(prm=prm_url.rstrip("/"), prm_kind=prm_kind, prm_tokenizer=prm_tokenizer,
                             prm_good=prm_good, prm_bad=prm_bad, **({"prm_tag": prm_tag} if prm_tag else {}))
             self.prm, _ = open_prm(cfg)
-        self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._lock = threading.Lock()
+        # slots: ``_free`` of ``max_concurrent``, taken in arrival order (``_queue``); ``_lock`` guards
+        # them and the counters and is notified when a slot is freed or a waiting search is cancelled
+        self._lock = threading.Condition(threading.Lock())
+        self._free = max_concurrent
+        self._queue: collections.deque[object] = collections.deque()
         self.running: dict[str, SearchEndpoint] = {}
         self.waiting = 0
         self.served = 0
@@ -194,26 +286,20 @@ class SearchService:
             on_start: Callable[[str], None] | None = None) -> SearchOutcome:
         """Run one search and return its outcome; raises :class:`SearchCancelled` when ``cancel`` is
         set before it ends (its requests then aborted on the generator, none left when this returns),
-        or the program's own error."""
+        or the program's own error. Setting ``cancel`` wakes the waiting call at once, whether it waits
+        for a slot or for the program (a plain ``threading.Event`` becomes a :class:`CancelEvent` for
+        that, see :func:`as_cancel_event`)."""
         from sgl_tts.experiment import program_function
 
         cfg = req.config
         if cfg.uses_prm and self.prm is None:
             raise ValueError(f"{cfg.program} needs a PRM and this server has none (start it with --prm-url)")
         group = group or new_group()
-        cancel = cancel or threading.Event()
+        cancel = as_cancel_event(cancel)
         t_arrive = time.monotonic()
-        with self._lock:
-            self.waiting += 1
-        try:
-            if cancel.is_set():
-                raise SearchCancelled(f"search {group} was cancelled before it started")
-            while not self._slots.acquire(timeout=0.05):
-                if cancel.is_set():
-                    raise SearchCancelled(f"search {group} was cancelled while waiting for a slot")
-        finally:
-            with self._lock:
-                self.waiting -= 1
+        if cancel.is_set():
+            raise SearchCancelled(f"search {group} was cancelled before it started")
+        self._take_slot(group, cancel)
         try:
             t0 = time.monotonic()
             progress = Progress()
@@ -244,15 +330,19 @@ class SearchService:
                     box["state"] = program.run(backend=endpoint, **args)
                 except BaseException as exc:   # handed to the caller below
                     box["error"] = exc
+                finally:
+                    with endpoint.changed:
+                        box["done"] = True
+                        endpoint.changed.notify_all()
 
             worker = threading.Thread(target=work, name=f"sgl-tts-search-{group}", daemon=True)
-            worker.start()
-            while worker.is_alive():
-                worker.join(ABORT_EVERY_S)
-                if cancel.is_set():
-                    endpoint.cancelled.set()
-                    if worker.is_alive():
-                        self._abort(group)
+            remove = cancel.add_callback(_notifier(endpoint.changed))
+            try:
+                worker.start()
+                self._await_program(group, endpoint, cancel, box)
+            finally:
+                remove()
+            worker.join()   # it has returned already (box["done"]); only the thread's exit is left
             latency = time.monotonic() - t0
             if cancel.is_set():
                 raise SearchCancelled(f"search {group} was cancelled")
@@ -271,13 +361,69 @@ class SearchService:
         finally:
             with self._lock:
                 self.running.pop(group, None)
-            self._slots.release()
+                self._free += 1
+                self._lock.notify_all()
+
+    def _take_slot(self, group: str, cancel: CancelEvent) -> None:
+        """Wait (asleep) for a slot, in arrival order; raises :class:`SearchCancelled` as soon as
+        ``cancel`` is set while waiting."""
+        ticket = object()
+        with self._lock:
+            self.waiting += 1
+            self._queue.append(ticket)
+        remove = cancel.add_callback(_notifier(self._lock))
+        try:
+            with self._lock:
+                self._lock.wait_for(lambda: cancel.is_set() or (self._free > 0 and self._queue[0] is ticket))
+                self._queue.remove(ticket)
+                self.waiting -= 1
+                if not cancel.is_set():
+                    self._free -= 1
+                if self._free > 0 and self._queue:
+                    self._lock.notify_all()   # the next in line may take a slot too
+                if cancel.is_set():
+                    raise SearchCancelled(f"search {group} was cancelled while waiting for a slot")
+        finally:
+            remove()
+
+    def _await_program(self, group: str, endpoint: SearchEndpoint, cancel: CancelEvent,
+                       box: dict[str, Any]) -> None:
+        """Wait (asleep) until the program has returned (``box["done"]``); once ``cancel`` is set,
+        refuse the search's new generations and abort its requests on the generator.
+
+        One abort is not always enough: a generation let through just before the cancel may reach the
+        server after the abort (which then finds nothing; a request still being tokenized there escapes
+        it too, see :mod:`sgl_tts.plugin.abort`) and would run to its end. Neither the cancelled check
+        nor the generator's :class:`~sgl_tts.backends.request.AbortLedger` can catch it, as both are
+        looked at before the request is sent. So while such a request is out (``endpoint.in_flight``)
+        the abort is repeated every ``ABORT_EVERY_S``; once none is, nothing of the search can reach
+        the generator any more and this only waits for the program to unwind."""
+        cond = endpoint.changed
+        aborted = False
+        with cond:
+            while not box.get("done"):
+                if not cancel.is_set():
+                    cond.wait()   # woken by the program's return or by the cancel (its callback)
+                    continue
+                endpoint.cancelled.set()   # under ``cond``: from here ``in_flight`` only falls
+                if aborted and endpoint.in_flight == 0:
+                    cond.wait()   # nothing left to abort: wait for the program to return
+                    continue
+                cond.release()
+                try:
+                    self._abort(group)
+                finally:
+                    cond.acquire()
+                aborted = True
+                if endpoint.in_flight and not box.get("done"):
+                    # woken at once when the last of them is answered or the program returns
+                    cond.wait(ABORT_EVERY_S)
 
     def _abort(self, group: str) -> None:
         try:
             self.generator.abort_group(group)
-        except Exception as exc:   # the next round tries again; the search is stopping anyway
+        except Exception as exc:   # repeated while a request is out; the search is stopping anyway
             logger.warning("aborting search %s on %s failed: %s", group, self.generator_url, exc)
 
-__all__ = ["Choice", "Progress", "SearchCancelled", "SearchEndpoint", "SearchOutcome", "SearchService",
-           "rank_choices"]
+__all__ = ["CancelEvent", "Choice", "Progress", "SearchCancelled", "SearchEndpoint", "SearchOutcome", "SearchService",
+           "as_cancel_event", "rank_choices"]

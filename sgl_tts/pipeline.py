@@ -483,7 +483,8 @@ class StepPipeline:
                         b.piece = piece
                 beams.append(b)
             self._discard(brs[children:])
-        self._retire += [c.beam.state for c in self._current]   # forked from already
+        for c in self._current:   # forked from already: their threads end now, not a depth later
+            _end(c.beam.state)
         self._current = []
         for index, brs in self._branches.items():
             self._discard(brs, self._candidate_prefix(index, depth + 1))

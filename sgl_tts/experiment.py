@@ -879,7 +879,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
                 problem = todo[i]
                 err = outcome if isinstance(outcome, BaseException) else outcome.error()
                 if err is not None:
-                    logger.error("problem %s failed: %r", problem.id, err)
+                    logger.info("problem %s failed: %r", problem.id, err)   # the first is the run's one error line
                     if failure is None:
                         failure = (problem, err)
                     stop = True  # no new problems; the ones in flight still finish and are written

@@ -29,7 +29,7 @@ def run_continuously(program, argument_sets: Iterable[Mapping[str, Any]], *, bac
         try:
             return program.run(**args, backend=backend)
         except Exception as exc:  # reported with its index; the other problems go on
-            logger.warning("problem run failed: %s", exc)
+            logger.debug("problem run failed: %s", exc)   # the caller gets it and decides what to say
             return exc
 
     with cf.ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="sgl-tts-problem") as pool:

@@ -305,14 +305,27 @@ def read_records(path: Path, key: str) -> list[dict]:
     return out
 
 
-def flush_cache(url: str) -> None:
-    """Empty a server's radix cache (``POST /flush_cache``; SGLang refuses while requests run)."""
+def flush_cache(url: str, settle_s: float = 30.0) -> None:
+    """Empty a server's radix cache (``POST /flush_cache``). SGLang refuses while requests run, and a
+    block's last answers can reach the client before the server has retired their requests (aborted
+    ones included), so this first waits up to ``settle_s`` for the server to show none running or
+    waiting; a server still busy then is named with what it holds."""
+    import urllib.error
     import urllib.request
 
+    from sgl_tts.live_servers import settled_loads
+
+    ld = settled_loads(url, timeout=settle_s)
     req = urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as res:
-        if res.status != 200:
-            raise RuntimeError(f"{url} did not flush its cache: HTTP {res.status}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as res:
+            if res.status == 200:
+                return
+            status = res.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    raise RuntimeError(f"{url} did not flush its cache (HTTP {status}): {ld['num_running_reqs']} requests "
+                       f"running and {ld['num_waiting_reqs']} waiting after {settle_s:g} s")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,11 @@ it the scheduler dies importing vLLM's rotary kernel). What else the CPU needs, 
 - ``--grammar-backend none``: with the default xgrammar, a regex request kills the scheduler
   (``Unsupported device: cpu``); with none it gets a clean error and the server stays up.
 - ``--sleep-on-idle``: an idle scheduler otherwise busy-polls a whole core.
+- ``OMP_NUM_THREADS`` (:data:`CPU_ENV`): half the cores per server (at least 1), unless the caller set
+  it. Each scheduler's torch otherwise takes every core, and a generator and a PRM busy at once (what
+  several searches in flight make them) oversubscribe the cores with spinning OpenMP workers: 8 beam
+  searches at once on the 2-core CPU ran at 0.25-0.41 searches/s against 0.72 for one at a time; with
+  one thread per server 0.99-1.12 (docs/BENCHMARKS.md, "Many searches at once").
 - ``--model-impl transformers`` for a Qwen2 model whose ``head_dim`` is not ``hidden_size /
   num_attention_heads`` (the tiny PRM: hidden 288 = 256 + 32 side dimensions, 4 heads of 64).
   On the CPU, ``adjust_config_with_unaligned_cpu_tp`` (``sglang/srt/configs/update_config.py``)
@@ -33,7 +38,17 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
+def _threads_per_server() -> str:
+    """OpenMP threads for each CPU server: the caller's ``OMP_NUM_THREADS``, else half this process's
+    cores (a generator and a PRM share the machine), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 2
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // 2))
+
+
+CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": _threads_per_server()}
 DEFAULT_KV_MEMORY = "1GiB"
 _NATIVE_QWEN2 = ("qwen2",)   # model types served by sglang/srt/models/qwen2.py's decoder layer
 

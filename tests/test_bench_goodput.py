@@ -14,6 +14,7 @@ from sgl_tts.bench.command import main as bench_main
 from sgl_tts.bench.dummy_models import write_word_tokenizer
 from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
                                    measure_limit, read_records, run_side, summarize)
+from sgl_tts.cpu_serving import CPU_ENV
 from sgl_tts.search import SearchTag
 
 from test_endpoint import ModelServer
@@ -335,9 +336,9 @@ def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorte
     assert 45 < shape["mean_tokens"] < 60 and shape["p99_tokens"] > 8 * shape["p50_tokens"]   # still heavy-tailed
     cmds = dict(zip(lines[1::2], lines[2::2]))
     assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
+    env = f"SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS={CPU_ENV['OMP_NUM_THREADS']} "   # both sides alike
     for name, cmd in cmds.items():
-        assert cmd.startswith("SGLANG_USE_CPU_ENGINE=1 SGLANG_PLUGINS=none " if name.startswith("# stock")
-                              else "SGLANG_USE_CPU_ENGINE=1 /")
+        assert cmd.startswith(env + "SGLANG_PLUGINS=none " if name.startswith("# stock") else env + "/")
         assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
         assert "--load-format dummy" in cmd and "--attention-backend" not in cmd
         assert "--mem-fraction-static" not in cmd and "--max-running-requests" not in cmd   # no planning

@@ -50,6 +50,21 @@ def test_transformers_impl_only_where_sglangs_qwen2_layer_missizes_heads():
     assert not needs_transformers_impl(json.loads((GEN / "config.json").read_text()))
 
 
+def test_each_cpu_server_gets_half_the_cores_unless_the_caller_chose(monkeypatch):
+    """Two CPU servers busy at once must not oversubscribe the cores with OpenMP workers."""
+    from sgl_tts.cpu_serving import _threads_per_server
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert _threads_per_server() == "1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert _threads_per_server() == "8"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert _threads_per_server() == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads_per_server() == "3"
+
+
 def test_serve_cpu_dry_run_prints_both_commands():
     out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--dry-run"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
@@ -57,7 +72,7 @@ def test_serve_cpu_dry_run_prints_both_commands():
     assert out[2] == "# prm: healthy at http://127.0.0.1:30001/health"
     gen_cmd, prm_cmd = out[1], out[3]
     for cmd in (gen_cmd, prm_cmd):
-        assert cmd.startswith("SGLANG_USE_CPU_ENGINE=1 ") and "-m sglang.launch_server" in cmd
+        assert cmd.startswith("SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=") and "-m sglang.launch_server" in cmd
         assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
     assert f"--model-path {GEN} " in gen_cmd and "--max-total-tokens 262144" in gen_cmd
     assert "--tts-policy prefix-aware --tts-seeded-sampling" in gen_cmd and "--model-impl" not in gen_cmd

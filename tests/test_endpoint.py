@@ -7,12 +7,13 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import sglang as sgl
 
 import sgl_tts
+from http_lookalike import SGLangLookalikeHandler
 from sgl_tts import SGLangEndpoint
 
 
@@ -27,24 +28,7 @@ class RecordingServer:
         self.lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, obj, status=200):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/get_model_info":
-                    self._send({"model_path": "tiny-test-model", "is_generation": True})
-                else:
-                    self._send({"error": "not found"}, 404)
-
+        class Handler(SGLangLookalikeHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:

@@ -10,10 +10,11 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
+from http_lookalike import SGLangLookalikeHandler
 from sgl_tts.models import shipped_model
 from sgl_tts.search_api import parse_request
 from sgl_tts.search_server import BackgroundSearchServer
@@ -39,23 +40,8 @@ class Generator:
         outer = self
         path = str(shipped_model("generator") or "tiny-test-model")
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, obj, status=200):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/get_model_info":
-                    self._send({"model_path": path, "is_generation": True})
-                else:
-                    self._send({"error": "not found"}, 404)
+        class Handler(SGLangLookalikeHandler):
+            model_path = path
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -197,9 +197,26 @@ class LiveServers:
         starts servers of its own stops the idle ones first: a CPU server takes about 2 GB, and the
         machine has 24 GiB."""
         with self._lock:
-            servers = [self._running.pop(n) for n in names if n in self._running]
-        for server in servers:
+            stopped = [(n, self._running.pop(n)) for n in names if n in self._running]
+        for name, server in stopped:
             server.stop(grace=10)
+            self._retire_metrics(name)
+
+    def _retire_metrics(self, name: str) -> None:
+        """Move a stopped server's metrics files to ``<workdir>/stopped-<k>/``: what
+        :meth:`metrics_records` reads is then the running scheduler's alone (a restarted server's
+        records would otherwise follow its predecessor's, in file-name order)."""
+        prefix = self.metrics_prefix(name)
+        files = sorted(prefix.parent.glob(prefix.name + ".*"))
+        if not files:
+            return
+        k = 0
+        while (self.workdir / f"stopped-{k}").exists():
+            k += 1
+        target = self.workdir / f"stopped-{k}"
+        target.mkdir()
+        for f in files:
+            f.rename(target / f.name)
 
     def running(self) -> list[str]:
         return [name for name, server in self._running.items() if server.alive()]
@@ -221,8 +238,9 @@ class LiveServers:
 
     # ------------------------------------------------------------------ what the servers wrote
     def metrics_records(self, name: str) -> list[dict]:
-        """Every record the plugin's scheduler metrics wrote for ``name`` so far (all scheduler
-        processes). The plugin buffers; it writes at least at every prefill batch."""
+        """Every record the plugin's scheduler metrics wrote for ``name`` since it last started (all
+        its scheduler processes; a stopped server's records are moved aside by :meth:`stop`). The
+        plugin buffers; it writes at least at every prefill batch."""
         from sgl_tts.plugin.metrics import read_records
 
         prefix = self.metrics_prefix(name)

@@ -138,3 +138,21 @@ def test_smoke_cpu_runs_a_search_through_both_servers(live_stopped):
     out = done.stdout.splitlines()
     assert out[-1] == "OK"
     assert any(line.startswith("beam search N=4: ") and "the plugin admitted" in line for line in out)
+
+
+def test_a_stopped_servers_metrics_are_moved_aside_so_a_restart_reads_only_its_own(tmp_path):
+    """A server stopped and started again (tests that need the memory stop idle ones) must not show its
+    predecessor's records: test_live_plugin counts a scheduler's start records and slices by index."""
+    from sgl_tts.live_servers import LiveServer, LiveServers
+
+    servers = LiveServers({"gen": LiveServer(str(shipped_model("generator")), policy="prefix-aware")}, tmp_path)
+    prefix = servers.metrics_prefix("gen")
+    old = prefix.parent / (prefix.name + ".5163")
+    old.write_text(json.dumps({"event": "start", "pid": 5163}) + "\n")
+    assert [r["pid"] for r in servers.metrics_records("gen")] == [5163]
+    servers._retire_metrics("gen")
+    assert servers.metrics_records("gen") == []
+    assert json.loads((tmp_path / "stopped-0" / old.name).read_text())["pid"] == 5163
+    new = prefix.parent / (prefix.name + ".32167")   # sorts before the old pid: why slicing broke
+    new.write_text(json.dumps({"event": "start", "pid": 32167}) + "\n")
+    assert [r["pid"] for r in servers.metrics_records("gen")] == [32167]

@@ -315,7 +315,12 @@ def flush_cache(url: str, settle_s: float = 30.0) -> None:
 
     from sgl_tts.live_servers import settled_loads
 
-    ld = settled_loads(url, timeout=settle_s)
+    try:
+        ld = settled_loads(url, timeout=settle_s)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+        ld = None   # sglang-router has no /v1/loads: it passes the flush on to its workers
     req = urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST")
     try:
         with urllib.request.urlopen(req, timeout=60) as res:
@@ -324,8 +329,9 @@ def flush_cache(url: str, settle_s: float = 30.0) -> None:
             status = res.status
     except urllib.error.HTTPError as exc:
         status = exc.code
-    raise RuntimeError(f"{url} did not flush its cache (HTTP {status}): {ld['num_running_reqs']} requests "
-                       f"running and {ld['num_waiting_reqs']} waiting after {settle_s:g} s")
+    held = (f": {ld['num_running_reqs']} requests running and {ld['num_waiting_reqs']} waiting after "
+            f"{settle_s:g} s" if ld is not None else "")
+    raise RuntimeError(f"{url} did not flush its cache (HTTP {status}){held}")
 
 
 def build_parser() -> argparse.ArgumentParser:

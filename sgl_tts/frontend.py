@@ -130,7 +130,7 @@ def _executor_of(thread: threading.Thread) -> Any | None:
 
     for cell in fn.__closure__ or ():
         obj = cell.cell_contents
-        if type(obj) is StreamExecutor or isinstance(obj, StreamExecutor):
+        if isinstance(obj, StreamExecutor):
             return obj
     return None
 

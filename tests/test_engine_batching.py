@@ -3,6 +3,7 @@ joining mid-flight, with prefix reuse on) give exactly what each gives alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -110,3 +111,120 @@ def test_grouped_kv_decode_attention_equals_transformers_sdpa():
     got, _ = _sdpa_gqa_decode(module, q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape == (b, 1, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _rows_kv(seed, lengths, heads=2, dim=4, layers=2):
+    """Per request, per layer, its own (keys, values) [heads, n, dim]: distinct numbers per token."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(heads, n, dim, generator=g), torch.randn(heads, n, dim, generator=g))
+             for _ in range(layers)] for n in lengths]
+
+
+def _batch_of(rows, reqs):
+    """A _Batch holding exactly these requests' KV, left-padded (what a prefill leaves)."""
+    from sgl_tts.backends.engine import _Batch, _SlabLayer
+
+    length = max(kv[0][0].shape[1] for kv in rows)
+    layers = []
+    for li in range(len(rows[0])):
+        heads, _, dim = rows[0][li][0].shape
+        k = torch.zeros(len(rows), heads, length, dim)
+        v = torch.zeros_like(k)
+        for i, kv in enumerate(rows):
+            n = kv[li][0].shape[1]
+            k[i, :, length - n:], v[i, :, length - n:] = kv[li]
+        layers.append(_SlabLayer(k, v, length))
+    valid = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, kv in enumerate(rows):
+        valid[i, length - kv[0][0].shape[1]:] = True
+    return _Batch(layers, valid, list(reqs), torch.tensor([kv[0][0].shape[1] for kv in rows]))
+
+
+def _assert_rows(batch, expected):
+    """Row i of the batch holds exactly request batch.reqs[i]'s tokens' KV, in order, nothing else."""
+    assert [lay.rows for lay in batch.layers] == [len(batch.reqs)] * len(batch.layers)
+    assert all(lay.length == batch.valid.shape[1] for lay in batch.layers)
+    for i, name in enumerate(batch.reqs):
+        got = batch.row_kv(i)
+        for (gk, gv), (wk, wv) in zip(got, expected[name]):
+            torch.testing.assert_close(gk, wk, rtol=0, atol=0)
+            torch.testing.assert_close(gv, wv, rtol=0, atol=0)
+
+
+def test_batch_rows_join_leave_and_grow_in_place_keeping_each_requests_kv():
+    """Joins into spare rows (shorter and longer rows), finishes, leading-column trimming and column
+    growth keep every request's KV its own; only a join that does not fit reallocates."""
+    from sgl_tts.backends.engine import BatchEngine, _Batch, _stack_rows
+
+    expected = {}
+    first = _rows_kv(0, [5, 9, 7])
+    expected.update(zip("abc", first))
+    batch = _batch_of(first, "abc")
+    second = _rows_kv(1, [4, 12])
+    expected.update(zip("de", second))
+    new = _batch_of(second, "de")
+    assert not batch.can_take(new)          # exact-size prefill buffers: no spare rows
+    layers, valid = _stack_rows([(batch.layers, batch.valid), (new.layers, new.valid)],
+                                row_capacity=9, slack=6, headroom=3)
+    batch = _Batch(layers, valid, batch.reqs + new.reqs, torch.cat([batch.next_pos, new.next_pos]))
+    _assert_rows(batch, expected)
+    assert batch.layers[0].kbuf.shape[0] == 9 and batch.layers[0].start == 6
+
+    # A shorter row and a longer one (by 4 <= slack 6) join without a new buffer.
+    for name, n in (("f", 3), ("g", 16)):
+        kv = _rows_kv(ord(name), [n])
+        expected[name] = kv[0]
+        joining = _batch_of(kv, name)
+        assert batch.can_take(joining)
+        buf = batch.layers[0].kbuf
+        batch.take(joining)
+        assert batch.layers[0].kbuf is buf
+        _assert_rows(batch, expected)
+    assert batch.layers[0].start == 2 and batch.length == 16
+
+    # Decode-style appends grow every row by one column; past the capacity the buffer is regridded.
+    for step in range(6):
+        kv = _rows_kv(100 + step, [1] * len(batch.reqs))
+        for li, lay in enumerate(batch.layers):
+            lay.update(torch.stack([r[li][0] for r in kv]), torch.stack([r[li][1] for r in kv]))
+        batch.valid = torch.cat([batch.valid, torch.ones(len(batch.reqs), 1, dtype=torch.bool)], dim=1)
+        for name, r in zip(batch.reqs, kv):
+            expected[name] = [(torch.cat([ek, k], 1), torch.cat([ev, v], 1))
+                              for (ek, ev), (k, v) in zip(expected[name], r)]
+        _assert_rows(batch, expected)
+    assert batch.layers[0].start == 0       # the growth regridded to a buffer without left slack
+
+    # The longest row finishes: the last row moves into its hole, leading padding columns go.
+    batch = BatchEngine._drop_rows(batch, [batch.reqs.index("g"), batch.reqs.index("a")])
+    assert sorted(batch.reqs) == list("bcdef")
+    _assert_rows(batch, expected)
+    assert batch.length == 12 + 6 and batch.valid[:, 0].any()
+    assert BatchEngine._drop_rows(batch, list(range(len(batch.reqs)))) is None
+
+
+def test_requests_joining_a_running_batch_mostly_reuse_its_buffers(backend):
+    """Requests that join a running batch one after another (same and longer prompts) write into its
+    spare rows and columns: at most one reallocation, and every output equals the request alone."""
+    engine = backend.engine
+    prompt = backend.encode("Question: compute ((3+4)*5)-6.\n\n")
+    long_spec = SamplingSpec(max_new_tokens=200, ignore_eos=True, temperature=0.7, seed=7)
+    joiners = [(prompt + backend.encode("x" * extra), SamplingSpec(max_new_tokens=n, temperature=0.7, seed=s))
+               for s, (extra, n) in enumerate([(0, 30), (0, 25), (6, 40), (2, 20), (9, 35), (0, 10), (4, 28)])]
+    backend.flush_cache()
+    solo = [engine.generate(ids, spec).output_ids for ids, spec in joiners]
+    backend.flush_cache()
+
+    stats = engine.stats
+    joined, reallocs = stats.joined_running, stats.kv_reallocations
+    running = [engine.submit(prompt, dataclasses.replace(long_spec, seed=i)) for i in range(4)]
+    engine.generate(prompt, SamplingSpec(max_new_tokens=2, ignore_eos=True))  # decoding has begun
+    futs = []
+    for ids, spec in joiners:
+        futs.append(engine.submit(ids, spec))
+        futs[-1].result(timeout=60)          # one at a time, while the long requests keep decoding
+    assert not any(f.done() for f in running)
+    assert [f.result().output_ids for f in futs] == solo
+    assert stats.joined_running - joined >= len(joiners)
+    assert stats.kv_reallocations - reallocs <= 1
+    for f in running:
+        f.result(timeout=120)

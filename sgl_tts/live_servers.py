@@ -206,8 +206,9 @@ class LiveServers:
         """Move a stopped server's metrics files to ``<workdir>/stopped-<k>/``: what
         :meth:`metrics_records` reads is then the running scheduler's alone (a restarted server's
         records would otherwise follow its predecessor's, in file-name order)."""
-        prefix = self.metrics_prefix(name)
-        files = sorted(prefix.parent.glob(prefix.name + ".*"))
+        from sgl_tts.plugin.metrics import scheduler_files
+
+        files = scheduler_files(self.metrics_prefix(name))
         if not files:
             return
         k = 0
@@ -241,10 +242,9 @@ class LiveServers:
         """Every record the plugin's scheduler metrics wrote for ``name`` since it last started (all
         its scheduler processes; a stopped server's records are moved aside by :meth:`stop`). The
         plugin buffers; it writes at least at every prefill batch."""
-        from sgl_tts.plugin.metrics import read_records
+        from sgl_tts.plugin.metrics import read_records, scheduler_files
 
-        prefix = self.metrics_prefix(name)
-        return read_records(sorted(prefix.parent.glob(prefix.name + ".*")))
+        return read_records(scheduler_files(self.metrics_prefix(name)))
 
     def log_text(self, name: str) -> str:
         path = self.log_path(name)

@@ -113,11 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts smoke: FAILED: {exc}", file=sys.stderr)
         return 1
     # the plugin logs every prefill batch it admitted, with the search's request ids
-    from sgl_tts.plugin.metrics import read_records
+    from sgl_tts.plugin.metrics import read_records, scheduler_files
 
     # each scheduler process writes <metrics>.<pid> (found by running it against a real server)
     smoke_rids = sum(str(r["rid"]).startswith("tts/smoke-")
-                     for rec in read_records(sorted(Path(metrics).parent.glob(Path(metrics).name + ".*")))
+                     for rec in read_records(scheduler_files(metrics))
                      if rec.get("event") == "prefill" for r in rec.get("requests", []))
     if smoke_rids == 0:
         print(f"sgl-tts smoke: FAILED: the plugin logged none of the search's requests in {metrics}.* "

@@ -17,7 +17,8 @@ FIELDS = {
     "client_system_s", "cpu_user_per_1k_tokens", "cpu_system_per_1k_tokens", "client_user_per_1k_tokens",
     "client_system_per_1k_tokens", "system_share", "client_system_share", "peak_threads", "correct", "accuracy",
     "key", "limit_batch", "limit_new_tokens", "limit_tokens_per_s", "limit_fraction", "max_running", "options",
-    "settings", "machine", "command", "date"}
+    "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
+    "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction"}
 
 
 def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
@@ -27,9 +28,17 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["searches_per_s"] == pytest.approx(r["searches"] / r["wall_s"], rel=0.01)
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"], rel=0.01)
     per_search = {"beam_search": s.beams, "best_of_n": s.samples, "mcts": s.parallel * s.expansion_width}
-    assert r["limit_batch"] == min(r["k"] * per_search[r["program"]], r["max_running"])
-    assert r["limit_new_tokens"] == 64 and r["limit_tokens_per_s"] > 0
+    assert r["nominal_batch"] == min(r["k"] * per_search[r["program"]], r["max_running"])
+    # the limit is taken at the running batch the generator reported: its rows per decode iteration
+    assert r["limit_batch_source"] == "observed"
+    # (rows may exceed the searches' tokens: a pruned speculative step is decoded, yet no search's)
+    assert 0 < r["decode_iterations"] <= r["decode_rows"]
+    assert r["decode_batch_mean"] == pytest.approx(r["decode_rows"] / r["decode_iterations"], abs=0.01)
+    assert r["decode_batch_mean"] <= r["nominal_batch"]
+    assert r["limit_batch"] == max(1, round(r["decode_batch_mean"]))
+    assert r["limit_new_tokens"] == 64 and r["limit_tokens_per_s"] > 0 and r["nominal_limit_tokens_per_s"] > 0
     assert r["limit_fraction"] == pytest.approx(r["tokens_per_s"] / r["limit_tokens_per_s"], rel=0.01)
+    assert r["nominal_limit_fraction"] == pytest.approx(r["tokens_per_s"] / r["nominal_limit_tokens_per_s"], rel=0.01)
     assert r["engine_threads"] == engine_threads
     assert 0 <= r["client_user_s"] <= r["cpu_user_s"] and 0 <= r["client_system_s"] <= r["cpu_system_s"]
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
@@ -48,13 +57,15 @@ def test_quick_cpu_run_records_what_the_programs_returned_and_skips_it_on_rerun(
     from sgl_tts.prm import StepTagPRM
 
     out = tmp_path / "frontend.jsonl"
-    argv = ["--backends", "cpu", "--quick", "--out", str(out), "--no-progress"]
+    # MCTS with more than one rollout in flight tells the tree in the order expansions end, which
+    # timing decides; with one it is deterministic given its seed, so the rerun below can match it
+    argv = ["--backends", "cpu", "--quick", "--parallel", "1", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["backend"], r["program"], r["k"]) for r in records] == [
         ("cpu", p, k) for p in ("beam_search", "best_of_n", "mcts") for k in (1, 4)]
-    s = FrontendSettings(backends=("cpu",), **FrontendSettings.QUICK)
+    s = FrontendSettings(backends=("cpu",), **{**FrontendSettings.QUICK, "parallel": 1})
     for r in records:
         check_record(r, s, engine_threads=2)
         assert r["machine"] == describe()
@@ -123,7 +134,8 @@ def test_goals_worked_by_hand():
 def test_quick_beam_search_on_the_live_servers(live, tmp_path, capsys):
     out = tmp_path / "frontend.jsonl"
     assert main(["--backends", "server", "--programs", "beam_search", "--quick", "--no-progress", "--out", str(out),
-                 "--generator-url", live.url("generator"), "--prm-url", live.url("prm")]) == 0
+                 "--generator-url", live.url("generator"), "--prm-url", live.url("prm"),
+                 "--generator-metrics", str(live.metrics_prefix("generator"))]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["backend"], r["program"], r["k"]) for r in records] == [("server", "beam_search", 1),
                                                                         ("server", "beam_search", 4)]
@@ -133,3 +145,23 @@ def test_quick_beam_search_on_the_live_servers(live, tmp_path, capsys):
         assert (r["engine_user_s"], r["engine_system_s"]) == (0, 0)
         assert r["client_user_s"] == r["cpu_user_s"] and r["max_running"] >= 4
     assert "on the server at K=32 beam search reaches >= 85% of the decode limit: not run" in capsys.readouterr().out
+
+
+def test_decode_counts_come_from_the_decode_records_inside_the_block():
+    records = [{"event": "start", "time": 0.5},
+               {"event": "batch", "time": 0.9, "mode": "DECODE", "batch_size": 50},     # before the block
+               {"event": "batch", "time": 1.0, "mode": "DECODE", "batch_size": 8},
+               {"event": "batch", "time": 1.5, "mode": "EXTEND", "batch_size": 3},      # a prefill
+               {"event": "prefill", "time": 1.5, "admitted": 3},
+               {"event": "batch", "time": 1.7, "mode": "DECODE", "batch_size": 11},
+               {"event": "batch", "time": 1.8, "mode": "MIXED", "batch_size": 12},
+               {"event": "batch", "time": 2.0, "mode": "DECODE", "batch_size": 5},
+               {"event": "batch", "time": 2.1, "mode": "DECODE", "batch_size": 70}]     # after it
+    counts = frontend.records_decode_counts(records, 1.0, 2.0)
+    assert counts == frontend.DecodeCounts(iterations=3, rows=24) and counts.mean_batch == 8.0
+    assert frontend.records_decode_counts(records, 3.0, 4.0).mean_batch is None
+
+
+def test_a_generator_metrics_prefix_with_no_files_names_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--generator-metrics: no file .*gen\.metrics\.<pid>"):
+        frontend.metrics_file_records(str(tmp_path / "gen.metrics"))

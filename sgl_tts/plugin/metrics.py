@@ -206,6 +206,12 @@ def _make_prometheus() -> dict:
 
 
 # ------------------------------------------------------------------------------------- summary
+def scheduler_files(prefix: str | os.PathLike) -> list[Path]:
+    """The files a server started with ``--tts-metrics-file PREFIX`` wrote: ``PREFIX.<scheduler pid>``."""
+    prefix = Path(prefix)
+    return sorted(prefix.parent.glob(prefix.name + ".*"))
+
+
 def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
     out = []
     for p in paths:
@@ -248,4 +254,4 @@ def summarize(records: Sequence[dict]) -> dict:
     }
 
 
-__all__ = ["SchedulerMetrics", "read_records", "summarize"]
+__all__ = ["SchedulerMetrics", "read_records", "scheduler_files", "summarize"]

@@ -91,6 +91,63 @@ def test_prefix_cache_finds_the_longest_prefix_and_evicts_lru():
     assert len(cache) == 3
 
 
+def test_prefix_cache_lookup_is_the_longest_common_prefix_over_all_entries():
+    """Against the definition: for random token sequences that share prefixes of every length (within
+    a block, across blocks, none), after inserts, LRU evictions and prefix replacements, a lookup
+    returns max over the cached sequences s of the common prefix of s and the query, capped at the
+    limit, and that entry's KV for it."""
+    import numpy as np
+
+    from sgl_tts.backends.engine import PrefixCache
+
+    rng = np.random.default_rng(0)
+    stems = [rng.integers(0, 50, size=n) for n in (5, 16, 40, 70)]
+
+    def seq():
+        stem = stems[rng.integers(len(stems))]
+        cut = int(rng.integers(0, len(stem) + 1))
+        return np.concatenate([stem[:cut], rng.integers(0, 50, size=int(rng.integers(0, 40)))]).astype(np.int64)
+
+    def kv(ids):   # a token's KV is its value and position: a returned slice can be checked exactly
+        t = torch.tensor(ids, dtype=torch.float32)[None, :, None] + 1000 * torch.arange(len(ids))[None, :, None]
+        return [(t, -t)]
+
+    cache = PrefixCache(max_bytes=1 << 30, max_entries=12)
+    cached: list[np.ndarray] = []   # the reference: what is in the cache, least recently used first
+    for step in range(400):
+        ids = seq()
+        if len(ids) and rng.random() < 0.5:
+            cache.insert(ids, kv(ids))
+            if not any(np.array_equal(c, ids) for c in cached):
+                cached = [c for c in cached if not (len(c) <= len(ids) and np.array_equal(c, ids[:len(c)]))]
+                cached.append(ids)
+                cached = cached[-12:]
+            else:
+                cached.append(cached.pop(next(i for i, c in enumerate(cached) if np.array_equal(c, ids))))
+            continue
+        limit = int(rng.integers(0, len(ids) + 2))
+
+        def lcp(c):
+            m = min(len(c), limit, len(ids))
+            n = 0
+            while n < m and c[n] == ids[n]:
+                n += 1
+            return n
+        want = max([lcp(c) for c in cached], default=0)
+        n, got = cache.lookup(ids, limit)
+        assert n == want, step
+        assert len(cache) == len(cached) and sorted(map(bytes, cached)) == sorted(cache._entries)
+        if n:
+            assert torch.equal(got[0][0], kv(ids[:n])[0][0])
+            # the entry used (any of those with the longest prefix) is now the most recently used
+            used = next(reversed(cache._entries))
+            hit = next(i for i, c in enumerate(cached) if c.tobytes() == used)
+            assert lcp(cached[hit]) == n
+            cached.append(cached.pop(hit))
+        else:
+            assert got is None
+
+
 def test_grouped_kv_decode_attention_equals_transformers_sdpa():
     from types import SimpleNamespace
 

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -341,23 +341,49 @@ def _stack_rows(parts: Sequence[tuple[list[_SlabLayer], torch.Tensor]], *, row_c
 class PrefixCache:
     """KV of recently seen token sequences, for reuse by requests that extend them.
 
-    LRU, capped in bytes and in entries (a lookup compares against every entry).
+    LRU, capped in bytes and in entries. A lookup finds the longest common prefix with any entry.
+    Entries are indexed by a hash chain over their whole 16-token blocks, so a lookup compares
+    tokens only with the entries that share its longest indexed block prefix (a linear scan over
+    every entry remains only for prefixes shorter than one block); at hundreds of entries the scan
+    alone was a fifth of the engine's time.
     """
+
+    BLOCK = 16
 
     def __init__(self, max_bytes: int, max_entries: int = 512):
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.bytes = 0
-        self._entries: OrderedDict[bytes, tuple[np.ndarray, list, int]] = OrderedDict()
+        # key (the ids' bytes) -> (ids, kv, nbytes, block hash chain)
+        self._entries: OrderedDict[bytes, tuple[np.ndarray, list, int, list[int]]] = OrderedDict()
+        self._index: dict[int, dict[bytes, None]] = {}   # chain hash of m blocks -> entries with them
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @classmethod
+    def _chain(cls, ids: np.ndarray, blocks: int) -> list[int]:
+        """hash(first block), hash(first two blocks), ...: ``blocks`` chained hashes."""
+        out, h, b = [], 0, cls.BLOCK
+        for m in range(blocks):
+            h = hash((h, ids[m * b:(m + 1) * b].tobytes()))
+            out.append(h)
+        return out
+
     def lookup(self, ids: np.ndarray, limit: int):
         """Longest cached prefix of ``ids`` (at most ``limit`` tokens): (n, kv) with kv sliced to n."""
+        cap = min(limit, len(ids))
+        chain = self._chain(ids, cap // self.BLOCK)
+        candidates: Iterable[bytes] = self._entries
+        for h in reversed(chain):
+            found = self._index.get(h)
+            if found:
+                candidates = list(found)   # every entry sharing more than this many tokens is here
+                break
         best_n, best_key = 0, None
-        for key, (eids, _, _) in self._entries.items():
-            m = min(len(eids), limit)
+        for key in candidates:
+            eids = self._entries[key][0]
+            m = min(len(eids), cap)
             if m <= best_n:
                 continue
             eq = eids[:m] == ids[:m]
@@ -367,7 +393,7 @@ class PrefixCache:
         if best_key is None:
             return 0, None
         self._entries.move_to_end(best_key)
-        _, kv, _ = self._entries[best_key]
+        kv = self._entries[best_key][1]
         return best_n, [(k[:, :best_n], v[:, :best_n]) for k, v in kv]
 
     def insert(self, ids: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -381,16 +407,28 @@ class PrefixCache:
         if nbytes > self.max_bytes:
             return
         # An entry that is a prefix of the new one is now redundant.
-        for okey in [k for k, (e, _, _) in self._entries.items()
-                     if len(e) <= len(ids) and np.array_equal(e, ids[:len(e)])]:
-            self.bytes -= self._entries.pop(okey)[2]
-        self._entries[key] = (ids.copy(), [(k.contiguous(), v.contiguous()) for k, v in kv], nbytes)
+        for okey in [k for k in self._entries if len(k) <= len(key) and key.startswith(k)]:
+            self._remove(okey)
+        chain = self._chain(ids, len(ids) // self.BLOCK)
+        self._entries[key] = (ids.copy(), [(k.contiguous(), v.contiguous()) for k, v in kv], nbytes, chain)
+        for h in chain:
+            self._index.setdefault(h, {})[key] = None
         self.bytes += nbytes
         while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
-            self.bytes -= self._entries.popitem(last=False)[1][2]
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: bytes) -> None:
+        _, _, nbytes, chain = self._entries.pop(key)
+        self.bytes -= nbytes
+        for h in chain:
+            holders = self._index[h]
+            del holders[key]
+            if not holders:
+                del self._index[h]
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self.bytes = 0
 
 

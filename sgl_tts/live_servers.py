@@ -178,6 +178,12 @@ class LiveServers:
         wait_router_workers(url, len(urls), timeout=self.health_timeout)
         return url
 
+    def pid(self, name: str) -> int | None:
+        """The process id of running server ``name`` (its launcher; SGLang's scheduler and detokenizer
+        are its children), or ``None`` when it is not running."""
+        server = self._running.get(name)
+        return server.proc.pid if server is not None and server.alive() else None
+
     def kill(self, name: str) -> None:
         """SIGKILL ``name``'s whole process group at once (a crash, not a clean stop); a later
         :meth:`start` brings it back on the same port."""

@@ -18,13 +18,15 @@ FIELDS = {
     "client_system_per_1k_tokens", "system_share", "client_system_share", "peak_threads", "correct", "accuracy",
     "key", "limit_batch", "limit_new_tokens", "limit_tokens_per_s", "limit_fraction", "max_running", "options",
     "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
-    "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction"}
+    "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
+    "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at"}
 
 
 def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert set(r) == FIELDS
     assert r["key"] == s.key() and r["searches"] == s.searches(r["k"]) == 4
     assert r["wall_s"] > 0 and r["tokens"] > 0
+    assert r["ended_at"] - r["started_at"] == pytest.approx(r["wall_s"], abs=0.05)
     assert r["searches_per_s"] == pytest.approx(r["searches"] / r["wall_s"], rel=0.01)
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"], rel=0.01)
     per_search = {"beam_search": s.beams, "best_of_n": s.samples, "mcts": s.parallel * s.expansion_width}
@@ -42,6 +44,10 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["engine_threads"] == engine_threads
     assert 0 <= r["client_user_s"] <= r["cpu_user_s"] and 0 <= r["client_system_s"] <= r["cpu_system_s"]
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
+    # servers given by URL (and the cpu backend) have no processes of the run's to measure
+    assert (r["server_processes"], r["server_user_s"], r["server_system_s"]) == (0, 0, 0)
+    own = r["client_user_s"] + r["client_system_s"]
+    assert r["client_own_system_share"] == pytest.approx(r["client_system_s"] / own, abs=0.02)   # seconds are rounded
     assert r["cpu_user_per_1k_tokens"] == pytest.approx(1000 * r["cpu_user_s"] / r["tokens"], abs=1e-3)
     assert r["peak_threads"] >= r["k"] + 1
     assert r["accuracy"] == pytest.approx(r["correct"] / r["searches"], abs=1e-4)
@@ -165,3 +171,42 @@ def test_decode_counts_come_from_the_decode_records_inside_the_block():
 def test_a_generator_metrics_prefix_with_no_files_names_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"--generator-metrics: no file .*gen\.metrics\.<pid>"):
         frontend.metrics_file_records(str(tmp_path / "gen.metrics"))
+
+
+def test_process_tree_cpu_counts_a_servers_children(tmp_path):
+    """A launcher whose child does the work (SGLang's scheduler is the launcher's child): the child's
+    CPU is the launcher's tree's, and a process gone by the second reading is not an error."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    burn = ("import pathlib, time\n"
+            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+            "t = time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\n"
+            f"pathlib.Path({str(done)!r}).touch()\n"
+            "time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c",
+                                 f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"])
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    try:
+        wait_for(lambda: psutil.Process(launcher.pid).children())
+        u0, s0 = frontend.process_tree_cpu([launcher.pid])
+        go.touch()
+        wait_for(done.exists)
+        u1, s1 = frontend.process_tree_cpu([launcher.pid])
+        assert 0.45 < (u1 + s1) - (u0 + s0) < 1.0
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()
+    assert frontend.process_tree_cpu([launcher.pid]) == (0.0, 0.0)

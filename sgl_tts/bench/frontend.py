@@ -13,7 +13,9 @@ program arguments and a fixed seed), both prefix caches flushed first, and recor
   generated tokens. On the ``cpu`` backend the models run here too, on the generator's and the PRM's
   :class:`~sgl_tts.backends.engine.BatchEngine` threads: their CPU (read per native thread with
   psutil) is reported apart, and the *client* share is the process's CPU minus theirs. On ``server``
-  the process is the client. The share of system CPU in the block's CPU is reported too;
+  the process is the client, and the servers this command started (their processes and children,
+  read with psutil) are the rest of the run's CPU. Reported: the share of system CPU in the run's
+  CPU, the client's system CPU as a share of the run's CPU (the goal) and of the client's own;
 - the peak thread count (``threading.active_count()``, sampled every 0.2 s);
 - the limit: the generator's own decode throughput at the running batch the searches had. That
   batch B is what the generator itself reports over the block: the mean rows per decode iteration
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from sgl_tts.bench.load import flush_cache, read_records
+from sgl_tts.serve import sigterm_stops_servers
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,8 @@ class Target:
         close: releases what the target opened.
         decode_meter: called as a block starts; returns the call that, as it ends, gives the
             generator's decode iterations and rows decoded in between (``None``: it cannot tell).
+        server_pids: the server processes whose CPU is the run's too (with their children): those
+            this command started; none for servers given by URL or the ``cpu`` backend.
     """
 
     name: str
@@ -206,6 +211,7 @@ class Target:
     decode_limit: Callable[[int, Sequence[str]], float]
     close: Callable[[], None]
     decode_meter: Callable[[], Callable[[], "DecodeCounts | None"]] = lambda: (lambda: None)
+    server_pids: Callable[[], Sequence[int]] = lambda: ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +330,11 @@ def open_cpu(s: FrontendSettings) -> Target:
 
 
 def open_server(s: FrontendSettings, generator_url: str, prm_url: str,
-                generator_records: Callable[[], list[dict]] | None = None) -> Target:
+                generator_records: Callable[[], list[dict]] | None = None,
+                server_pids: Callable[[], Sequence[int]] = lambda: ()) -> Target:
     """The generator and PRM servers at these URLs; ``generator_records`` reads the generator's
-    plugin metrics records (without them the generator's running batch is not known)."""
+    plugin metrics records (without them the generator's running batch is not known);
+    ``server_pids`` names the server processes whose CPU to count (those started here)."""
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.prm import StepTagPRM
 
@@ -352,7 +360,7 @@ def open_server(s: FrontendSettings, generator_url: str, prm_url: str,
 
     return Target("server", gen, lambda: StepTagPRM(prm_backend), flush, (), server_max_running(generator_url),
                   lambda b, prompts: server_decode_limit(generator_url, b, prompts, s.temperature), lambda: None,
-                  decode_meter)
+                  decode_meter, server_pids)
 
 
 def start_servers(workdir: str | None = None):
@@ -383,23 +391,50 @@ def thread_cpu(native_ids: Iterable[int]) -> tuple[float, float]:
     return user, system
 
 
-class CPUMeter:
-    """This process's CPU over a ``with`` block, and the part of it the given threads took."""
+def process_tree_cpu(pids: Iterable[int]) -> tuple[float, float]:
+    """User and system CPU seconds of these processes and all their live descendants."""
+    import psutil
 
-    def __init__(self, engine_threads: Sequence[int] = ()):
+    user = system = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            user += t.user
+            system += t.system
+    return user, system
+
+
+class CPUMeter:
+    """This process's CPU over a ``with`` block, the part of it the given threads took, and the CPU
+    of the given server processes (with their descendants) over the same block."""
+
+    def __init__(self, engine_threads: Sequence[int] = (), server_pids: Sequence[int] = ()):
         self.engine_threads = tuple(engine_threads)
+        self.server_pids = tuple(server_pids)
         self.user = self.system = self.engine_user = self.engine_system = 0.0
+        self.server_user = self.server_system = 0.0
 
     def __enter__(self) -> "CPUMeter":
         self._r0 = resource.getrusage(resource.RUSAGE_SELF)
         self._e0 = thread_cpu(self.engine_threads)
+        self._s0 = process_tree_cpu(self.server_pids)
         return self
 
     def __exit__(self, *exc) -> None:
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         e1 = thread_cpu(self.engine_threads)
+        s1 = process_tree_cpu(self.server_pids)
         self.user, self.system = r1.ru_utime - self._r0.ru_utime, r1.ru_stime - self._r0.ru_stime
         self.engine_user, self.engine_system = e1[0] - self._e0[0], e1[1] - self._e0[1]
+        self.server_user, self.server_system = s1[0] - self._s0[0], s1[1] - self._s0[1]
 
 
 class PeakThreads:
@@ -451,7 +486,8 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
     errors: list[str] = []
     bar = tqdm(total=n, desc=f"{target.name} {program} K={k}", unit="search", disable=not progress, leave=False)
     decode_counts = target.decode_meter()
-    with PeakThreads() as threads, CPUMeter(target.engine_threads) as cpu:
+    with PeakThreads() as threads, CPUMeter(target.engine_threads, target.server_pids()) as cpu:
+        started_at = time.time()
         t0 = time.perf_counter()
         for i, state in run_continuously(fn, args, backend=target.generator, in_flight=k, total=n):
             err = state if isinstance(state, BaseException) else state.error()
@@ -461,19 +497,22 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
                 results[i] = state.ret_value
             bar.update(1)
         wall = time.perf_counter() - t0
+        ended_at = time.time()
     bar.close()
     decoded = decode_counts()
     if errors:
         raise RuntimeError(f"{target.name} {program} K={k}: {len(errors)} of {n} searches failed; first: {errors[0]}")
     tokens = sum(r.tokens_generated for r in results)
     correct = sum(r.answer is not None and r.answer == str(p.answer) for r, p in zip(results, problems))
-    run_cpu = cpu.user + cpu.system
+    # the run's CPU: this process's, and the servers' when they were started here
+    run_cpu = cpu.user + cpu.system + cpu.server_user + cpu.server_system
     client_user, client_system = max(0.0, cpu.user - cpu.engine_user), max(0.0, cpu.system - cpu.engine_system)
 
     def per_1k(x: float) -> float | None:
         return round(1000 * x / tokens, 4) if tokens else None
 
     rec = {"backend": target.name, "program": program, "k": k, "searches": n, "wall_s": round(wall, 3),
+           "started_at": round(started_at, 3), "ended_at": round(ended_at, 3),
            "searches_per_s": round(n / wall, 4), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
            "cpu_user_s": round(cpu.user, 3), "cpu_system_s": round(cpu.system, 3),
            "engine_threads": len(target.engine_threads),
@@ -481,8 +520,12 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
            "client_user_s": round(client_user, 3), "client_system_s": round(client_system, 3),
            "cpu_user_per_1k_tokens": per_1k(cpu.user), "cpu_system_per_1k_tokens": per_1k(cpu.system),
            "client_user_per_1k_tokens": per_1k(client_user), "client_system_per_1k_tokens": per_1k(client_system),
-           "system_share": round(cpu.system / run_cpu, 4) if run_cpu else None,
+           "server_processes": len(target.server_pids()),
+           "server_user_s": round(cpu.server_user, 3), "server_system_s": round(cpu.server_system, 3),
+           "system_share": round((cpu.system + cpu.server_system) / run_cpu, 4) if run_cpu else None,
            "client_system_share": round(client_system / run_cpu, 4) if run_cpu else None,
+           "client_own_system_share": round(client_system / (client_user + client_system), 4)
+           if client_user + client_system else None,
            "peak_threads": threads.peak, "correct": correct, "accuracy": round(correct / n, 4),
            "decode_iterations": None if decoded is None else decoded.iterations,
            "decode_rows": None if decoded is None else decoded.rows,
@@ -519,7 +562,8 @@ def goals(records: Sequence[dict]) -> list[tuple[str, str]]:
         where = "K=128" if r["k"] == 128 else f"K={r['k']} (largest run; the goal names K=128)"
         share = r.get("client_system_share")
         lines.append(("SKIP" if share is None else "PASS" if share < 0.10 else "FAIL",
-                      f"client system CPU under 10% of the run's CPU at {where}, {backend} {program}: "
+                      f"client system CPU under 10% of the run's CPU (client, and servers started here) at {where}, "
+                      f"{backend} {program}: "
                       + ("no CPU measured" if share is None else f"{100 * share:.1f}%")))
     r = next((x for x in records if x["backend"] == "server" and x["program"] == "beam_search" and x["k"] == 32), None)
     if r is None:
@@ -543,9 +587,9 @@ def format_report(records: Sequence[dict]) -> str:
     """A Markdown table of every block, then the goals."""
     lines = ["| backend | program | K | searches | wall (s) | searches/s | tokens | tokens/s | running batch | "
              "limit tok/s | of limit | nominal B | of its limit | CPU user/1k tok | sys/1k | client user/1k | "
-             "client sys/1k | sys share | peak threads | accuracy |",
+             "client sys/1k | servers' CPU s | sys share | client sys share (of its own) | peak threads | accuracy |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-             "---: | ---: | ---: | ---: | ---: |"]
+             "---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for recs in _blocks(records).values():
         for r in recs:
             nominal = r.get("nominal_limit_fraction")
@@ -557,7 +601,10 @@ def format_report(records: Sequence[dict]) -> str:
                 f"{r.get('nominal_batch', r['limit_batch'])} | {_f(None if nominal is None else 100 * nominal, '.0f')}% | "
                 f"{_f(r['cpu_user_per_1k_tokens'], '.3f')} | {_f(r['cpu_system_per_1k_tokens'], '.3f')} | "
                 f"{_f(r['client_user_per_1k_tokens'], '.3f')} | {_f(r['client_system_per_1k_tokens'], '.3f')} | "
+                f"{_f((r['server_user_s'] + r['server_system_s']) if r.get('server_processes') else None, '.1f')} | "
                 f"{_f(None if r['system_share'] is None else 100 * r['system_share'], '.1f')}% | "
+                f"{_f(None if r['client_system_share'] is None else 100 * r['client_system_share'], '.1f')}% "
+                f"({_f(None if r.get('client_own_system_share') is None else 100 * r['client_own_system_share'], '.0f')}%) | "
                 f"{r['peak_threads']} | {100 * r['accuracy']:.0f}% |")
     lines.append("")
     lines += [f"{verdict} {text}" for verdict, text in goals(records)]
@@ -647,6 +694,10 @@ def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
     return FrontendSettings(**values)
 
 
+def _server_pids(servers, names: Sequence[str]) -> list[int]:
+    return [pid for pid in (servers.pid(n) for n in names) if pid is not None] if servers else []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -679,61 +730,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = {(r["backend"], r["limit_batch"]): r["limit_tokens_per_s"] for r in records}
     provenance = {"machine": describe(), "command": "sgl-tts bench-frontend " + shlex.join(argv)}
     servers = None
-    try:
-        for backend in s.backends:
-            mine = [(p, k) for b, p, k in todo if b == backend]
-            if not mine:
-                continue
-            if backend == "cpu":
-                target = open_cpu(s)
-            else:
-                gen_url, prm_url = args.generator_url, args.prm_url
-                records_of = None
-                if args.generator_metrics is not None:
-                    records_of = functools.partial(metrics_file_records, args.generator_metrics)
-                if gen_url is None or prm_url is None:
-                    servers = servers or start_servers()
-                    if gen_url is None:
-                        records_of = functools.partial(servers.metrics_records, "generator")
-                    gen_url = gen_url or servers.url("generator")
-                    prm_url = prm_url or servers.url("prm")
-                target = open_server(s, gen_url, prm_url, records_of)
+    # SIGTERM (a job runner, timeout) ends the run as Ctrl-C does: the servers started here stop too
+    with sigterm_stops_servers():
+        try:
+            for backend in s.backends:
+                mine = [(p, k) for b, p, k in todo if b == backend]
+                if not mine:
+                    continue
+                if backend == "cpu":
+                    target = open_cpu(s)
+                else:
+                    gen_url, prm_url = args.generator_url, args.prm_url
+                    records_of = None
+                    if args.generator_metrics is not None:
+                        records_of = functools.partial(metrics_file_records, args.generator_metrics)
+                    started: list[str] = []
+                    if gen_url is None or prm_url is None:
+                        servers = servers or start_servers()
+                        if gen_url is None:
+                            records_of = functools.partial(servers.metrics_records, "generator")
+                            started.append("generator")
+                        if prm_url is None:
+                            started.append("prm")
+                        gen_url = gen_url or servers.url("generator")
+                        prm_url = prm_url or servers.url("prm")
+                    pids_of = functools.partial(_server_pids, servers, tuple(started))
+                    target = open_server(s, gen_url, prm_url, records_of, pids_of)
 
-            def limit_at(batch: int) -> float:
-                if (target.name, batch) not in limits:
-                    target.flush()
-                    limits[(target.name, batch)] = round(target.decode_limit(batch, prompts), 2)
-                    logger.info("%s decode limit at B=%d: %.0f tokens/s", target.name, batch,
-                                limits[(target.name, batch)])
-                return limits[(target.name, batch)]
+                def limit_at(batch: int) -> float:
+                    if (target.name, batch) not in limits:
+                        target.flush()
+                        limits[(target.name, batch)] = round(target.decode_limit(batch, prompts), 2)
+                        logger.info("%s decode limit at B=%d: %.0f tokens/s", target.name, batch,
+                                    limits[(target.name, batch)])
+                    return limits[(target.name, batch)]
 
-            try:
-                for program, k in mine:
-                    nominal = s.limit_batch(program, k, target.max_running)
-                    target.flush()   # every block samples the same texts: no block starts on a warm cache
-                    rec, _ = run_block(target, program, k, problems, s, progress=not args.no_progress)
-                    mean = rec["decode_batch_mean"]
-                    batch = nominal if mean is None else max(1, round(mean))
-                    limit, nominal_limit = limit_at(batch), limit_at(nominal)
-                    rec.update(key=key, limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
-                               limit_new_tokens=LIMIT_NEW_TOKENS,
-                               limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
-                               nominal_batch=nominal, nominal_limit_tokens_per_s=nominal_limit,
-                               nominal_limit_fraction=round(rec["tokens_per_s"] / nominal_limit, 4),
-                               max_running=target.max_running, options=program_options(s, program),
-                               settings={k_: v for k_, v in dataclasses.asdict(s).items()
-                                         if k_ not in FrontendSettings.NOT_IN_KEY},
-                               **provenance, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-                    with out.open("a") as fh:
-                        fh.write(json.dumps(rec) + "\n")
-                    records.append(rec)
-                    logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
-                                program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
-            finally:
-                target.close()
-    finally:
-        if servers is not None:
-            servers.stop_all()
+                try:
+                    for program, k in mine:
+                        nominal = s.limit_batch(program, k, target.max_running)
+                        target.flush()   # every block samples the same texts: no block starts on a warm cache
+                        rec, _ = run_block(target, program, k, problems, s, progress=not args.no_progress)
+                        mean = rec["decode_batch_mean"]
+                        batch = nominal if mean is None else max(1, round(mean))
+                        limit, nominal_limit = limit_at(batch), limit_at(nominal)
+                        rec.update(key=key, limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
+                                   limit_new_tokens=LIMIT_NEW_TOKENS,
+                                   limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
+                                   nominal_batch=nominal, nominal_limit_tokens_per_s=nominal_limit,
+                                   nominal_limit_fraction=round(rec["tokens_per_s"] / nominal_limit, 4),
+                                   max_running=target.max_running, options=program_options(s, program),
+                                   settings={k_: v for k_, v in dataclasses.asdict(s).items()
+                                             if k_ not in FrontendSettings.NOT_IN_KEY},
+                                   **provenance, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+                        with out.open("a") as fh:
+                            fh.write(json.dumps(rec) + "\n")
+                        records.append(rec)
+                        logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
+                                    program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
+                finally:
+                    target.close()
+        finally:
+            if servers is not None:
+                servers.stop_all()
     shown = [r for r in records if r["backend"] in s.backends and r["program"] in s.programs and r["k"] in s.ks]
     report = format_report(shown)
     out.with_suffix(".md").write_text(report + "\n")
@@ -745,6 +803,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["BACKENDS", "CPUMeter", "DecodeCounts", "FrontendSettings", "PROGRAMS", "PeakThreads", "Target", "cpu_decode_limit",
-           "engine_decode_meter", "format_report", "goals", "main", "open_cpu", "open_server", "plot_report", "program_options",
+           "engine_decode_meter", "format_report", "process_tree_cpu", "goals", "main", "open_cpu", "open_server", "plot_report", "program_options",
            "records_decode_counts", "run_block", "server_decode_limit", "server_max_running", "settings_from_args", "start_servers",
            "thread_cpu"]

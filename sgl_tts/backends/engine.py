@@ -235,8 +235,8 @@ class _SlabLayer(DynamicLayer):
         end = self.start + self.length
         if end + n > self.kbuf.shape[2]:
             cap = max(self.length + n, int(self.length * 1.5) + 16)
-            self.kbuf = _regrid(self.kbuf, self.rows, self.start, self.length, 0, cap)
-            self.vbuf = _regrid(self.vbuf, self.rows, self.start, self.length, 0, cap)
+            self.kbuf = _regrid(self.kbuf, self.rows, self.start, self.length, cap)
+            self.vbuf = _regrid(self.vbuf, self.rows, self.start, self.length, cap)
             self.start, end = 0, self.length
         self.kbuf[:self.rows, :, end:end + n] = key_states
         self.vbuf[:self.rows, :, end:end + n] = value_states
@@ -251,10 +251,10 @@ class _SlabLayer(DynamicLayer):
         return self.length + query_length, 0
 
 
-def _regrid(buf: torch.Tensor, rows: int, start: int, length: int, new_start: int, cols: int) -> torch.Tensor:
-    """A new buffer of ``cols`` columns (same row capacity) holding ``buf``'s live region at ``new_start``."""
+def _regrid(buf: torch.Tensor, rows: int, start: int, length: int, cols: int) -> torch.Tensor:
+    """A new buffer of ``cols`` columns (same row capacity) holding ``buf``'s live region at column 0."""
     new = buf.new_zeros(buf.shape[0], buf.shape[1], cols, buf.shape[3])
-    new[:rows, :, new_start:new_start + length] = buf[:rows, :, start:start + length]
+    new[:rows, :, :length] = buf[:rows, :, start:start + length]
     return new
 
 

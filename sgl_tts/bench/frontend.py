@@ -741,19 +741,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     target = open_cpu(s)
                 else:
                     gen_url, prm_url = args.generator_url, args.prm_url
-                    records_of = None
-                    if args.generator_metrics is not None:
-                        records_of = functools.partial(metrics_file_records, args.generator_metrics)
+                    metrics = args.generator_metrics
                     started: list[str] = []
                     if gen_url is None or prm_url is None:
                         servers = servers or start_servers()
                         if gen_url is None:
-                            records_of = functools.partial(servers.metrics_records, "generator")
+                            metrics = str(servers.metrics_prefix("generator"))
                             started.append("generator")
                         if prm_url is None:
                             started.append("prm")
                         gen_url = gen_url or servers.url("generator")
                         prm_url = prm_url or servers.url("prm")
+                    records_of = None if metrics is None else functools.partial(metrics_file_records, metrics)
                     pids_of = functools.partial(_server_pids, servers, tuple(started))
                     target = open_server(s, gen_url, prm_url, records_of, pids_of)
 

@@ -15,6 +15,7 @@ import sglang as sgl
 import sgl_tts
 from http_lookalike import SGLangLookalikeHandler
 from sgl_tts import SGLangEndpoint
+from sgl_tts.backends.endpoint import COMMIT_SKIP_CHARS
 
 
 STREAM_CHUNK_PAUSE_S = 0.3
@@ -149,6 +150,40 @@ def test_streaming_gen_sends_fields_too(server):
     body = server.generate_bodies()[-1]
     assert body["stream"] is True and body["rid"] == "streamed"
     assert body["sampling_params"]["custom_params"] == {"k": "v"}
+
+
+def commits(server) -> list[str]:
+    """The texts of the prefix commits (``max_new_tokens: 0``) the server got, in order."""
+    return [b["text"] for b in server.bodies if b.get("sampling_params", {}).get("max_new_tokens", 1) == 0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_fork_right_after_a_gen_sends_no_prefix_commit(server, stream):
+    backend = sgl_tts.connect(server.url)
+    long_tail = "x" * (COMMIT_SKIP_CHARS + 1)
+
+    @sgl.function
+    def prog(s):
+        s += "Q\n\n"
+        s.text()                               # (SGLang commits only a text its executor has taken in)
+        a, b = s.fork(2)                       # a fresh prompt: committed, as SGLang does
+        a += sgl.gen("x", max_tokens=4)
+        a += "\n\n"                           # what a search appends after a step
+        a.fork(2)                              # the server has a's text: no commit
+        b += sgl.gen("y", max_tokens=4)
+        b += long_tail                         # more than the allowance: committed
+        b.fork(2)
+        s += "!"                               # no gen on s since its commit: committed again
+        s.fork(2)
+
+    state = prog.run(backend=backend, stream=stream)
+    if stream:
+        list(state.text_iter())                # to the program's end (it runs on its own thread)
+    state.sync()
+    assert state.error() is None
+    sent = commits(server)
+    assert sent[0] == "Q\n\n" and sent[2] == "Q\n\n!" and len(sent) == 3, sent
+    assert sent[1].startswith("Q\n\n") and sent[1].endswith(long_tail) and sent[1] != "Q\n\n" + long_tail, sent
 
 
 def test_fields_are_refused_on_select():

@@ -27,10 +27,21 @@ class ServerUnavailable(ConnectionError):
     names the server and the route."""
 
 
+# the text a fork adds past what the server last generated on its state, at most, for its prefix
+# commit to be skipped (a step delimiter the program appended; a few tokens each child computes)
+COMMIT_SKIP_CHARS = 32
+_SERVED = "_sgl_tts_served"   # on a StreamExecutor: (endpoint id, its text's length once its last gen is in)
+
+
 class SGLangEndpoint(RuntimeEndpoint):
     """SGLang's ``RuntimeEndpoint`` that also sends :class:`RequestFields` with each ``/generate``.
 
-    Everything else (chat templates, ``select``, ``concatenate_and_append``) is SGLang's own.
+    One difference in what it sends: ``fork`` of a state whose text this server has just generated
+    (plus at most :data:`COMMIT_SKIP_CHARS` characters the program appended) sends no prefix commit
+    (SGLang's ``max_new_tokens: 0`` request). The server's radix cache holds a finished request's
+    prompt and output already, so that commit would compute one token and cost every child a round
+    trip; a fork of any other text (a fresh prompt) commits as SGLang does. The samples are the same
+    either way. Everything else (chat templates, ``select``, ``concatenate_and_append``) is SGLang's own.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: str | None = None,
@@ -72,7 +83,16 @@ class SGLangEndpoint(RuntimeEndpoint):
         if self._aborts.covers(fields):
             return aborted_answer(fields)
         obj = self.post("/generate", self._generate_body(s, sampling_params, fields))
+        self._served(s, len(s.text_) + len(obj["text"]))   # the interpreter appends the text next
         return obj["text"], obj["meta_info"]
+
+    def _served(self, s, length: int) -> None:
+        """Note that the server caches the first ``length`` characters of ``s``'s text: a request on
+        them just finished."""
+        try:
+            setattr(s, _SERVED, (id(self), length))
+        except AttributeError:   # a state that takes no attributes: its forks just commit
+            pass
 
     def generate_stream(self, s, sampling_params):
         fields = take_request_fields()
@@ -81,6 +101,7 @@ class SGLangEndpoint(RuntimeEndpoint):
             return
         data = self._generate_body(s, sampling_params, fields)
         data["stream"] = True
+        start = len(s.text_)   # the interpreter appends each piece to the text as it comes
         res = self._http("/generate", data, stream=True)
         self._assert_success(res)
         pos = 0
@@ -93,6 +114,7 @@ class SGLangEndpoint(RuntimeEndpoint):
                 text = obj["text"][pos:]
                 pos += len(text)
                 yield text, obj["meta_info"]
+        self._served(s, start + pos)
 
     def select(self, s, choices, temperature, choices_method=None):
         take_request_fields()  # fields are for generation calls only; never let them leak
@@ -100,6 +122,9 @@ class SGLangEndpoint(RuntimeEndpoint):
             return super().select(s, choices, temperature, choices_method)
 
     def commit_lazy_operations(self, s):
+        served = getattr(s, _SERVED, None)
+        if served is not None and served[0] == id(self) and 0 <= len(s.text_) - served[1] <= COMMIT_SKIP_CHARS:
+            return None   # the server caches this text already (see the class docstring)
         with self._answering("a prefix commit (fork)"):
             return super().commit_lazy_operations(s)
 

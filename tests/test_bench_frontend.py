@@ -19,11 +19,25 @@ FIELDS = {
     "key", "limit_batch", "limit_new_tokens", "limit_tokens_per_s", "limit_fraction", "max_running", "options",
     "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
     "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
-    "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at"}
+    "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at",
+    "decode_context_mean", "decode_s", "extend_s", "extend_iterations"}
+# the server's records also have the limit at the searches' context (the plugin's records give it)
+CONTEXT_FIELDS = {"context_limit_prompt_tokens", "context_limit_tokens_per_s", "context_limit_fraction"}
 
 
 def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
-    assert set(r) == FIELDS
+    if r["backend"] == "server":
+        assert set(r) == FIELDS | CONTEXT_FIELDS
+        # contexts: the prompt plus what was decoded; the limit's prompts are cut to leave the mean
+        # context over its 64 decoded tokens equal to the block's
+        assert r["decode_context_mean"] > 20 and r["context_limit_fraction"] > 0
+        assert r["context_limit_prompt_tokens"] == max(1, round(r["decode_context_mean"] - 32.5))
+        assert r["context_limit_fraction"] == pytest.approx(r["tokens_per_s"] / r["context_limit_tokens_per_s"], rel=0.01)
+        assert r["extend_iterations"] >= 1 and 0 < r["extend_s"] and 0 < r["decode_s"]
+        assert r["decode_s"] + r["extend_s"] <= r["wall_s"] + 0.1
+    else:   # the CPU engine counts no context nor time per iteration
+        assert set(r) == FIELDS
+        assert (r["decode_context_mean"], r["decode_s"], r["extend_s"], r["extend_iterations"]) == (None,) * 4
     assert r["key"] == s.key() and r["searches"] == s.searches(r["k"]) == 4
     assert r["wall_s"] > 0 and r["tokens"] > 0
     assert r["ended_at"] - r["started_at"] == pytest.approx(r["wall_s"], abs=0.05)
@@ -46,8 +60,10 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
     # servers given by URL (and the cpu backend) have no processes of the run's to measure
     assert (r["server_processes"], r["server_user_s"], r["server_system_s"]) == (0, 0, 0)
-    own = r["client_user_s"] + r["client_system_s"]
-    assert r["client_own_system_share"] == pytest.approx(r["client_system_s"] / own, abs=0.02)   # seconds are rounded
+    # the seconds are rounded to 1 ms each: the share lies within what those roundings allow
+    own, system = r["client_user_s"] + r["client_system_s"], r["client_system_s"]
+    low, high = max(0.0, system - 5e-4) / (own + 1e-3), (system + 5e-4) / max(1e-9, own - 1e-3)
+    assert low - 1e-4 <= r["client_own_system_share"] <= high + 1e-4
     assert r["cpu_user_per_1k_tokens"] == pytest.approx(1000 * r["cpu_user_s"] / r["tokens"], abs=1e-3)
     assert r["peak_threads"] >= r["k"] + 1
     assert r["accuracy"] == pytest.approx(r["correct"] / r["searches"], abs=1e-4)
@@ -75,7 +91,7 @@ def test_quick_cpu_run_records_what_the_programs_returned_and_skips_it_on_rerun(
     for r in records:
         check_record(r, s, engine_threads=2)
         assert r["machine"] == describe()
-    assert "| cpu | beam_search | 4 | 4 |" in printed
+    assert "| cpu | beam_search | 4 | 1 | 4 |" in printed
     assert "throughput never falls as K grows, cpu mcts" in printed
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.with_suffix(".md").read_text().startswith("| backend | program | K |")
@@ -105,7 +121,7 @@ def test_quick_cpu_run_records_what_the_programs_returned_and_skips_it_on_rerun(
     before = out.read_text()
     assert main(argv) == 0
     again = capsys.readouterr().out
-    assert "6 block(s) already in" in again and "| cpu | mcts | 4 | 4 |" in again
+    assert "6 run(s) already in" in again and "| cpu | mcts | 4 | 1 | 4 |" in again
     assert out.read_text() == before
 
 
@@ -117,6 +133,32 @@ def test_a_bad_list_value_is_one_line_naming_its_flag(tmp_path, capsys, flag, va
     assert len(err.splitlines()) == 1
     assert err.startswith(f"sgl-tts bench-frontend: error: {flag}: ") and repr(value.split(",")[-1]) in err
     assert not (tmp_path / "f.jsonl").exists()
+
+
+def test_repeats_add_runs_and_the_report_takes_each_blocks_median(tmp_path, capsys):
+    out = tmp_path / "frontend.jsonl"
+    argv = ["--backends", "cpu", "--quick", "--programs", "best_of_n", "--ks", "1", "--out", str(out), "--no-progress"]
+    assert main(argv + ["--repeats", "2"]) == 0
+    assert len(out.read_text().splitlines()) == 2
+    capsys.readouterr()
+    assert main(argv + ["--repeats", "3"]) == 0   # one more run
+    printed = capsys.readouterr().out
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 3 and "2 run(s) already in" in printed
+    low, mid, high = sorted(r["searches_per_s"] for r in recs)
+    assert f"| cpu | best_of_n | 1 | 3 | 4 | " in printed and f"| {mid:.3f} | {low:.3f}-{high:.3f} |" in printed
+    assert main(argv + ["--repeats", "0"]) == 2
+    assert "--repeats: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_median_runs_by_hand():
+    def rec(k, sps):
+        return {"backend": "cpu", "program": "mcts", "k": k, "searches_per_s": sps}
+
+    picked = frontend.median_runs([rec(1, 3.0), rec(1, 1.0), rec(8, 5.0), rec(1, 2.0), rec(1, 4.0)])
+    # four runs of K=1: the lower middle one (2.0); K=8 ran once
+    assert picked == [rec(1, 2.0) | {"runs": 4, "searches_per_s_min": 1.0, "searches_per_s_max": 4.0},
+                      rec(8, 5.0) | {"runs": 1, "searches_per_s_min": 5.0, "searches_per_s_max": 5.0}]
 
 
 def test_goals_worked_by_hand():
@@ -134,6 +176,13 @@ def test_goals_worked_by_hand():
     assert lines[3][1].endswith("at K=128, cpu beam_search: 11.0%")
     assert "at K=1 (largest run; the goal names K=128), server mcts: 20.0%" in lines[5][1]
     assert lines[6][1].endswith("90% (90 of 100 tokens/s at B=256)")
+    # with the limit at the searches' context, that one decides; the bare-question one is shown too
+    server = records[4] | {"context_limit_fraction": 0.8, "context_limit_tokens_per_s": 112.5,
+                           "decode_context_mean": 97.4, "limit_batch_source": "observed"}
+    assert frontend.goals([server])[-1] == (
+        "FAIL", "on the server at K=32 beam search reaches >= 85% of the decode limit at the running batch it had "
+                "and the context it had: 80% (90 of 112 tokens/s at B=256, 97 tokens of context per row); "
+                "on bare questions: 90% (90 of 100 tokens/s at B=256)")
 
 
 @pytest.mark.server
@@ -164,8 +213,33 @@ def test_decode_counts_come_from_the_decode_records_inside_the_block():
                {"event": "batch", "time": 2.0, "mode": "DECODE", "batch_size": 5},
                {"event": "batch", "time": 2.1, "mode": "DECODE", "batch_size": 70}]     # after it
     counts = frontend.records_decode_counts(records, 1.0, 2.0)
-    assert counts == frontend.DecodeCounts(iterations=3, rows=24) and counts.mean_batch == 8.0
+    # decode 1.0-1.5 and 1.7-1.8 (the block ends at its last record), extend 1.5-1.7 (MIXED: neither);
+    # records from before the plugin wrote seq_tokens give no context
+    assert counts == frontend.DecodeCounts(iterations=3, rows=24, context_tokens=None, decode_s=0.6, extend_s=0.2,
+                                           extend_iterations=1)
+    assert counts.mean_batch == 8.0 and counts.mean_context is None
+    for r, tokens in zip(records[2:], (400, 90, None, 660, 700, 100)):
+        r["seq_tokens"] = tokens
+    counts = frontend.records_decode_counts(records, 1.0, 2.0)
+    assert counts.context_tokens == 1160 and counts.mean_context == 1160 / 24
     assert frontend.records_decode_counts(records, 3.0, 4.0).mean_batch is None
+
+
+def test_context_prompts_cut_the_searches_texts_to_the_length_asked():
+    from transformers import AutoTokenizer
+
+    from sgl_tts.models import shipped_model
+
+    tok = AutoTokenizer.from_pretrained(str(shipped_model("generator")))
+    texts = ["Compute 2+3.\n\nStep 1: 2+3=5\n\nThe answer is \\boxed{5}", "Compute 7*8."]
+    prompts = frontend.context_prompts(tok, texts, 40, 3)
+    first = tok.encode(texts[0], add_special_tokens=False)
+    second = tok.encode(texts[1], add_special_tokens=False)
+    assert len(first) < 40 and len(second) < 20   # both repeat to reach 40
+    assert prompts == [tok.decode((first * 2)[:40]), tok.decode((second * 8)[:40]), tok.decode((first * 2)[:40])]
+    assert prompts[0].startswith(texts[0] + "Compute")
+    with pytest.raises(ValueError, match="text 0 has no tokens"):
+        frontend.context_prompts(tok, [""], 4, 1)
 
 
 def test_a_generator_metrics_prefix_with_no_files_names_the_flag(tmp_path):

@@ -227,8 +227,10 @@ def _after_prefill(batch, scheduler, *args, **kwargs):
 def _after_next_batch(batch, scheduler, *args, **kwargs):
     metrics = getattr(scheduler, "sgl_tts_metrics", None)
     if metrics is not None and batch is not None:
+        seq_tokens = getattr(batch, "seq_lens_sum", None)
         metrics.on_batch(getattr(batch.forward_mode, "name", str(batch.forward_mode)), len(batch.reqs),
-                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator))
+                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator),
+                         seq_tokens=int(seq_tokens) if seq_tokens is not None else None)
     return batch
 
 

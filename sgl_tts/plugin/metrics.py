@@ -104,15 +104,17 @@ class SchedulerMetrics:
         self._write(record)
         return record
 
-    def on_batch(self, mode: str, batch_size: int, *, occupancy: float | None = None) -> None:
-        """A batch ran (``mode``: SGLang's forward mode name)."""
+    def on_batch(self, mode: str, batch_size: int, *, occupancy: float | None = None,
+                 seq_tokens: int | None = None) -> None:
+        """A batch ran (``mode``: SGLang's forward mode name; ``seq_tokens``: its requests' sequence
+        lengths summed, SGLang's ``seq_lens_sum``: a decode row's cost grows with its context)."""
         self.totals["iterations"] += 1
         if self._prom:
             self._prom["batch"].observe(batch_size)
             if occupancy is not None:
                 self._prom["occupancy"].set(occupancy)
         self._write({"event": "batch", "time": time.time(), "mode": mode, "batch_size": batch_size,
-                     "occupancy": occupancy})
+                     "occupancy": occupancy, "seq_tokens": seq_tokens})
 
     def on_evict(self, tokens: int) -> None:
         self.totals["evicted_tokens"] += tokens

@@ -668,6 +668,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _pct(x: float | None) -> str:
+    """A fraction as a whole percentage; ``-`` when not measured."""
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def format_report(records: Sequence[dict]) -> str:
     """A Markdown table of every block, then the goals."""
     records = median_runs(records)
@@ -688,9 +693,8 @@ def format_report(records: Sequence[dict]) -> str:
                 f"{r['tokens']} | {r['tokens_per_s']:.0f} | "
                 f"{_f(r.get('decode_batch_mean'), '.1f')} | "
                 f"{r['limit_tokens_per_s']:.0f} | {100 * r['limit_fraction']:.0f}% | "
-                f"{_f(r.get('decode_context_mean'), '.0f')} | "
-                f"{_f(None if r.get('context_limit_fraction') is None else 100 * r['context_limit_fraction'], '.0f')}% | "
-                f"{_f(None if r.get('extend_s') is None else 100 * r['extend_s'] / r['wall_s'], '.0f')}% | "
+                f"{_f(r.get('decode_context_mean'), '.0f')} | {_pct(r.get('context_limit_fraction'))} | "
+                f"{_pct(None if r.get('extend_s') is None else r['extend_s'] / r['wall_s'])} | "
                 f"{r.get('nominal_batch', r['limit_batch'])} | {_f(None if nominal is None else 100 * nominal, '.0f')}% | "
                 f"{_f(r['cpu_user_per_1k_tokens'], '.3f')} | {_f(r['cpu_system_per_1k_tokens'], '.3f')} | "
                 f"{_f(r['client_user_per_1k_tokens'], '.3f')} | {_f(r['client_system_per_1k_tokens'], '.3f')} | "

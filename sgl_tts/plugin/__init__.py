@@ -227,11 +227,19 @@ def _after_prefill(batch, scheduler, *args, **kwargs):
 def _after_next_batch(batch, scheduler, *args, **kwargs):
     metrics = getattr(scheduler, "sgl_tts_metrics", None)
     if metrics is not None and batch is not None:
-        seq_tokens = getattr(batch, "seq_lens_sum", None)
         metrics.on_batch(getattr(batch.forward_mode, "name", str(batch.forward_mode)), len(batch.reqs),
-                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator),
-                         seq_tokens=int(seq_tokens) if seq_tokens is not None else None)
+                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator), seq_tokens=seq_tokens(batch))
     return batch
+
+
+def seq_tokens(batch) -> int | None:
+    """The batch's sequence lengths summed: SGLang's ``seq_lens_sum``, which a decode batch leaves
+    unset until its forward pass (then its host copy of the lengths, ``seq_lens_cpu``: no device sync)."""
+    total = getattr(batch, "seq_lens_sum", None)
+    if total is None:
+        lengths = getattr(batch, "seq_lens_cpu", None)
+        total = lengths.sum() if lengths is not None else None
+    return None if total is None else int(total)
 
 
 def _after_evict(result, cache, *args, **kwargs):

@@ -220,3 +220,30 @@ def test_the_thread_bootstrap_guard_removes_cpythons_finalizer_deadlock():
     assert guarded.stdout.strip() == "no deadlock"
     with pytest.raises(subprocess.TimeoutExpired):   # the same scenario without the guard never ends
         subprocess.run([sys.executable, "-c", DEADLOCK, "bare"], capture_output=True, text=True, timeout=5)
+
+
+def test_fewer_young_collections_holds_one_change_until_the_last_user_leaves():
+    import gc
+
+    from sgl_tts.frontend import fewer_young_collections
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with fewer_young_collections(5000):
+            assert gc.get_threshold() == (5000, 10, 10)
+            with fewer_young_collections(9000):      # another run at once: the first change stands
+                assert gc.get_threshold() == (5000, 10, 10)
+            assert gc.get_threshold() == (5000, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(50_000, 3, 4)
+        with fewer_young_collections(5000):          # the collector already waits longer: unchanged
+            assert gc.get_threshold() == (50_000, 3, 4)
+        gc.set_threshold(0, 10, 10)
+        with fewer_young_collections(5000):          # a threshold of 0 turns collection off: stays off
+            assert gc.get_threshold() == (0, 10, 10)
+        assert gc.get_threshold() == (0, 10, 10)
+        with pytest.raises(ValueError, match="allocations must be at least 1, got 0"):
+            fewer_young_collections(0)
+    finally:
+        gc.set_threshold(*before)

@@ -3,12 +3,14 @@ stream back in completion order and equal one-at-a-time runs; a failing problem 
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
+from sgl_tts.frontend import YOUNG_GC_ALLOCATIONS
 from sgl_tts.runner import run_continuously
 
 from programs.best_of_n import best_of_n
@@ -67,3 +69,28 @@ def test_a_failing_problem_is_reported_and_the_rest_run(generator):
     assert got[0].error() is None and got[2].error() is None
     with pytest.raises(ValueError, match="in_flight must be at least 1, got 0"):
         next(run_continuously(best_of_n, args, backend=generator, in_flight=0))
+
+
+class ThresholdPRM:
+    """Scores 1.0 everywhere and notes the collector's young-generation threshold at each call."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def score(self, question, steps_batch):
+        self.seen.append(gc.get_threshold()[0])
+        return [[1.0] * len(st) for st in steps_batch]
+
+
+def test_young_collections_are_rarer_only_while_problems_run(generator):
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        prm = ThresholdPRM()
+        args = [dict(question=p.question, num_samples=2, prm=prm) for p in PROBLEMS[:3]]
+        got = list(run_continuously(best_of_n, args, backend=generator, in_flight=2))
+        assert len(got) == 3 and all(not isinstance(state, Exception) for _, state in got)
+        assert len(prm.seen) == 3 and set(prm.seen) == {YOUNG_GC_ALLOCATIONS}
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

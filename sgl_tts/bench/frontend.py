@@ -824,10 +824,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     key = s.key()
     records = read_records(out, key)
     done = collections.Counter((r["backend"], r["program"], r["k"]) for r in records)
-    # run by run: each block's first run, then each one's second, ... (a cut-short run has them all once)
+    # run by run: each block's first run, then each one's second, ... (a cut-short run has them all
+    # once); the loop below takes them one backend at a time, in this order
     todo = [(b, p, k) for i in range(args.repeats) for b in s.backends for p in s.programs for k in sorted(s.ks)
             if done[(b, p, k)] <= i]
-    todo.sort(key=lambda t: BACKENDS.index(t[0]))   # stable: one backend's servers at a time
     skipped = len(s.backends) * len(s.programs) * len(s.ks) * args.repeats - len(todo)
     if skipped:
         print(f"sgl-tts bench-frontend: {skipped} run(s) already in {out} under settings {key}: skipped")

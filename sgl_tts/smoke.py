@@ -23,10 +23,12 @@ from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
 
 
 def server_command(model: str, port: int, metrics: str, mem_fraction: float, server_args: str,
-                   python: str = sys.executable) -> list[str]:
+                   python: str = sys.executable, max_batch: int = 8) -> list[str]:
+    # CUDA graphs only for the batch sizes the search can have: SGLang captures 36 sizes up to 256
+    # by default, and on the H200 (2026-11-26) the first capture alone took 21.6 s of a server start
     return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
             "--mem-fraction-static", str(mem_fraction), "--tts-policy", "prefix-aware", "--tts-metrics-file", metrics,
-            *shlex.split(server_args)]
+            "--cuda-graph-max-bs-decode", str(max_batch), *shlex.split(server_args)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sgl_tts.serve import ServerSpec
 
         specs = [ServerSpec("generator", server_command(str(gen), args.port, metrics, args.mem_fraction,
-                                                        args.server_args),
+                                                        args.server_args, max_batch=args.beams),
                             f"http://127.0.0.1:{args.port}/health")]
     if args.dry_run:
         for spec in specs:

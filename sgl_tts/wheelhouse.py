@@ -43,7 +43,7 @@ EXCLUDE = {
                 "(protocol, function-call detector) or in the xgrammar backend itself",
     "sgl-tts": "built from this checkout instead",
 }
-ALWAYS = ("transformers",)   # the machine has another version than SGLang pins
+ALWAYS = ("transformers", "tokenizers")   # the machine has other versions than SGLang pins (its tokenizers 0.23.2 is past transformers 5.12.1's <=0.23.0)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_35_x86_64")

@@ -129,6 +129,9 @@ def test_smoke_dry_run_starts_the_tiny_generator_with_the_plugin(capsys):
     cmd = capsys.readouterr().out
     assert f"--model-path {shipped_model('generator')}" in cmd and "--port 31234" in cmd
     assert "--tts-policy prefix-aware --tts-metrics-file" in cmd and "--attention-backend triton" in cmd
+    assert "--cuda-graph-max-bs-decode 8 " in cmd   # graphs for the search's batch sizes only
+    assert main(["--dry-run", "--beams", "12"]) == 0
+    assert "--cuda-graph-max-bs-decode 12 " in capsys.readouterr().out
     assert main(["--beams", "1", "--dry-run"]) == 1
     assert capsys.readouterr().err == "sgl-tts smoke: error: need --problems >= 1 and --beams >= 2\n"
 

@@ -49,11 +49,27 @@ EOF
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STORE"/wheels/*.whl
   say "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE in $((SECONDS - t0)) s"
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
-  local m
-  for m in $IMPORTS; do
-    "$PY" -c "import time, importlib; t=time.perf_counter(); importlib.import_module('$m'); print(f'[bringup] import $m: {time.perf_counter()-t:.1f} s')"
-  done
-  "$PY" -c "import sglang, torch; print(f'[bringup] sglang {sglang.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"
+  # One process imports them in turn, each time being what that module adds to those before it (on
+  # the H200, 2026-11-26, a process per module spent 81 s importing sglang again and again). With
+  # SGLANG_TTS_IMPORTTIME=FILE, python's -X importtime report goes to FILE and the 25 slowest
+  # imports (cumulative) are printed.
+  local check='import importlib, sys, time
+for name in sys.argv[1:]:
+    t = time.perf_counter()
+    importlib.import_module(name)
+    print(f"[bringup] import {name}: {time.perf_counter() - t:.1f} s", flush=True)
+import sglang, torch
+print(f"[bringup] sglang {sglang.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
+  if [ -z "${SGLANG_TTS_IMPORTTIME:-}" ]; then
+    "$PY" -c "$check" $IMPORTS
+  else
+    local rc=0
+    "$PY" -X importtime -c "$check" $IMPORTS 2> "$SGLANG_TTS_IMPORTTIME" || rc=$?
+    grep -v '^import time:' "$SGLANG_TTS_IMPORTTIME" >&2 || true
+    echo "[bringup] slowest imports (cumulative us | module):"
+    grep '^import time:' "$SGLANG_TTS_IMPORTTIME" | awk -F'|' '$2 ~ /[0-9]/ {print $2 "|" $3}' | sort -rn | head -25
+    return $rc
+  fi
 }
 
 env_lines() {

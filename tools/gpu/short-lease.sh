@@ -1,41 +1,67 @@
 #!/usr/bin/env bash
 # The last call of the bring-up chain when a session holds the GPU for 15 minutes in all (one call of
-# at most 10): install, smoke, the gpu-marked tests, then the goodput benchmark for what is left. Each
-# phase is capped so that the call ends DEADLINE seconds after it began (default 560), and each
-# phase's output is written under $OUT while it runs, so a phase cut short still leaves its log.
-#   bash tools/gpu/bringup.sh receive .wheelhouse/part-02 && bash tools/gpu/short-lease.sh [DEADLINE]
-# Files come back with '+' as '_' (1.5b_1.5b.jsonl). SGLANG_TTS_BENCH_EXTRA is passed on to bench-call.sh (e.g. "--n 8": one n, both sides).
+# at most 10 after the parts): install, then the PHASES asked for (default: smoke tests bench), each
+# capped so that the call ends DEADLINE seconds after it began (default 560). Every phase writes its
+# log under $OUT while it runs, so a phase cut short still leaves its log.
+#   bash tools/gpu/bringup.sh receive .wheelhouse/part-02 && bash tools/gpu/short-lease.sh 570 [PHASES]
+# What one lease costs (H200, 2026-11-26, docs/gpu-bringup-log.md): ~40 s for the three parts, ~45 s
+# to install and import, then ~75 s per SGLang server start (imports ~35 s, CUDA-graph capture ~26 s);
+# the goodput benchmark starts four servers. So one lease does smoke + tests, or the benchmark.
+# JIT caches (sglang's tvm-ffi kernels, triton's) come back as $OUT/jit-cache.tgz; carried back as
+# .gpu-cache/jit-cache.tgz (git-ignored) they spare the next machine the compiles.
+# Files come back with '+' as '_' (1.5b_1.5b.jsonl). SGLANG_TTS_BENCH_EXTRA goes on to bench-call.sh
+# (e.g. "--n 8": one n, both sides).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 deadline=${1:-560}
+shift || true
+phases=" ${*:-smoke tests bench} "
 out=${OUT:-/tmp/sgl-tts-out}
 mkdir -p "$out"
 t0=$SECONDS
 # cap WANT RESERVE: WANT seconds, or what is left before the deadline less RESERVE if that is less
-cap() { local l=$(( deadline - (SECONDS - t0) - $2 )); (( l < $1 )) && echo $(( l > 0 ? l : 1 )) || echo "$1"; }
+cap() { local l=$(( deadline - (SECONDS - t0) - $2 )); (( l < $1 )) && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
 say() { echo "[short-lease +$((SECONDS - t0)) s] $*"; }
+wants() { [[ $phases == *" $1 "* ]]; }
 
-{ say install; bash tools/gpu/bringup.sh install; } 2>&1 | tee "$out/bringup.log" || exit 1
+if [ -f .gpu-cache/jit-cache.tgz ]; then
+  mkdir -p ~/.cache ~/.triton && tar -xzf .gpu-cache/jit-cache.tgz -C ~ && say "JIT caches unpacked"
+fi
+{ say install; SGLANG_TTS_IMPORTTIME=/tmp/importtime.txt bash tools/gpu/bringup.sh install; } 2>&1 \
+    | tee "$out/bringup.log" || exit 1
 eval "$(bash tools/gpu/bringup.sh env)"
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  say "smoke (at most $(cap 200 300) s)"
-  timeout -k 10 "$(cap 200 300)" python3 -m sgl_tts.smoke --problems 2
-  say "smoke exit $?"
-} 2>&1 | tee -a "$out/bringup.log"
-{
-  say "gpu-marked tests (at most $(cap 200 150) s)"
-  # the wheelhouse's smoke test is the smoke above
-  timeout -k 10 "$(cap 200 150)" python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 120 \
-      tests/test_gpu.py tests/test_memory.py tests/test_reward_head.py
-  say "tests exit $?"
-} 2>&1 | tee "$out/gpu-tests.log"
-limit=$(cap 600 15)
-say "goodput benchmark: no search starts after $(( limit - 60 )) s, stopped at $limit s"
-# timeout signals the benchmark's whole process group: SIGTERM stops both servers (bench/command.py)
-mkdir -p /tmp/bench-call-out
-OUT=/tmp/bench-call-out timeout -k 10 "$limit" bash tools/gpu/bench-call.sh 1.5b+1.5b $(( limit - 60 > 1 ? limit - 60 : 1 ))
-say "benchmark exit $?"
-# $OUT takes letters, digits, '.', '_' and '-' in a name: 1.5b+1.5b.jsonl comes back as 1.5b_1.5b.jsonl
-for f in bench-out/1.5b+1.5b.*; do [ -f "$f" ] && cp "$f" "$out/$(basename "$f" | tr + _)"; done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/bringup.log"
+
+if wants smoke; then
+  {
+    c=$(cap 240 60)
+    say "smoke (at most $c s)"
+    timeout -k 10 "$c" python3 -m sgl_tts.smoke --problems 2 --health-timeout $(( c > 60 ? c - 30 : c ))
+    say "smoke exit $?"
+  } 2>&1 | tee -a "$out/bringup.log"
+fi
+if wants tests; then
+  {
+    c=$(cap 400 30)
+    say "gpu-marked tests (at most $c s; the wheelhouse's smoke test is the smoke above)"
+    # -x and a per-test timeout under the cap: pytest itself reports the failure before the cap
+    timeout -k 10 "$c" python3 -m pytest -m gpu -p no:cacheprovider -x -v --tb=short \
+        --timeout $(( c > 120 ? c / 2 : c )) tests/test_gpu.py tests/test_memory.py tests/test_reward_head.py
+    say "tests exit $?"
+  } 2>&1 | tee "$out/gpu-tests.log"
+fi
+if wants bench; then
+  limit=$(cap 600 25)
+  say "goodput benchmark: no search starts after $(( limit - 60 )) s, stopped at $limit s"
+  mkdir -p /tmp/bench-call-out
+  # timeout signals the benchmark's whole process group: SIGTERM stops both servers (bench/command.py)
+  OUT=/tmp/bench-call-out timeout -k 10 "$limit" bash tools/gpu/bench-call.sh 1.5b+1.5b $(( limit > 61 ? limit - 60 : 1 ))
+  say "benchmark exit $?"
+  # $OUT takes letters, digits, '.', '_' and '-' in a name; the plot and summary are rebuilt here
+  # from the records (sgl-tts bench ... --report-only)
+  for f in bench-out/1.5b+1.5b.{jsonl,md,log}; do [ -f "$f" ] && cp "$f" "$out/$(basename "$f" | tr + _)"; done
+fi
+tar -czf /tmp/jit-cache.tgz -C ~ $(cd ~ && ls -d .cache/tvm-ffi .triton/cache 2>/dev/null) 2>/dev/null \
+    && [ "$(stat -c %s /tmp/jit-cache.tgz)" -lt 16000000 ] && cp /tmp/jit-cache.tgz "$out/" \
+    && say "JIT caches packed: $(du -h /tmp/jit-cache.tgz | cut -f1)"
 exit 0

@@ -52,10 +52,11 @@ if wants tests; then
 fi
 if wants bench; then
   limit=$(cap 600 25)
-  say "goodput benchmark: no search starts after $(( limit - 60 )) s, stopped at $limit s"
+  starts=$(( limit > 61 ? limit - 60 : 1 ))
+  say "goodput benchmark: no search starts after $starts s, stopped at $limit s"
   mkdir -p /tmp/bench-call-out
   # timeout signals the benchmark's whole process group: SIGTERM stops both servers (bench/command.py)
-  OUT=/tmp/bench-call-out timeout -k 10 "$limit" bash tools/gpu/bench-call.sh 1.5b+1.5b $(( limit > 61 ? limit - 60 : 1 ))
+  OUT=/tmp/bench-call-out timeout -k 10 "$limit" bash tools/gpu/bench-call.sh 1.5b+1.5b "$starts"
   say "benchmark exit $?"
   # $OUT takes letters, digits, '.', '_' and '-' in a name; the plot and summary are rebuilt here
   # from the records (sgl-tts bench ... --report-only)

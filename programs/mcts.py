@@ -34,6 +34,7 @@ import sglang as sgl
 import sgl_tts
 from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.mcts import MCTSConfig, MCTSTree, Node, Rollout, RolloutControl, Sample
+from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed,
                             new_group, read_step, step_limit, vote)
 
@@ -204,7 +205,7 @@ class _Runtime:
         abort = getattr(self.s.stream_executor.backend, "abort_prefix", None)
         if abort is not None and not e.ended():
             try:
-                abort(f"tts/{self.group}/{e.node.depth}/{r.id}/")
+                abort(rid_prefix(self.group, e.node.depth, r.id))
             except Exception as exc:   # the requests then run to their end; nothing is lost but time
                 logger.warning("sgl-tts: could not abort rollout %d of %s: %s", r.id, self.group, exc)
         for f in e.forks:

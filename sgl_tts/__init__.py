@@ -3,18 +3,18 @@
 A TTS program is an SGLang program: ``fork`` to expand, ``gen`` a step, score it, select, repeat.
 ``sgl_tts.connect()`` gives the backend it runs on; ``sgl_tts.gen`` is ``sgl.gen`` with per-request
 fields (rid, priority, custom_params, token_ids_logprob, seed).
+
+The names below load on first use (PEP 562): ``import sgl_tts.plugin``, which every SGLang
+scheduler process does, must not load the client's backends, the CPU engine or SGLang's frontend
+interpreter (tests/test_layering.py).
 """
 
-from sgl_tts.backends import (
-    InProcessSGLang,
-    LocalBackend,
-    RequestFields,
-    SGLangEndpoint,
-    UnsupportedFeatureError,
-    connect,
-    gen,
-)
-from sgl_tts.frontend import Waiter, guard_thread_bootstrap
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from sgl_tts.frontend import guard_thread_bootstrap
 
 # SGLang's frontend starts and drops a worker thread per fork: guard CPython's thread bookkeeping
 # against the finalizer deadlock those can hit (sgl_tts.frontend)
@@ -22,7 +22,33 @@ guard_thread_bootstrap()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "InProcessSGLang", "LocalBackend", "RequestFields", "SGLangEndpoint", "UnsupportedFeatureError", "Waiter",
-    "__version__", "connect", "gen",
-]
+_LAZY = {
+    "InProcessSGLang": "sgl_tts.backends",
+    "LocalBackend": "sgl_tts.backends",
+    "RequestFields": "sgl_tts.backends",
+    "SGLangEndpoint": "sgl_tts.backends",
+    "UnsupportedFeatureError": "sgl_tts.backends",
+    "connect": "sgl_tts.backends",
+    "gen": "sgl_tts.backends",
+    "Waiter": "sgl_tts.frontend",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+if TYPE_CHECKING:
+    from sgl_tts.backends import (InProcessSGLang, LocalBackend, RequestFields, SGLangEndpoint,
+                                  UnsupportedFeatureError, connect, gen)
+    from sgl_tts.frontend import Waiter
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sgl_tts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value   # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 import sgl_tts
 from sgl_tts.frontend import Waiter, ended as _gen_ended
+from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
                             aggregate, is_final, read_step)
 
@@ -522,7 +523,7 @@ class StepPipeline:
 
     def _candidate_prefix(self, candidate: int, depth: int) -> str:
         """The rid prefix of every speculative request of ``candidate`` (its branches at ``depth``)."""
-        return f"tts/{self.group}/{depth}/spec{candidate}/"
+        return rid_prefix(self.group, depth, f"spec{candidate}")
 
     def _abort(self, state: Any, prefix: str) -> None:
         backend = state.stream_executor.backend

@@ -17,7 +17,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 import sgl_tts
-from sgl_tts.tts_request import SearchTag, new_group
+from sgl_tts.protocol import SearchTag, new_group
 
 STEP_DELIMITER = "\n\n"
 BOXED = r"\\boxed\{([^{}]*)\}"
@@ -224,7 +224,7 @@ def gen_step(states: Sequence[Any], name: str, *, max_tokens: int, temperature: 
     Each state gets ``sgl_tts.gen(name, stop=delimiter, ...)``; the stop string is not kept in the
     state's text (SGLang trims it), so a program appends ``delimiter`` before the next step, unless
     the step was cut at ``max_tokens`` (:attr:`Step.cut`; see :func:`advance`). ``tags`` put
-    each request's place in the search (:class:`~sgl_tts.tts_request.SearchTag`) into its
+    each request's place in the search (:class:`~sgl_tts.protocol.SearchTag`) into its
     ``custom_params`` and ``rid`` (``attempt`` distinguishes repeated requests at one place), which the
     sgl-tts scheduler plugin orders by; stock servers ignore them.
     """

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.search import SearchResult, Trajectory
 from sgl_tts.search_api import SearchRequest
-from sgl_tts.tts_request import new_group
+from sgl_tts.protocol import is_tagged_rid, new_group
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class SearchEndpoint(SGLangEndpoint):
 
 def _depth_of(rid: Any) -> int:
     """The depth in a tagged request's rid (``tts/<group>/<depth>/...``), else 0."""
-    if isinstance(rid, str) and rid.startswith("tts/"):
+    if is_tagged_rid(rid):
         parts = rid.split("/")
         if len(parts) > 2 and parts[2].isdigit():
             return int(parts[2])

@@ -116,9 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     # the plugin logs every prefill batch it admitted, with the search's request ids
     from sgl_tts.plugin.metrics import read_records, scheduler_files
+    from sgl_tts.protocol import GROUP_PREFIX
 
     # each scheduler process writes <metrics>.<pid> (found by running it against a real server)
-    smoke_rids = sum(str(r["rid"]).startswith("tts/smoke-")
+    smoke_rids = sum(str(r["rid"]).startswith(GROUP_PREFIX + "smoke-")
                      for rec in read_records(scheduler_files(metrics))
                      if rec.get("event") == "prefill" for r in rec.get("requests", []))
     if smoke_rids == 0:

@@ -67,7 +67,7 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
     from sgl_tts.models import shipped_model
     from sgl_tts.plugin.metrics import read_records, summarize
     from sgl_tts.prm import StepTagPRM
-    from sgl_tts.tts_request import SearchTag
+    from sgl_tts.protocol import SearchTag
 
     monkeypatch.setenv("SGLANG_TTS_POLICY", "prefix-aware")
     monkeypatch.setenv("SGLANG_TTS_METRICS_FILE", str(tmp_path / "metrics"))

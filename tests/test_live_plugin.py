@@ -17,7 +17,7 @@ from sgl_tts.backends import LocalBackend, SGLangEndpoint
 from sgl_tts.live_servers import loads, settled_loads
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
-from sgl_tts.tts_request import SearchTag
+from sgl_tts.protocol import SearchTag
 
 pytestmark = pytest.mark.server
 

@@ -20,7 +20,7 @@ from sgl_tts.live_servers import in_flight, loads, settled_loads
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.search_server import BackgroundSearchServer
 from sgl_tts.search_service import SearchService
-from sgl_tts.tts_request import SearchTag
+from sgl_tts.protocol import SearchTag
 
 pytestmark = pytest.mark.server
 

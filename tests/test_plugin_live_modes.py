@@ -40,7 +40,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from sgl_tts.plugin import policy as tts_policy  # noqa: E402
 from sgl_tts.plugin.metrics import SchedulerMetrics  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
-from sgl_tts.tts_request import SearchTag  # noqa: E402
+from sgl_tts.protocol import SearchTag  # noqa: E402
 from test_scheduler_plugin import build_decode_state, extend_batch, make_req  # noqa: E402
 
 # page_size and attention_backend as a CPU scheduler would resolve them (as tests/test_scheduler_plugin.py)

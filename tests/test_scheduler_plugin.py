@@ -34,7 +34,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args, set_global_s
 
 from sgl_tts.plugin import policy as tts_policy  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
-from sgl_tts.tts_request import SearchTag  # noqa: E402
+from sgl_tts.protocol import SearchTag  # noqa: E402
 
 # page_size and attention_backend as a CPU scheduler would resolve them ("dummy" skips that step)
 SERVER_ARGS = ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native")

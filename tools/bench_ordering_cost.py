@@ -39,7 +39,7 @@ def build(n: int, tokens: int, seed: int = 0):
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sgl_tts.tts_request import SearchTag
+    from sgl_tts.protocol import SearchTag
 
     rng = random.Random(seed)
     allocator = TokenToKVPoolAllocator(size=n * 200 + 4 * tokens * max(1, n // 16) + 100_000, dtype=torch.float16,

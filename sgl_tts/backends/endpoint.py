@@ -14,6 +14,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import http_request
 
 from sgl_tts.backends.request import AbortLedger, RequestFields, aborted_answer, take_request_fields
+from sgl_tts.protocol import group_prefix, is_group_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -222,15 +223,11 @@ class SGLangEndpoint(RuntimeEndpoint):
     def abort_group(self, group: str) -> None:
         """Abort every queued and running request of a search group (its requests' rids start with
         ``tts/<group>/``; needs the sgl-tts plugin on the server, see docs/SCHEDULER_PLUGIN.md)."""
-        from sgl_tts.plugin.abort import group_prefix
-
         self.abort_prefix(group_prefix(group))
 
     def abort_prefix(self, prefix: str) -> None:
         """Abort every queued and running request whose rid starts with ``prefix``, a ``tts/<group>/``
         prefix or a deeper one ending in ``/`` (e.g. one speculative branch's; sgl-tts plugin)."""
-        from sgl_tts.plugin.abort import is_group_prefix
-
         if not is_group_prefix(prefix):
             raise ValueError(f"an abort prefix must start with 'tts/<group>/' and end with '/', got {prefix!r}")
         self._aborts.record(prefix)   # its requests not sent yet are answered here (AbortLedger)

@@ -38,8 +38,8 @@ from typing import Any, Sequence
 
 from sgl_tts.live_servers import in_flight, loads
 from sgl_tts.machine import cpu_model
-from sgl_tts.plugin.abort import MODE_ENV, group_prefix
-from sgl_tts.tts_request import SearchTag
+from sgl_tts.plugin.abort import MODE_ENV
+from sgl_tts.protocol import SearchTag, group_prefix
 
 PATHS = ("per-request", "one")
 PROMPT_IDS = [17, 42, 101, 7, 64, 230, 15, 88, 9, 151, 33, 72, 5, 120, 61, 200]   # vocab 284

@@ -29,21 +29,9 @@ from __future__ import annotations
 
 import os
 
-GROUP_PREFIX = "tts/"
+from sgl_tts.protocol import GROUP_PREFIX, group_prefix, is_group_prefix  # the rid scheme's home
+
 MODE_ENV = "SGLANG_TTS_GROUP_ABORT"   # "per-request": the old path (benchmarks); anything else: one AbortReq
-
-
-def group_prefix(group: str) -> str:
-    """The rid prefix of every request of a search group (see :class:`sgl_tts.tts_request.SearchTag`)."""
-    if not group or "/" in group:
-        raise ValueError(f"a search group must be a non-empty id without '/', got {group!r}")
-    return f"{GROUP_PREFIX}{group}/"
-
-
-def is_group_prefix(rid: str) -> bool:
-    """Whether ``rid`` is a prefix of sgl-tts rids rather than one request's rid: ``tts/<group>/``
-    (a whole search group) or any deeper prefix ending in ``/`` (``tts/<group>/<depth>/``)."""
-    return bool(rid) and rid.startswith(GROUP_PREFIX) and rid.endswith("/")
 
 
 def abort_request(original, self, rid: str = "", abort_all: bool = False, *args, **kwargs):

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 from sgl_tts.plugin.ordering import as_bytes, common_prefix, family_order
 from sgl_tts.plugin.settings import TTSSettings
-from sgl_tts.tts_request import SearchTag
+from sgl_tts.protocol import SearchTag
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None 
     MCTS is about to expand. Returns how many requests changed. Takes effect at the next round.
     A priority needs a server started with ``--enable-priority-scheduling`` (it orders requests of
     one class; without the flag SGLang ignores priorities)."""
-    from sgl_tts.tts_request import CLASSES
+    from sgl_tts.protocol import CLASSES
 
     if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
         raise ValueError(f"priority must be an integer, got {priority!r}")

@@ -1,0 +1,85 @@
+"""What importing a layer loads: the scheduler plugin (loaded in every SGLang scheduler process) and the
+wire protocol stay apart from the client (issue 31), and the package's names still load on use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import sgl_tts
+from sgl_tts.protocol import (GROUP_PREFIX, SearchTag, check_group, group_prefix, is_group_prefix, is_tagged_rid,
+                              rid_prefix)
+
+# what the plugin must never pull in: the client's backends and CPU engine, SGLang's frontend
+# interpreter, the programs and experiments, and the heavy libraries behind them
+CLIENT_SIDE = ("sgl_tts.backends", "sgl_tts.pipeline", "sgl_tts.search", "sgl_tts.experiment", "sgl_tts.runner",
+               "sgl_tts.prm", "sgl_tts.mcts", "programs", "sglang.lang", "transformers", "torch")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    out = subprocess.run([sys.executable, "-c", code + "\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_the_plugin_loads_none_of_the_client():
+    loaded = _loaded_after("import importlib, pkgutil, sgl_tts.plugin as p\n"
+                           "for m in pkgutil.iter_modules(p.__path__): importlib.import_module(p.__name__ + '.' + m.name)")
+    assert "sgl_tts.plugin.policy" in loaded and "sgl_tts.plugin.abort" in loaded   # it did load the plugin
+    assert "sgl_tts.protocol" in loaded
+    client = [m for m in loaded if any(m == c or m.startswith(c + ".") for c in CLIENT_SIDE)]
+    assert client == []
+
+
+def test_the_protocol_imports_nothing_of_sgl_tts_or_sglang():
+    loaded = _loaded_after("import sgl_tts.protocol")
+    assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.protocol"]
+    assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
+
+
+def test_the_package_names_load_on_first_use():
+    from sgl_tts.backends import LocalBackend, connect, gen
+
+    assert (sgl_tts.connect, sgl_tts.gen, sgl_tts.LocalBackend) == (connect, gen, LocalBackend)
+    assert set(sgl_tts.__all__) <= set(dir(sgl_tts))
+    assert all(getattr(sgl_tts, name) is not None for name in sgl_tts.__all__)
+    with pytest.raises(AttributeError, match="module 'sgl_tts' has no attribute 'Backend'"):
+        sgl_tts.Backend  # noqa: B018
+
+
+def test_the_old_module_name_still_imports_with_a_warning():
+    code = ("import warnings\nwarnings.simplefilter('error')\n"
+            "try:\n    import sgl_tts.tts_request\nexcept DeprecationWarning as w:\n    print('warned:', w)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "warned: sgl_tts.tts_request is deprecated; import sgl_tts.protocol"
+    with pytest.warns(DeprecationWarning):
+        sys.modules.pop("sgl_tts.tts_request", None)
+        import sgl_tts.tts_request as old
+    assert old.SearchTag is SearchTag and old.new_group is not None
+
+
+def test_the_rid_scheme():
+    # the scheme, written out: tts/<group>/<depth>/<place>/..., a tag after #tag=
+    assert GROUP_PREFIX == "tts/"
+    assert group_prefix("g1") == "tts/g1/"
+    assert rid_prefix("g1", 3) == "tts/g1/3/"
+    assert rid_prefix("g1", 3, "spec2") == "tts/g1/3/spec2/"
+    assert rid_prefix("g1", 0, 7, "a") == "tts/g1/0/7/a/"
+    assert all(is_group_prefix(p) for p in (group_prefix("g"), rid_prefix("g", 1), rid_prefix("g", 1, 2)))
+    tag = SearchTag("g1", depth=2, parent=1, beam=5)
+    assert tag.rid() == "tts/g1/2/5" and tag.rid("r3") == "tts/g1/2/5/r3"
+    rid = tag.request_id()
+    assert rid.startswith(rid_prefix("g1", 2, 5)) and not is_group_prefix(rid) and is_tagged_rid(rid)
+    assert SearchTag.from_rid(rid) == tag
+    assert not is_tagged_rid("abc") and not is_tagged_rid(None) and not is_tagged_rid(7)
+    for bad in ("", "a/b", None):
+        with pytest.raises(ValueError, match="a search group must be a non-empty id without '/', got"):
+            check_group(bad)
+        with pytest.raises(ValueError, match="a search group must be a non-empty id without '/'"):
+            rid_prefix(bad, 0)
+    with pytest.raises(ValueError, match="a search group must be a non-empty id without '/', got 'x/y'"):
+        SearchTag("x/y")

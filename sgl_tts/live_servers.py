@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sgl_tts.cpu_serving import CPU_ENV, cpu_server_flags
-from sgl_tts.serve import ManagedServer, ServerFailed, ServerSpec
+from sgl_tts.plugin.settings import TTSSettings
+from sgl_tts.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
 
 NO_PLUGIN = None   # LiveServer.policy: the sgl-tts plugin is not loaded (SGLANG_PLUGINS=none)
 
@@ -38,6 +39,7 @@ class LiveServer:
         metrics: write the plugin's scheduler metrics (``--tts-metrics-file``; needs a policy).
         kv_bytes: the KV pool's memory (its ``--max-total-tokens`` follows).
         dtype: ``--dtype`` (``float32`` computes what :class:`sgl_tts.LocalBackend` computes).
+        seeded_sampling: the plugin's ``--tts-seeded-sampling`` (needs a policy).
         extra: further ``launch_server`` flags.
     """
 
@@ -46,11 +48,14 @@ class LiveServer:
     metrics: bool = False
     kv_bytes: int = 64 << 20
     dtype: str | None = "float32"
+    seeded_sampling: bool = False
     extra: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.metrics and self.policy is NO_PLUGIN:
             raise ValueError("scheduler metrics come from the sgl-tts plugin: give a policy")
+        if self.seeded_sampling and self.policy is NO_PLUGIN:
+            raise ValueError("seeded sampling comes from the sgl-tts plugin: give a policy")
 
 
 def free_port(host: str = "127.0.0.1", *, low: int = 20000, high: int = 45000) -> int:
@@ -102,16 +107,16 @@ class LiveServers:
     def command(self, name: str) -> ServerSpec:
         spec = self._spec(name)
         port = self._ports.setdefault(name, free_port(self.host))
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", spec.model, "--host", self.host,
-               "--port", str(port), *cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args()]
         env = dict(CPU_ENV)
+        plugin = None
         if spec.policy is NO_PLUGIN:
             env["SGLANG_PLUGINS"] = "none"
         else:
-            cmd += ["--tts-policy", spec.policy]
-            if spec.metrics:
-                cmd += ["--tts-metrics-file", str(self.metrics_prefix(name))]
-        cmd += list(spec.extra)
+            plugin = TTSSettings(spec.policy, seeded_sampling=spec.seeded_sampling,
+                                 metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None)
+        cmd = launch_command(spec.model, host=self.host, port=port, python=self.python,
+                             flags=cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args(),
+                             plugin=plugin, extra=spec.extra)
         return ServerSpec(name, cmd, f"http://{self.host}:{port}/health", env)
 
     def _spec(self, name: str) -> LiveServer:

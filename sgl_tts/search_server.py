@@ -341,7 +341,7 @@ def start_tiny_servers(need_prm: bool = True):
     from sgl_tts.models import shipped_model
 
     specs = {"generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=256 << 20,
-                                     extra=("--tts-seeded-sampling",))}
+                                     seeded_sampling=True)}
     if need_prm:
         specs["prm"] = LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)
     servers = LiveServers(specs, tempfile.mkdtemp(prefix="sgl-tts-serve-search-"))

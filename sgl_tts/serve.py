@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Sequence
 
+from sgl_tts.plugin.settings import TTSSettings
+
 
 @dataclasses.dataclass
 class ServerSpec:
@@ -279,22 +281,30 @@ def wait_router_workers(url: str, count: int, timeout: float = 120.0) -> list[st
         time.sleep(0.2)
 
 
+def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (),
+                   plugin: "TTSSettings | None" = None, extra: Sequence[str] = (),
+                   python: str = sys.executable) -> list[str]:
+    """The one builder of SGLang's command line: ``python -m sglang.launch_server`` for ``model`` on
+    ``host:port`` with the server's ``flags`` (a memory plan's, the CPU's), the plugin's settings
+    rendered by the plugin's own type (:meth:`TTSSettings.args`, only what is on) and ``extra``
+    flags last (they win over earlier ones)."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
+            *flags, *(plugin.args() if plugin is not None else ()), *extra]
+
+
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
-                first: str, plugin_args: Sequence[str] = (), python: str = sys.executable,
+                first: str, plugin: "TTSSettings | None" = None, python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
                 env: dict[str, str] | None = None) -> list[ServerSpec]:
-    """The two ``python -m sglang.launch_server`` command lines in start-up order (the plugin's
-    ``--tts-*`` flags go to the generator, whose scheduler runs the search's requests); ``env`` is
-    added to both servers' environment."""
+    """The two servers' command lines in start-up order (the plugin's settings go to the generator,
+    whose scheduler runs the search's requests); ``env`` is added to both servers' environment."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
     specs = []
     for name in order:
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", models[name], "--host", host,
-               "--port", str(ports[name]), *flags[name].args()]
-        if name == "generator":
-            cmd += list(plugin_args)
-        cmd += list((extra or {}).get(name, ()))
+        cmd = launch_command(models[name], host=host, port=ports[name], flags=flags[name].args(),
+                             plugin=plugin if name == "generator" else None,
+                             extra=(extra or {}).get(name, ()), python=python)
         specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
     return specs
 
@@ -368,14 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1
-    plugin = ["--tts-policy", args.tts_policy]
-    if args.device == "cpu":
-        plugin.append("--tts-seeded-sampling")   # the pytorch sampler: the programs' seeds take effect
-    if args.tts_metrics_file:
-        plugin += ["--tts-metrics-file", args.tts_metrics_file]
+    # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
+    plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu")
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
-                        first=args.first, plugin_args=plugin, env=env)
+                        first=args.first, plugin=plugin, env=env)
     if args.replicas > 1:
         try:
             ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports

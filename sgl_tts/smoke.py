@@ -20,15 +20,17 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+from sgl_tts.plugin.settings import TTSSettings
+from sgl_tts.serve import launch_command
 
 
 def server_command(model: str, port: int, metrics: str, mem_fraction: float, server_args: str,
                    python: str = sys.executable, max_batch: int = 8) -> list[str]:
     # CUDA graphs only for the batch sizes the search can have: SGLang captures 36 sizes up to 256
     # by default, and on the H200 (2026-11-26) the first capture alone took 21.6 s of a server start
-    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
-            "--mem-fraction-static", str(mem_fraction), "--tts-policy", "prefix-aware", "--tts-metrics-file", metrics,
-            "--cuda-graph-max-bs-decode", str(max_batch), *shlex.split(server_args)]
+    return launch_command(model, host="127.0.0.1", port=port, python=python,
+                          flags=["--mem-fraction-static", str(mem_fraction), "--cuda-graph-max-bs-decode", str(max_batch)],
+                          plugin=TTSSettings("prefix-aware", metrics_file=metrics), extra=shlex.split(server_args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         specs = build_specs(str(gen), str(prm_path), cpu_pair_flags(gen, prm_path, "256MiB"), host="127.0.0.1",
                             ports={"generator": args.port, "prm": args.prm_port}, first="generator",
-                            plugin_args=["--tts-policy", "prefix-aware", "--tts-metrics-file", metrics,
-                                         "--tts-seeded-sampling"], env=dict(CPU_ENV))
+                            plugin=TTSSettings("prefix-aware", metrics_file=metrics, seeded_sampling=True),
+                            env=dict(CPU_ENV))
     else:
         from sgl_tts.serve import ServerSpec
 

@@ -98,9 +98,9 @@ def live(tmp_path_factory, tiny_model_path):
     head = str(write_reward_head(tiny_model_path, work / "reward-head"))
     specs = {
         "generator": LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=LIVE_KV_BYTES,
-                                extra=("--tts-seeded-sampling",)),
+                                seeded_sampling=True),
         "generator_off": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
-                                    extra=("--tts-seeded-sampling",)),
+                                    seeded_sampling=True),
         "generator_stock": LiveServer(gen, policy=NO_PLUGIN, kv_bytes=LIVE_KV_BYTES),
         # four request slots: the two-phase (speculative) preemption needs a server that can be full
         "generator_4slots": LiveServer(gen, policy="prefix-aware", kv_bytes=LIVE_KV_BYTES,

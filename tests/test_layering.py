@@ -83,3 +83,63 @@ def test_the_rid_scheme():
             rid_prefix(bad, 0)
     with pytest.raises(ValueError, match="a search group must be a non-empty id without '/', got 'x/y'"):
         SearchTag("x/y")
+
+
+# ------------------------------------------------------------------ one builder of the command line
+
+def _parse_plugin_flags(argv):
+    """The plugin's own flag group, as a server parses it, back into its settings."""
+    import argparse
+
+    from sgl_tts.plugin.settings import TTSSettings, add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    return TTSSettings(a.tts_policy, a.tts_dedup_tokens, a.tts_metrics_file, a.tts_seeded_sampling, a.tts_max_wait)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),
+    dict(policy="prefix-aware"),
+    dict(policy="prefix-aware", dedup_tokens=7, metrics_file="/tmp/m.jsonl", seeded_sampling=True, max_wait=None),
+    dict(policy="off", metrics_file="/tmp/m", max_wait=2.5),
+])
+def test_the_plugin_settings_render_their_own_flags(settings, monkeypatch):
+    from sgl_tts.plugin.settings import TTSSettings
+
+    for var in ("SGLANG_TTS_POLICY", "SGLANG_TTS_DEDUP_TOKENS", "SGLANG_TTS_METRICS_FILE", "SGLANG_TTS_SEEDED_SAMPLING",
+                "SGLANG_TTS_MAX_WAIT"):   # the parser's defaults come from these
+        monkeypatch.delenv(var, raising=False)
+    s = TTSSettings(**settings)
+    assert _parse_plugin_flags(s.args()) == s
+    assert TTSSettings().args() == []   # all off: no --tts-* flag, so a stock server accepts the line too
+    assert TTSSettings("prefix-aware", metrics_file="m", seeded_sampling=True).args() == [
+        "--tts-policy", "prefix-aware", "--tts-seeded-sampling", "--tts-metrics-file", "m"]
+
+
+def test_every_server_command_comes_from_one_builder(tmp_path):
+    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    from sgl_tts.models import shipped_model
+    from sgl_tts.plugin.settings import TTSSettings
+    from sgl_tts.serve import launch_command
+    from sgl_tts.smoke import server_command
+
+    gen = str(shipped_model("generator"))
+    cmd = launch_command(gen, host="h", port=7, flags=["--a", "1"], plugin=TTSSettings("prefix-aware"),
+                         extra=["--b"], python="py")
+    assert cmd == ["py", "-m", "sglang.launch_server", "--model-path", gen, "--host", "h", "--port", "7", "--a", "1",
+                   "--tts-policy", "prefix-aware", "--b"]
+    smoke = server_command(gen, 9, "m", 0.2, "--x y", python="py", max_batch=4)
+    assert smoke == launch_command(gen, host="127.0.0.1", port=9, python="py",
+                                   flags=["--mem-fraction-static", "0.2", "--cuda-graph-max-bs-decode", "4"],
+                                   plugin=TTSSettings("prefix-aware", metrics_file="m"), extra=["--x", "y"])
+    servers = LiveServers({"a": LiveServer(gen, policy="prefix-aware", metrics=True, seeded_sampling=True, extra=("--z",)),
+                           "b": LiveServer(gen, policy=NO_PLUGIN)}, tmp_path)
+    a, b = servers.command("a"), servers.command("b")
+    assert a.command[:3] == [servers.python, "-m", "sglang.launch_server"]
+    assert a.command[-6:] == ["--tts-policy", "prefix-aware", "--tts-seeded-sampling", "--tts-metrics-file",
+                              str(servers.metrics_prefix("a")), "--z"]
+    assert not any(x.startswith("--tts-") for x in b.command) and b.env["SGLANG_PLUGINS"] == "none"
+    with pytest.raises(ValueError, match="seeded sampling comes from the sgl-tts plugin: give a policy"):
+        LiveServer(gen, policy=NO_PLUGIN, seeded_sampling=True)

@@ -42,7 +42,7 @@ def fault_servers(live, tmp_path):
 
     live.stop(*(set(live.running()) - {"prm"}))
     spec = LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=128 << 20,
-                      extra=("--tts-seeded-sampling",))
+                      seeded_sampling=True)
     servers = LiveServers({"fault_generator": spec}, tmp_path / "servers")
     servers.prm_url = live.url("prm")
     yield servers

@@ -37,7 +37,7 @@ def fleet(tmp_path_factory, live):
     from sgl_tts.models import shipped_model
 
     gen = str(shipped_model("generator"))
-    spec = LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=64 << 20, extra=("--tts-seeded-sampling",))
+    spec = LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=64 << 20, seeded_sampling=True)
     # one request slot each: requests wait in the queue, where a class change always finds them
     one_slot = LiveServer(gen, policy="prefix-aware", kv_bytes=64 << 20, extra=("--max-running-requests", "1"))
     live.stop(*(set(live.running()) - {"prm"}))

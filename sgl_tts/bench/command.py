@@ -209,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
     from sgl_tts.machine import describe
     from sgl_tts.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
+    from sgl_tts.plugin.settings import TTSSettings
     from sgl_tts.serve import ServerFailed, build_specs, run_servers, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -280,10 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = {}
     for side in args.sides:
         servers = "stock" if side == "stock" else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
-        plugin = ["--tts-policy", "prefix-aware",
-                  "--tts-metrics-file", str(output.with_name(output.stem + ".plugin-metrics.jsonl"))] if servers == "sgl-tts" else []
+        plugin = TTSSettings("prefix-aware", metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
+                             ) if servers == "sgl-tts" else None
         specs[side] = build_specs(str(gen_dir), str(prm_dir), side_flags[servers], host=args.host, ports=ports,
-                                  first=args.first, plugin_args=plugin, extra=extra_by, env=envs[servers])
+                                  first=args.first, plugin=plugin, extra=extra_by, env=envs[servers])
     trace = settings.step_trace()
     header = {"generator": names["generator"], "prm": names["prm"], "machine": describe(),
               "date": datetime.date.today().isoformat(), "command": shlex.join(["sgl-tts", "bench", *argv]),

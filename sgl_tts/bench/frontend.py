@@ -423,7 +423,7 @@ def start_servers(workdir: str | None = None):
 
     return LiveServers({
         "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=GEN_KV_BYTES,
-                                metrics=True, extra=("--tts-seeded-sampling",)),
+                                metrics=True, seeded_sampling=True),
         "prm": LiveServer(str(shipped_model("prm")), kv_bytes=PRM_KV_BYTES)},
         workdir or tempfile.mkdtemp(prefix="sgl-tts-bench-frontend-"))
 

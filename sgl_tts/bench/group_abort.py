@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[MODE_ENV] = path
         # metrics on: the plugin's start record names the scheduler process (for py-spy)
         spec = LiveServer(str(shipped_model("generator")), policy=args.policy, metrics=True,
-                          kv_bytes=args.kv_mib << 20, extra=("--tts-seeded-sampling",))
+                          kv_bytes=args.kv_mib << 20, seeded_sampling=True)
         with LiveServers({"generator": spec}, workdir / path) as servers:
             t = time.monotonic()
             url = servers.url("generator")

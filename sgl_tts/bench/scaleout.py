@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = out.with_suffix(".jsonl")
     gen = LiveServer(str(shipped_model("generator")), policy="prefix-aware", metrics=True, kv_bytes=128 << 20,
-                     extra=("--tts-seeded-sampling",))
+                     seeded_sampling=True)
     rows = []
     with LiveServers({**{n: gen for n in REPLICAS}, "prm": LiveServer(str(shipped_model("prm")), kv_bytes=128 << 20)},
                      tempfile.mkdtemp(prefix="sgl-tts-scale-out-")) as servers:

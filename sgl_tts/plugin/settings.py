@@ -60,6 +60,21 @@ class TTSSettings:
         """Whether any ``--tts-*`` flag asks the plugin to act (all off: stock SGLang)."""
         return self.active or bool(self.metrics_file) or self.seeded_sampling
 
+    def args(self) -> list[str]:
+        """These settings as ``launch_server`` flags, the ones off their defaults only (so a server
+        given none of them, or ``SGLANG_PLUGINS=none``, sees no ``--tts-*`` flag at all)."""
+        d = TTSSettings()
+        out = ["--tts-policy", self.policy] if self.policy != d.policy else []
+        if self.dedup_tokens != d.dedup_tokens:
+            out += ["--tts-dedup-tokens", str(self.dedup_tokens)]
+        if self.seeded_sampling:
+            out.append("--tts-seeded-sampling")
+        if self.max_wait != d.max_wait:
+            out += ["--tts-max-wait", "off" if self.max_wait is None else repr(float(self.max_wait))]
+        if self.metrics_file:
+            out += ["--tts-metrics-file", str(self.metrics_file)]
+        return out
+
     def env(self) -> dict[str, str]:
         env = {"SGLANG_TTS_POLICY": self.policy, "SGLANG_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
         if self.metrics_file:

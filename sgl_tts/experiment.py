@@ -34,15 +34,15 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from sgl_tts import registry
 from sgl_tts.frontend import end_stream_executors
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, top_k, vote
 
 logger = logging.getLogger(__name__)
 
-PROGRAMS = ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts")
-# MCTS settings and their defaults (a setting of another program only at its default)
-MCTS_SETTINGS = {"parallel": 1, "c_puct": 1.0, "threshold": 0.9, "positive_exit": True, "negative_exit": False,
-                 "futility": "path", "first_step_cutoff": None}
+# the programs as registered at import (sgl_tts.registry is where they live; read it for later additions)
+PROGRAMS = registry.names()
+MCTS_SETTINGS = registry.MCTS_SETTINGS   # MCTS's own settings and their defaults (registry)
 PRM_KINDS = ("step_tag", "reward_head")
 RULES = ("majority", "prm_weighted", "prm_best")
 
@@ -157,11 +157,11 @@ class RunConfig:
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
         "problems", "output", "limit", "in_flight", "plot", "progress", "runtime")
     # Settings added after runs were written: at their default they stay out of the run key, so an
-    # earlier run (which behaved as the default) still resumes.
+    # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too.
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
         "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False,
         # never change a kept beam (exact); truncate changes samples, so it is keyed
-        "speculative": "off", "overlap_verification": False, **MCTS_SETTINGS}
+        "speculative": "off", "overlap_verification": False}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).
     SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
         "speculative": ("off", "exact"), "overlap_verification": (False, True)}
@@ -190,8 +190,9 @@ class RunConfig:
         def bad(msg: str, *settings: str) -> None:
             raise RunError(msg, settings)
 
-        if self.program not in PROGRAMS:
-            bad(f"unknown program {self.program!r}; choose one of {', '.join(PROGRAMS)}", "program")
+        if self.program not in registry.names():
+            bad(f"unknown program {self.program!r}; choose one of {', '.join(registry.names())}", "program")
+        spec = registry.program(self.program)
         for name in ("n", "beam_width", "max_depth", "max_tokens", "in_flight"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)!r}", name)
@@ -224,41 +225,32 @@ class RunConfig:
                 self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
             bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)",
                 "speculative", "overlap_verification", "program", "semantics")
-        if self.program != "mcts":
-            changed = [k for k, v in MCTS_SETTINGS.items() if getattr(self, k) != v]
-            if changed:
-                bad(f"{', '.join(changed)}: settings of program mcts", *changed)
-        else:
-            if self.uses_prm is False:
-                bad("mcts needs a PRM; drop prm: none", "program", "prm")
-            if self.parallel < 1:
-                bad(f"parallel must be a positive integer, got {self.parallel}", "parallel")
-            from sgl_tts.mcts import MCTSConfig
-            try:
-                MCTSConfig(num_rollouts=self.n, expansion_width=self.beam_width, c_puct=self.c_puct,
-                           aggregation=self.aggregation, threshold=self.threshold,
-                           positive_exit=self.positive_exit, negative_exit=self.negative_exit,
-                           futility=self.futility, first_step_cutoff=self.first_step_cutoff,
-                           max_depth=self.max_depth)
-            except ValueError as exc:
-                bad(str(exc), "program", "n", "beam_width", "aggregation", "max_depth", *MCTS_SETTINGS)
+        others: dict[str, list[str]] = {}   # another program's own settings, off their defaults
+        for k, (owner, default) in registry.own_settings().items():
+            if owner != self.program and getattr(self, k) != default:
+                others.setdefault(owner, []).append(k)
+        for owner, changed in others.items():
+            bad(f"{', '.join(changed)}: settings of program {owner}", *changed)
+        if spec.prm == "required" and self.uses_prm is False:
+            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)", "program", "prm")
+        if spec.check is not None:
+            spec.check(self, bad)
         if self.prm_kind not in PRM_KINDS:
             bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}", "prm_kind")
-        if self.program == "dvts" and self.n < self.beam_width:
-            bad(f"dvts needs n >= beam_width, got n={self.n} and beam_width={self.beam_width}", "n", "beam_width")
-        if self.program in ("beam_search", "dvts") and self.uses_prm is False:
-            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)", "program", "prm")
         if self.runtime not in ("auto", "server", "cuda", "cpu"):
             bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu", "runtime")
 
     @property
     def uses_prm(self) -> bool:
-        return self.program != "self_consistency" and (self.prm is None or self.prm.lower() != "none")
+        known = self.program in registry.names()   # (validate() names an unknown program)
+        return ((not known or registry.program(self.program).prm != "none")
+                and (self.prm is None or self.prm.lower() != "none"))
 
     def run_key(self) -> str:
         """A short hash of every setting that changes results (a resumed run must match it)."""
+        keyed_when_set = {**self.KEYED_WHEN_SET, **{k: d for k, (_, d) in registry.own_settings().items()}}
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY
-                  and not (k in self.KEYED_WHEN_SET and v == self.KEYED_WHEN_SET[k])
+                  and not (k in keyed_when_set and v == keyed_when_set[k])
                   and not (k in self.SAME_RESULTS and v in self.SAME_RESULTS[k])}
         if self.program == "beam_search" and self.semantics == "sgl-tts":
             # its step seeds are keyed by (depth, parent, child) since issue 18 (before: by beam index),
@@ -267,46 +259,16 @@ class RunConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
-        """The keyword arguments of the chosen program for one question."""
-        common = dict(question=question, sampling_temperature=self.temperature, seed=self.seed,
-                      delimiter=self.delimiter, answer_pattern=self.answer_pattern)
-        steps: int | list[int] = self.step_tokens[0] if len(self.step_tokens) == 1 else list(self.step_tokens)
-        if self.program in ("best_of_n", "self_consistency"):
-            return dict(common, num_samples=self.n, prm=prm if self.uses_prm else None,
-                        aggregation=self.aggregation, max_tokens=self.max_tokens)
-        if self.program == "mcts":
-            return dict(common, prm=prm, num_rollouts=self.n, expansion_width=self.beam_width,
-                        max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation,
-                        **{k: getattr(self, k) for k in MCTS_SETTINGS})
-        tree = dict(common, prm=prm, num_beams=self.n, beam_width=self.beam_width,
-                    max_depth=self.max_depth, step_tokens=steps, aggregation=self.aggregation)
-        if self.speculative != "off":
-            tree.update(speculative=self.speculative)
-        if self.overlap_verification:
-            tree.update(overlap_verification=True)
-        if self.program == "beam_search":
-            tree.update(branching=self.branching, lookahead=self.lookahead,
-                        filter_duplicates=self.filter_duplicates, semantics=self.semantics,
-                        sort_completed=self.sort_completed)
-        return tree
+        """The keyword arguments of the chosen program for one question (its registry record's)."""
+        return registry.program(self.program).arguments(self, question, prm)
 
 
 SEED_SCHEME = "depth-parent-ordinal"
 
 
 def program_function(name: str):
-    """The ``@sgl.function`` behind a program name."""
-    if name in ("best_of_n", "self_consistency"):
-        from programs.best_of_n import best_of_n
-        return best_of_n
-    if name == "beam_search":
-        from programs.beam_search import beam_search
-        return beam_search
-    if name == "mcts":
-        from programs.mcts import mcts
-        return mcts
-    from programs.dvts import dvts
-    return dvts
+    """The ``@sgl.function`` behind a program name (its registry record's)."""
+    return registry.program(name).load()
 
 
 # ------------------------------------------------------------------------------------- config I/O
@@ -734,7 +696,7 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
                          "p90": quantile(lat, 0.9), "max": max(lat, default=0.0)},
         tokens_generated=sum(r["tokens_generated"] for r in records),
         tokens_kept=sum(r["tokens_kept"] for r in records), n=n,
-        exact_subsampling=program in ("best_of_n", "self_consistency"),
+        exact_subsampling=program in registry.names() and registry.program(program).budget == "samples",
         tokens_speculative=sum(r.get("tokens_speculative", 0) for r in records),
         tokens_reused=sum(r.get("tokens_reused", 0) for r in records),
         seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),
@@ -938,7 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plot = None
     if cfg.plot:
-        title = f"{cfg.program}, N={cfg.n}" + (f", M={cfg.beam_width}" if cfg.program in ("beam_search", "dvts") else "")
+        title = f"{cfg.program}, N={cfg.n}" + (f", M={cfg.beam_width}" if registry.program(cfg.program).budget == "beams" else "")
         plot = str(plot_summary(summary, records, cfg.plot, title))
     info = {"config": dataclasses.asdict(cfg), "summary": summary.to_json(), "output": cfg.output,
             "plot": plot, "seconds": round(time.perf_counter() - t0, 2), "machine": describe(),

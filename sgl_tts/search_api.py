@@ -20,7 +20,8 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
-from sgl_tts.experiment import MCTS_SETTINGS, PROGRAMS, RunConfig, RunError
+from sgl_tts import registry
+from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.search import STEP_DELIMITER
 
 # Extra body fields: the search's settings (RunConfig's names; ``budget`` is RunConfig.n, the beams,
@@ -29,7 +30,7 @@ SEARCH_FIELDS: dict[str, str] = {
     "budget": "n", "beam_width": "beam_width", "max_depth": "max_depth", "step_tokens": "step_tokens",
     "aggregation": "aggregation", "branching": "branching", "lookahead": "lookahead",
     "filter_duplicates": "filter_duplicates", "speculative": "speculative",
-    "overlap_verification": "overlap_verification", **{k: k for k in MCTS_SETTINGS}}
+    "overlap_verification": "overlap_verification", **{k: k for k in registry.own_settings()}}
 # OpenAI fields read (the others of the API are refused by name rather than silently ignored)
 OPENAI_FIELDS = ("model", "messages", "n", "temperature", "seed", "stream", "stream_options", "max_tokens",
                  "max_completion_tokens", "user", "metadata")
@@ -167,8 +168,8 @@ def parse_request(body: Any, limits: Limits = Limits(), defaults: Defaults = Def
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required: a program name, e.g. beam_search or beam_search:16x4", "model")
     m = MODEL_RE.match(model)
-    if m is None or m["program"] not in PROGRAMS:
-        raise _bad(f"unknown model {model!r}; the models are the programs {', '.join(PROGRAMS)}, optionally "
+    if m is None or m["program"] not in registry.names():
+        raise _bad(f"unknown model {model!r}; the models are the programs {', '.join(registry.names())}, optionally "
                    f"with ':BUDGET' or ':BUDGETxWIDTH' (e.g. beam_search:16x4)", "model", 404, "model_not_found")
     question = question_of(body.get("messages"))
 
@@ -204,7 +205,7 @@ def parse_request(body: Any, limits: Limits = Limits(), defaults: Defaults = Def
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, limits.max_step_tokens,
                                                                " (--max-step-tokens)")
     if max_tokens is not None:
-        if settings["program"] not in ("best_of_n", "self_consistency"):
+        if registry.program(settings["program"]).budget != "samples":
             raise _bad(f"'max_tokens' limits a best-of-N sample; {settings['program']} generates step by step: "
                        f"set 'step_tokens' and 'max_depth' instead", "max_tokens")
         settings["max_tokens"] = max_tokens

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request   # at module level: FastAPI resolves the route's annotations here
 
-from sgl_tts.experiment import PROGRAMS
+from sgl_tts import registry
 from sgl_tts.search_api import APIError, Defaults, Limits, parse_request
 from sgl_tts.search_service import CancelEvent, Progress, SearchCancelled, SearchOutcome, SearchService
 
@@ -94,7 +94,7 @@ def create_app(service: SearchService, limits: Limits = Limits(), defaults: Defa
     def models():
         now = int(time.time())
         return {"object": "list", "data": [{"id": p, "object": "model", "created": now, "owned_by": "sgl-tts"}
-                                           for p in PROGRAMS]}
+                                           for p in registry.names()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

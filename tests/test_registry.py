@@ -1,0 +1,90 @@
+"""The program registry: what it holds, how a program is added, and that every record's arguments are
+its function's parameters."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from sgl_tts import registry
+from sgl_tts.experiment import RunConfig, RunError, program_function
+from sgl_tts.registry import ProgramSpec
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """A copy of the registry that a test may add to."""
+    monkeypatch.setattr(registry, "_PROGRAMS", dict(registry._PROGRAMS))
+
+
+def test_the_registered_programs():
+    assert registry.names() == ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts")
+    assert {n: (registry.program(n).prm, registry.program(n).budget) for n in registry.names()} == {
+        "beam_search": ("required", "beams"), "dvts": ("required", "beams"), "best_of_n": ("optional", "samples"),
+        "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts")}
+    assert registry.own_settings() == {k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()}
+    with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
+        registry.program("bfs")
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_argument_is_a_parameter_of_the_program(name):
+    cfg = RunConfig(program=name, **({"prm": "none"} if name == "self_consistency" else {}))
+    cfg.validate()
+    args = cfg.program_arguments("What is 2+3?", prm=object())
+    fn = program_function(name)
+    params = inspect.signature(fn.func).parameters
+    assert set(args) <= set(params) - {"s"}
+    missing = [p for p, v in params.items() if p != "s" and v.default is inspect.Parameter.empty and p not in args]
+    assert missing == []
+
+
+def test_adding_a_program_is_one_registration(scratch_registry):
+    seen = []
+
+    def check(cfg, bad):
+        if cfg.n % 2:
+            bad(f"toy needs an even n, got {cfg.n}", "n")
+        seen.append(cfg.n)
+
+    registry.register(ProgramSpec("toy", "programs.best_of_n:best_of_n", prm="optional", budget="samples",
+                                  summary="a test program", check=check,
+                                  arguments=lambda cfg, q, prm: dict(question=q, num_samples=cfg.n, prm=prm)))
+    assert registry.names()[-1] == "toy"
+    RunConfig(program="toy", n=4).validate()
+    assert seen == [4]
+    with pytest.raises(RunError, match="toy needs an even n, got 3"):
+        RunConfig(program="toy", n=3).validate()
+    with pytest.raises(RunError, match="parallel: settings of program mcts"):
+        RunConfig(program="toy", n=4, parallel=2).validate()
+    assert RunConfig(program="toy", n=4).program_arguments("q", "P") == {"question": "q", "num_samples": 4, "prm": "P"}
+    from programs.best_of_n import best_of_n
+    assert program_function("toy") is best_of_n
+    # another program's record is unchanged by the addition
+    assert RunConfig(program="beam_search").run_key() == RunConfig(program="beam_search").run_key()
+
+
+def test_bad_records_are_refused(scratch_registry):
+    ok = dict(function="m:f", prm="none", budget="samples", summary="", arguments=lambda c, q, p: {})
+    with pytest.raises(ValueError, match="program 'mcts' is registered already"):
+        registry.register(ProgramSpec("mcts", **ok))
+    with pytest.raises(ValueError, match="program 'x': settings c_puct belong to another program"):
+        registry.register(ProgramSpec("x", **{**ok, "settings": {"c_puct": 2.0}}))
+    with pytest.raises(ValueError, match="program y: prm must be one of required, optional, none, got 'maybe'"):
+        ProgramSpec("y", **{**ok, "prm": "maybe"})
+    with pytest.raises(ValueError, match="program y: budget must be one of beams, samples, rollouts, got 'steps'"):
+        ProgramSpec("y", **{**ok, "budget": "steps"})
+    with pytest.raises(ValueError, match="program y: function must be 'module:attribute', got 'm.f'"):
+        ProgramSpec("y", **{**ok, "function": "m.f"})
+
+
+def test_run_keys_did_not_move():
+    # recorded before the registry (runs written then must still resume): the default run, an MCTS
+    # run with its own settings, and a run at another program
+    assert RunConfig().run_key() == RUN_KEYS["default"]
+    assert RunConfig(program="mcts", parallel=4, negative_exit=True, aggregation="min").run_key() == RUN_KEYS["mcts"]
+    assert RunConfig(program="best_of_n", n=8).run_key() == RUN_KEYS["best_of_n"]
+
+
+RUN_KEYS = {"default": "38285ef2a532", "mcts": "4c828d99a93c", "best_of_n": "a29e92e27173"}   # at 82df6c1

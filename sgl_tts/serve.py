@@ -37,6 +37,19 @@ class ServerSpec:
     env: dict[str, str] | None = None
 
 
+_OUTPUT = threading.Lock()
+
+
+def say(text: str, file=None) -> None:
+    """Write one whole line while servers' logs stream to the same output: ``print`` writes the text
+    and its newline in two calls, so a log line could land between them (a test reading the
+    ready line found it glued to a server's log line)."""
+    out = file or sys.stdout
+    with _OUTPUT:
+        out.write(text + "\n")
+        out.flush()
+
+
 class ServerFailed(RuntimeError):
     """A server exited or never became healthy; the message names it and quotes its last lines."""
 
@@ -60,7 +73,7 @@ class ManagedServer:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.tail.append(line)
-            print(f"[{self.spec.name}] {line}", file=self.out, flush=True)
+            say(f"[{self.spec.name}] {line}", self.out)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -406,11 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "router" in urls:
             wait_router_workers(urls["router"], args.replicas)
             reps = ", ".join(u for n, u in urls.items() if n.startswith("generator-"))
-            print(f"sgl-tts serve: generator {urls['router']} (SGLang router, {args.router_policy}, "
-                  f"{args.replicas} replicas: {reps}), PRM {urls['prm']} (Ctrl-C stops all)", flush=True)
+            say(f"sgl-tts serve: generator {urls['router']} (SGLang router, {args.router_policy}, "
+                f"{args.replicas} replicas: {reps}), PRM {urls['prm']} (Ctrl-C stops all)")
         else:
-            print(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)",
-                  flush=True)
+            say(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)")
 
     try:
         with sigterm_stops_servers():

@@ -253,3 +253,37 @@ def test_bad_replica_settings_are_refused(capsys, argv, words):
 
     assert main(["serve", "--device", "cpu", "--dry-run", *argv]) == 1
     assert words in capsys.readouterr().err
+
+
+class _YieldingOutput:
+    """An output whose every write lets other threads run (as a pipe's does when it blocks)."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        time.sleep(0.0002)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_status_lines_and_streamed_server_logs_never_share_a_line():
+    """``sgl-tts serve`` prints its ready line while the servers' logs stream to the same stdout. CI
+    (2026-11-26) once read ``[prm] ... "GET /health HTTP/1.1" 200 OKsgl-tts serve: generator ...``:
+    print writes a line and its newline in two calls, and another thread's line fell between them.
+    Every line is now one write under one lock."""
+    from sgl_tts.serve import ManagedServer, say
+
+    out = _YieldingOutput()
+    server = ManagedServer(ServerSpec("gen", [sys.executable, "-c", "for i in range(300): print('log', i)"],
+                                      "http://127.0.0.1:1/health"), out=out)
+    n = 0
+    while server._reader.is_alive() or n < 300:
+        say(f"status {n}", out)
+        n += 1
+    server.proc.wait(timeout=60)
+    lines = "".join(out.parts).splitlines()
+    assert sorted(lines) == sorted([f"[gen] log {i}" for i in range(300)] + [f"status {i}" for i in range(n)])

@@ -18,7 +18,8 @@ norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 present = {norm(x.split("#")[0].strip()) for x in open("tools/gpu/present.txt") if x.split("#")[0].strip()}
 for d in md.distributions():
     n = norm(d.metadata["Name"])
-    if n in present and n not in ("pip", "setuptools", "wheel", "transformers"):
+    # transformers and tokenizers travel (ALWAYS in sgl_tts/wheelhouse.py): the image's versions clash
+    if n in present and n not in ("pip", "setuptools", "wheel", "transformers", "tokenizers"):
         print(f"{n}=={d.version}")
 PYEOF
 if [ ! -x "$SIM/venv/bin/python" ]; then

@@ -40,7 +40,7 @@ from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER, SearchResult, to
 
 logger = logging.getLogger(__name__)
 
-# the programs as registered at import (sgl_tts.registry is where they live; read it for later additions)
+# kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
 PROGRAMS = registry.names()
 MCTS_SETTINGS = registry.MCTS_SETTINGS   # MCTS's own settings and their defaults (registry)
 PRM_KINDS = ("step_tag", "reward_head")
@@ -190,9 +190,9 @@ class RunConfig:
         def bad(msg: str, *settings: str) -> None:
             raise RunError(msg, settings)
 
-        if self.program not in registry.names():
+        spec = registry.find(self.program)
+        if spec is None:
             bad(f"unknown program {self.program!r}; choose one of {', '.join(registry.names())}", "program")
-        spec = registry.program(self.program)
         for name in ("n", "beam_width", "max_depth", "max_tokens", "in_flight"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)!r}", name)
@@ -242,9 +242,8 @@ class RunConfig:
 
     @property
     def uses_prm(self) -> bool:
-        known = self.program in registry.names()   # (validate() names an unknown program)
-        return ((not known or registry.program(self.program).prm != "none")
-                and (self.prm is None or self.prm.lower() != "none"))
+        spec = registry.find(self.program)   # (an unknown program: validate() names it)
+        return (spec is None or spec.prm != "none") and (self.prm is None or self.prm.lower() != "none")
 
     def run_key(self) -> str:
         """A short hash of every setting that changes results (a resumed run must match it)."""
@@ -696,7 +695,7 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
                          "p90": quantile(lat, 0.9), "max": max(lat, default=0.0)},
         tokens_generated=sum(r["tokens_generated"] for r in records),
         tokens_kept=sum(r["tokens_kept"] for r in records), n=n,
-        exact_subsampling=program in registry.names() and registry.program(program).budget == "samples",
+        exact_subsampling=getattr(registry.find(program), "budget", None) == "samples",
         tokens_speculative=sum(r.get("tokens_speculative", 0) for r in records),
         tokens_reused=sum(r.get("tokens_reused", 0) for r in records),
         seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),

@@ -59,6 +59,14 @@ def is_tagged_rid(rid: object) -> bool:
     return isinstance(rid, str) and rid.startswith(GROUP_PREFIX)
 
 
+def rid_depth(rid: object) -> int | None:
+    """The depth a tagged rid (``tts/<group>/<depth>/...``) names, else ``None``."""
+    if not is_tagged_rid(rid):
+        return None
+    parts = rid.split("/")   # type: ignore[union-attr]
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchTag:
     """Where a request sits in a search.
@@ -143,4 +151,4 @@ def new_group() -> str:
 
 
 __all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "RID_TAG", "SearchTag", "check_group", "group_prefix",
-           "is_group_prefix", "is_tagged_rid", "new_group", "rid_prefix"]
+           "is_group_prefix", "is_tagged_rid", "new_group", "rid_depth", "rid_prefix"]

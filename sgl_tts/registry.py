@@ -105,6 +105,11 @@ def program(name: str) -> ProgramSpec:
         raise KeyError(f"unknown program {name!r}; choose one of {', '.join(_PROGRAMS)}") from None
 
 
+def find(name: str) -> ProgramSpec | None:
+    """The record of ``name``, or ``None`` for an unknown name."""
+    return _PROGRAMS.get(name)
+
+
 def own_settings() -> dict[str, tuple[str, Any]]:
     """Every program-only setting: name -> (its program, its default)."""
     return {k: (p.name, v) for p in _PROGRAMS.values() for k, v in p.settings.items()}
@@ -186,4 +191,4 @@ register(ProgramSpec("mcts", "programs.mcts:mcts", prm="required", budget="rollo
                      summary="Monte Carlo tree search over steps, PRM-scored, with early exits",
                      arguments=_mcts_arguments, settings=MCTS_SETTINGS, check=_check_mcts))
 
-__all__ = ["BUDGETS", "MCTS_SETTINGS", "PRM_USES", "ProgramSpec", "names", "own_settings", "program", "register"]
+__all__ = ["BUDGETS", "MCTS_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]

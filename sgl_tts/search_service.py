@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.search import SearchResult, Trajectory
 from sgl_tts.search_api import SearchRequest
-from sgl_tts.protocol import is_tagged_rid, new_group
+from sgl_tts.protocol import new_group, rid_depth
 
 logger = logging.getLogger(__name__)
 
@@ -165,21 +165,12 @@ class SearchEndpoint(SGLangEndpoint):
             data = self._generate_body(s, sampling_params, fields)
             obj = self.post("/generate", data)
         if self._on_generation is not None:
-            self._on_generation(_depth_of(data.get("rid")), int(obj["meta_info"].get("completion_tokens", 0)))
+            self._on_generation(rid_depth(data.get("rid")) or 0, int(obj["meta_info"].get("completion_tokens", 0)))
         return obj["text"], obj["meta_info"]
 
     def generate_stream(self, s, sampling_params):
         with self._sending():
             yield from super().generate_stream(s, sampling_params)
-
-
-def _depth_of(rid: Any) -> int:
-    """The depth in a tagged request's rid (``tts/<group>/<depth>/...``), else 0."""
-    if is_tagged_rid(rid):
-        parts = rid.split("/")
-        if len(parts) > 2 and parts[2].isdigit():
-            return int(parts[2])
-    return 0
 
 
 @dataclasses.dataclass

@@ -295,7 +295,7 @@ def wait_router_workers(url: str, count: int, timeout: float = 120.0) -> list[st
 
 
 def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (),
-                   plugin: "TTSSettings | None" = None, extra: Sequence[str] = (),
+                   plugin: TTSSettings | None = None, extra: Sequence[str] = (),
                    python: str = sys.executable) -> list[str]:
     """The one builder of SGLang's command line: ``python -m sglang.launch_server`` for ``model`` on
     ``host:port`` with the server's ``flags`` (a memory plan's, the CPU's), the plugin's settings
@@ -306,7 +306,7 @@ def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (
 
 
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
-                first: str, plugin: "TTSSettings | None" = None, python: str = sys.executable,
+                first: str, plugin: TTSSettings | None = None, python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
                 env: dict[str, str] | None = None) -> list[ServerSpec]:
     """The two servers' command lines in start-up order (the plugin's settings go to the generator,

@@ -11,7 +11,7 @@ import pytest
 
 import sgl_tts
 from sgl_tts.protocol import (GROUP_PREFIX, SearchTag, check_group, group_prefix, is_group_prefix, is_tagged_rid,
-                              rid_prefix)
+                              rid_depth, rid_prefix)
 
 # what the plugin must never pull in: the client's backends and CPU engine, SGLang's frontend
 # interpreter, the programs and experiments, and the heavy libraries behind them
@@ -76,6 +76,8 @@ def test_the_rid_scheme():
     assert rid.startswith(rid_prefix("g1", 2, 5)) and not is_group_prefix(rid) and is_tagged_rid(rid)
     assert SearchTag.from_rid(rid) == tag
     assert not is_tagged_rid("abc") and not is_tagged_rid(None) and not is_tagged_rid(7)
+    assert (rid_depth(rid), rid_depth(rid_prefix("g1", 12, "spec0")), rid_depth(group_prefix("g1"))) == (2, 12, None)
+    assert rid_depth("tts/g1/x/0") is None and rid_depth("other/g1/3/") is None and rid_depth(None) is None
     for bad in ("", "a/b", None):
         with pytest.raises(ValueError, match="a search group must be a non-empty id without '/', got"):
             check_group(bad)

@@ -29,8 +29,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise FileNotFoundError("no PRM: this source tree ships no trained PRM; pass --prm PATH "
                                 "(train one with `sgl-tts train-tiny --out DIR`)")
     t0 = time.perf_counter()
-    generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime)
-    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed)
+    generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime,
+                                local_options={"engine_in": args.cpu_engine})
+    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed, engine_in=args.cpu_engine)
     load_s = time.perf_counter() - t0
     try:
         cmp = quality.compare(generator, StepTagPRM(prm_backend), task.test_split()[:args.problems],
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default=None, help="generator on an SGLang server URL instead")
     d.add_argument("--runtime", choices=["auto", "server", "cuda", "cpu"], default="auto")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--cpu-engine", choices=["thread", "process"], default="thread",
+                   help="where the CPU backend's model engines run: a thread of this process or a child "
+                        "process each, apart from the searches' threads (default thread)")
     d.add_argument("--plot", default="sgl-tts-demo.png", help="accuracy-vs-N plot file")
     d.add_argument("--no-plot", action="store_true", help="do not save the plot")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -100,6 +100,9 @@ class RunConfig:
         answer_pattern: regex whose first group is the answer.
         generator: generator model folder or SGLang server URL; ``None``: the embedded default.
         runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
+        cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
+            each) or ``auto`` (a process for tree searches with 8+ in flight; see
+            :func:`sgl_tts.backends.local.choose_engine_in`).
         prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
             PRM (best-of-N then ranks nothing and picks the majority).
         prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
@@ -142,6 +145,7 @@ class RunConfig:
     answer_pattern: str = BOXED
     generator: str | None = None
     runtime: str = "auto"
+    cpu_engine: str = "auto"
     prm: str | None = None
     prm_kind: str = "step_tag"
     prm_tokenizer: str | None = None
@@ -155,7 +159,7 @@ class RunConfig:
     # Settings that do not change any result (a run may resume under different values of these). The
     # dataset's path is one: a resumed run checks each written problem's question instead.
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
-        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime")
+        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine")
     # Settings added after runs were written: at their default they stay out of the run key, so an
     # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too.
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
@@ -239,6 +243,17 @@ class RunConfig:
             bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}", "prm_kind")
         if self.runtime not in ("auto", "server", "cuda", "cpu"):
             bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu", "runtime")
+        if self.cpu_engine not in ("auto", "thread", "process"):
+            bad(f"unknown cpu_engine {self.cpu_engine!r}; choose auto, thread or process", "cpu_engine")
+
+    @property
+    def engine_in(self) -> str:
+        """Where a CPU backend opened for this run runs its engines (``cpu_engine`` resolved)."""
+        from sgl_tts.backends.local import choose_engine_in
+
+        spec = registry.find(self.program)
+        return choose_engine_in(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
+                                in_flight=self.in_flight)
 
     @property
     def uses_prm(self) -> bool:
@@ -773,7 +788,7 @@ def open_prm(cfg: RunConfig):
         backend = LocalClassifier(target)
     else:
         from sgl_tts.backends import LocalBackend
-        backend = LocalBackend(target, seed=cfg.seed)
+        backend = LocalBackend(target, seed=cfg.seed, engine_in=cfg.engine_in)
     try:
         if cfg.prm_kind == "reward_head":
             prm = RewardHeadPRM(backend, tag=cfg.prm_tag)
@@ -814,7 +829,8 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
     try:
         if todo and generator is None:
             import sgl_tts
-            generator = sgl_tts.connect(cfg.generator, runtime=cfg.runtime)
+            generator = sgl_tts.connect(cfg.generator, runtime=cfg.runtime,
+                                        local_options={"engine_in": cfg.engine_in})
             owned.append(generator)
         if todo and prm is None and cfg.uses_prm:
             prm, prm_backend = open_prm(cfg)

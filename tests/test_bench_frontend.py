@@ -20,7 +20,7 @@ FIELDS = {
     "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
     "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
     "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at",
-    "decode_context_mean", "decode_s", "extend_s", "extend_iterations"}
+    "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine"}
 # the server's records also have the limit at the searches' context (the plugin's records give it)
 CONTEXT_FIELDS = {"context_limit_prompt_tokens", "context_limit_tokens_per_s", "context_limit_fraction"}
 
@@ -55,7 +55,9 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["limit_new_tokens"] == 64 and r["limit_tokens_per_s"] > 0 and r["nominal_limit_tokens_per_s"] > 0
     assert r["limit_fraction"] == pytest.approx(r["tokens_per_s"] / r["limit_tokens_per_s"], rel=0.01)
     assert r["nominal_limit_fraction"] == pytest.approx(r["tokens_per_s"] / r["nominal_limit_tokens_per_s"], rel=0.01)
-    assert r["engine_threads"] == engine_threads
+    assert r["engine_threads"] == engine_threads and r["engine_processes"] == 0
+    # --quick's K <= 4: auto keeps the cpu backend's engines on threads (a process from K = 8)
+    assert r["cpu_engine"] == (None if r["backend"] == "server" else "thread")
     assert 0 <= r["client_user_s"] <= r["cpu_user_s"] and 0 <= r["client_system_s"] <= r["cpu_system_s"]
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
     # servers given by URL (and the cpu backend) have no processes of the run's to measure
@@ -284,3 +286,44 @@ def test_process_tree_cpu_counts_a_servers_children(tmp_path):
         launcher.kill()
         launcher.wait()
     assert frontend.process_tree_cpu([launcher.pid]) == (0.0, 0.0)
+
+
+def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
+    s = FrontendSettings()
+    assert s.cpu_engine == "auto"
+    assert [frontend.cpu_engine_for(s, p, k) for p in ("beam_search", "mcts", "best_of_n") for k in (4, 8)] == \
+        ["thread", "process", "thread", "process", "thread", "thread"]
+    thread = FrontendSettings(cpu_engine="thread")
+    assert frontend.cpu_engine_for(thread, "mcts", 128) == "thread"
+    # records from before the setting existed ran on threads: they keep their key
+    assert thread.key() == "9516a6ebd41a" and s.key() != thread.key()
+
+
+def test_the_cpu_meter_counts_engine_processes_as_the_engines_and_the_runs(tmp_path):
+    """With the engines in child processes their CPU is the engines' CPU, and the run's too; what
+    this process spends is the client's."""
+    import subprocess
+    import sys
+    import time
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    burn = ("import pathlib, time\n"
+            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+            "t = time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\n"
+            f"pathlib.Path({str(done)!r}).touch()\n"
+            "time.sleep(60)\n")
+    engine = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        with frontend.CPUMeter(engine_pids=[engine.pid]) as cpu:
+            go.touch()
+            deadline = time.monotonic() + 60
+            while not done.exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert 0.45 < cpu.engine_user + cpu.engine_system < 1.0
+        assert cpu.user >= cpu.engine_user and cpu.system >= cpu.engine_system
+        assert cpu.user + cpu.system - cpu.engine_user - cpu.engine_system < 0.3   # this process waited
+    finally:
+        engine.kill()
+        engine.wait()

@@ -145,3 +145,12 @@ def test_every_server_command_comes_from_one_builder(tmp_path):
     assert not any(x.startswith("--tts-") for x in b.command) and b.env["SGLANG_PLUGINS"] == "none"
     with pytest.raises(ValueError, match="seeded sampling comes from the sgl-tts plugin: give a policy"):
         LiveServer(gen, policy=NO_PLUGIN, seeded_sampling=True)
+
+
+def test_an_engine_process_loads_no_sglang():
+    """The CPU engine's child process (sgl_tts.backends.engine_process) needs torch and transformers,
+    not SGLang's frontend, which takes seconds to import in every child."""
+    loaded = _loaded_after("import sgl_tts.backends.engine_process")
+    assert "sgl_tts.backends.engine" in loaded and "torch" in loaded
+    assert not [m for m in loaded if m.split(".")[0] == "sglang" or m in ("sgl_tts.backends.local",
+                                                                            "sgl_tts.backends.endpoint")]

@@ -6,18 +6,44 @@ the CPU :class:`LocalBackend`. All of them accept :func:`sgl_tts.gen`'s per-requ
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from sglang.lang.backend.base_backend import BaseBackend
+if TYPE_CHECKING:
+    from sglang.lang.backend.base_backend import BaseBackend
 
-from sgl_tts.backends.endpoint import InProcessSGLang, SGLangEndpoint, apply_request_fields
-from sgl_tts.backends.engine import BatchEngine, Completion, UnsupportedFeatureError
-from sgl_tts.backends.local import LocalBackend
-from sgl_tts.backends.request import RequestFields, gen, take_request_fields
+    from sgl_tts.backends.endpoint import InProcessSGLang, SGLangEndpoint, apply_request_fields
+    from sgl_tts.backends.engine import BatchEngine, Completion, UnsupportedFeatureError
+    from sgl_tts.backends.local import LocalBackend
+    from sgl_tts.backends.request import RequestFields, gen, take_request_fields
 
 logger = logging.getLogger(__name__)
+
+# Imported on first use (PEP 562): an engine process (sgl_tts.backends.engine_process) needs torch
+# and transformers only, not SGLang's frontend, which takes seconds to import.
+_LAZY = {
+    "InProcessSGLang": "sgl_tts.backends.endpoint",
+    "SGLangEndpoint": "sgl_tts.backends.endpoint",
+    "apply_request_fields": "sgl_tts.backends.endpoint",
+    "BatchEngine": "sgl_tts.backends.engine",
+    "Completion": "sgl_tts.backends.engine",
+    "UnsupportedFeatureError": "sgl_tts.backends.engine",
+    "LocalBackend": "sgl_tts.backends.local",
+    "RequestFields": "sgl_tts.backends.request",
+    "gen": "sgl_tts.backends.request",
+    "take_request_fields": "sgl_tts.backends.request",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sgl_tts.backends' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value   # later lookups skip this function
+    return value
 
 Runtime = Literal["auto", "server", "cuda", "cpu"]
 
@@ -27,7 +53,7 @@ def _is_url(target: str) -> bool:
 
 
 def connect(target: str | os.PathLike | None = None, *, runtime: Runtime = "auto",
-            **kwargs: Any) -> BaseBackend:
+            local_options: dict[str, Any] | None = None, **kwargs: Any) -> "BaseBackend":
     """Return an SGLang frontend backend for ``target``.
 
     * ``target`` is an ``http(s)://`` URL of a running SGLang server -> :class:`SGLangEndpoint`
@@ -38,10 +64,14 @@ def connect(target: str | os.PathLike | None = None, *, runtime: Runtime = "auto
     * otherwise -> :class:`LocalBackend` on the CPU (kwargs: its options).
 
     ``runtime`` forces a choice: ``"server"`` (URL only), ``"cuda"`` or ``"cpu"``.
+    ``local_options`` are :class:`LocalBackend` options applied only when the choice is that backend
+    (e.g. ``{"engine_in": "process"}`` from a command line that also takes URLs).
     """
     if target is not None and _is_url(str(target)):
         if runtime not in ("auto", "server"):
             raise ValueError(f"runtime={runtime!r} does not apply to a server URL")
+        from sgl_tts.backends.endpoint import SGLangEndpoint
+
         return SGLangEndpoint(str(target).rstrip("/"), **kwargs)
     if runtime == "server":
         raise ValueError(f"runtime='server' needs an http(s):// URL, got {target!r}")
@@ -50,9 +80,13 @@ def connect(target: str | os.PathLike | None = None, *, runtime: Runtime = "auto
 
         target = default_model_path()
     if runtime == "cuda" or (runtime == "auto" and _cuda_available()):
+        from sgl_tts.backends.endpoint import InProcessSGLang
+
         logger.info("starting an in-process SGLang runtime for %s", target)
         return InProcessSGLang(str(target), **kwargs)
-    return LocalBackend(target, **kwargs)
+    from sgl_tts.backends.local import LocalBackend
+
+    return LocalBackend(target, **{**(local_options or {}), **kwargs})
 
 
 def _cuda_available() -> bool:

@@ -432,6 +432,42 @@ class PrefixCache:
         self.bytes = 0
 
 
+def check_request(input_ids: Sequence[int], sampling: SamplingSpec, logprobs: LogprobSpec | None,
+                  score_positions: tuple[Sequence[int], Sequence[int]] | None, *, vocab_size: int,
+                  max_positions: int | None
+                  ) -> tuple[list[int], LogprobSpec, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """Validate one request as :meth:`BatchEngine.submit` takes it (ValueError naming the field);
+    returns its token ids, logprob spec and score positions in the engine's form. Shared with
+    :class:`~sgl_tts.backends.engine_process.EngineProcess`, which checks before sending."""
+    ids = [int(t) for t in input_ids]
+    if not ids:
+        raise ValueError("a request needs at least one input token")
+    sampling.validate()
+    if max_positions and len(ids) + sampling.max_new_tokens > max_positions:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+            f"the model's max_position_embeddings ({max_positions}); shorten the prompt or "
+            f"lower max_new_tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
+    lp = logprobs or LogprobSpec()
+    if lp.return_logprob and lp.logprob_start_len is not None and lp.logprob_start_len > len(ids):
+        raise ValueError(
+            f"logprob_start_len={lp.logprob_start_len} is higher than the number of input "
+            f"tokens ({len(ids)}); use a smaller logprob_start_len")
+    sp = None
+    if score_positions is not None:
+        pos, tids = (tuple(int(p) for p in score_positions[0]),
+                     tuple(int(t) for t in score_positions[1]))
+        if any(not 0 <= p < len(ids) for p in pos):
+            raise ValueError(f"score positions must lie in [0, {len(ids)}), got {pos}")
+        if any(not 0 <= t < vocab_size for t in tids):
+            raise ValueError(f"score token ids must lie in [0, {vocab_size}), got {tids}")
+        sp = (pos, tids)
+    return ids, lp, sp
+
+
 class BatchEngine:
     """Owns a causal LM and serves generation requests from many threads in shared batches.
 
@@ -498,32 +534,8 @@ class BatchEngine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
-        ids = [int(t) for t in input_ids]
-        if not ids:
-            raise ValueError("a request needs at least one input token")
-        sampling.validate()
-        if self.max_positions and len(ids) + sampling.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
-                f"the model's max_position_embeddings ({self.max_positions}); shorten the prompt or "
-                f"lower max_new_tokens")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input token ids out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
-        lp = logprobs or LogprobSpec()
-        if lp.return_logprob and lp.logprob_start_len is not None and lp.logprob_start_len > len(ids):
-            raise ValueError(
-                f"logprob_start_len={lp.logprob_start_len} is higher than the number of input "
-                f"tokens ({len(ids)}); use a smaller logprob_start_len")
-        sp = None
-        if score_positions is not None:
-            pos, tids = (tuple(int(p) for p in score_positions[0]),
-                         tuple(int(t) for t in score_positions[1]))
-            if any(not 0 <= p < len(ids) for p in pos):
-                raise ValueError(f"score positions must lie in [0, {len(ids)}), got {pos}")
-            if any(not 0 <= t < self.vocab_size for t in tids):
-                raise ValueError(f"score token ids must lie in [0, {self.vocab_size}), got {tids}")
-            sp = (pos, tids)
+        ids, lp, sp = check_request(input_ids, sampling, logprobs, score_positions,
+                                    vocab_size=self.vocab_size, max_positions=self.max_positions)
         req = _Request(rid or uuid.uuid4().hex, ids, sampling, lp, sp, int(priority))
         with self._lock:
             if self._closed:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
-import torch
 from sglang.global_config import global_config
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.backend.runtime_endpoint import compute_normalized_prompt_logprobs
@@ -22,17 +21,41 @@ from sglang.lang.ir import SglSamplingParams
 
 from sgl_tts.backends.engine import (
     BatchEngine,
-    use_engine_attention,
     Completion,
     LogprobSpec,
     SamplingSpec,
     UnsupportedFeatureError,
 )
+from sgl_tts.backends.engine_process import (
+    DTYPES,
+    EngineProcess,
+    EngineSpec,
+    check_supported_architecture,
+    load_model,
+)
 from sgl_tts.backends.request import RequestFields, take_request_fields
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EngineIn = Literal["thread", "process"]
+
+#: In-flight searches from which ``engine_in="auto"`` runs a tree search's engines in processes of
+#: their own. Measured with ``sgl-tts bench-frontend --backends cpu`` (2-core CPU, 2026-11-26,
+#: docs/BENCHMARKS.md): beam search and MCTS gained 4-22% at every K (most at K = 128, where hundreds
+#: of fork threads share the interpreter with an in-process engine), while best-of-N, whose client
+#: is nearly idle, lost 1-12%; a child engine also costs ~3.5 s of start.
+PROCESS_ENGINE_MIN_IN_FLIGHT = 8
+
+
+def choose_engine_in(setting: str, *, tree_search: bool, in_flight: int) -> EngineIn:
+    """Where :class:`LocalBackend` runs its engine for a setting ``thread``, ``process`` or ``auto``:
+    ``auto`` is ``process`` for a tree search (beam search, DVTS, MCTS) with at least
+    :data:`PROCESS_ENGINE_MIN_IN_FLIGHT` searches in flight, else ``thread``."""
+    if setting not in ("auto", "thread", "process"):
+        raise ValueError(f"cpu engine must be auto, thread or process, got {setting!r}")
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    return "process" if tree_search and in_flight >= PROCESS_ENGINE_MIN_IN_FLIGHT else "thread"
 
 
 class LocalBackend(BaseBackend):
@@ -50,36 +73,50 @@ class LocalBackend(BaseBackend):
             arrives at an idle engine (a fork's branches arrive within microseconds).
         threads: torch threads of the engine (default 1; ``None`` for torch's default), see
             :class:`~sgl_tts.backends.engine.BatchEngine`.
+        engine_in: ``"thread"`` (default) runs the engine on a thread of this process;
+            ``"process"`` runs the model and its engine in a child process
+            (:class:`~sgl_tts.backends.engine_process.EngineProcess`), so that the searches' threads
+            do not share an interpreter lock with it: faster with many searches in flight, a few
+            seconds more to start. ``model`` is then ``None`` in this process.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
                  max_running: int = 256, prefix_cache_mb: int = 256, seed: int | None = None,
                  chat_template: str | None = None, gather_window_ms: float = 4.0,
-                 threads: int | None = 1, trust_remote_code: bool = False):
+                 threads: int | None = 1, trust_remote_code: bool = False,
+                 engine_in: EngineIn = "thread"):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"no model at {path}: expected a Hugging Face model folder with config.json "
                 f"(model hubs are not used; pass a local path)")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if str(device) != "cpu":
             raise ValueError(f"LocalBackend runs on the CPU (device='cpu'), got device={device!r}; "
                              f"with CUDA use sgl_tts.connect(path) for an in-process SGLang runtime")
+        if engine_in not in ("thread", "process"):
+            raise ValueError(f"engine_in must be 'thread' or 'process', got {engine_in!r}")
         self.model_path = str(path)
+        spec = EngineSpec(self.model_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                          max_running=max_running, prefix_cache_bytes=prefix_cache_mb << 20, seed=seed,
+                          gather_window_s=gather_window_ms / 1000.0, threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
-        check_supported_architecture(model.config)
-        model.to(device).eval()
-        use_engine_attention(model)
-        self.model = model
-        self.engine = BatchEngine(model, self.tokenizer, max_running=max_running,
-                                  prefix_cache_bytes=prefix_cache_mb << 20, seed=seed,
-                                  gather_window_s=gather_window_ms / 1000.0, threads=threads)
+        self.engine: BatchEngine | EngineProcess
+        if engine_in == "process":
+            from transformers import AutoConfig
+
+            check_supported_architecture(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+            self.engine = EngineProcess(spec)
+            self.model = None
+        else:
+            self.model = load_model(path, dtype, trust_remote_code)
+            self.engine = BatchEngine(self.model, self.tokenizer, max_running=max_running,
+                                      prefix_cache_bytes=spec.prefix_cache_bytes, seed=seed,
+                                      gather_window_s=spec.gather_window_s, threads=threads)
         self.chat_template = (get_chat_template(chat_template) if chat_template
                               else get_chat_template_by_model_path(self.model_path))
         self.is_chat_model = False
@@ -245,24 +282,5 @@ def admission_priority(fields: RequestFields) -> int:
 SPECULATIVE_PRIORITY = -1
 
 
-def check_supported_architecture(config) -> None:
-    """Refuse models whose attention the engine's masks would get wrong (sliding windows, hybrid or
-    state-space layers): the engine builds full causal masks over a per-layer KV cache."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(cfg, "layer_types", None)
-    problem = None
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        problem = f"layer types {sorted(set(layer_types))}"
-    elif getattr(cfg, "use_sliding_window", False):
-        problem = "sliding-window attention (use_sliding_window=True)"
-    elif getattr(cfg, "model_type", "") in ("mistral", "mixtral"):
-        window = getattr(cfg, "sliding_window", None)
-        if window is not None and window < getattr(cfg, "max_position_embeddings", 0):
-            problem = f"sliding-window attention (sliding_window={window})"
-    if problem:
-        raise UnsupportedFeatureError(
-            f"LocalBackend supports full-attention decoder models only; this model has {problem}. "
-            f"Serve it with SGLang and use sgl_tts.connect(url)")
-
-
-__all__ = ["LocalBackend", "UnsupportedFeatureError", "check_supported_architecture"]
+__all__ = ["LocalBackend", "PROCESS_ENGINE_MIN_IN_FLIGHT", "UnsupportedFeatureError",
+           "check_supported_architecture", "choose_engine_in"]

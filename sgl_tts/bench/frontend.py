@@ -103,6 +103,9 @@ class FrontendSettings:
         max_tokens: a best-of-N sample's token limit.
         temperature: sampling temperature.
         seed: the sampling seed (``sgl-tts run``'s: each sample's seed derives from it).
+        cpu_engine: where the ``cpu`` backend's engines run: ``thread`` (in this process),
+            ``process`` (a child process each, :class:`~sgl_tts.backends.engine_process.EngineProcess`)
+            or ``auto`` (per block, as ``sgl-tts run`` decides: :func:`cpu_engine_for`).
     """
 
     backends: tuple[str, ...] = BACKENDS
@@ -120,6 +123,7 @@ class FrontendSettings:
     max_tokens: int = 256
     temperature: float = 0.8
     seed: int = 0
+    cpu_engine: str = "auto"
 
     # --quick: K in {1, 4}, 4 searches, small budgets (a CI check, not a measurement)
     QUICK: typing.ClassVar[dict[str, Any]] = dict(ks=(1, 4), min_searches=4, beams=4, beam_width=2, samples=4,
@@ -130,6 +134,8 @@ class FrontendSettings:
     def __post_init__(self):
         _names(",".join(self.backends), "--backends", BACKENDS)
         _names(",".join(self.programs), "--programs", PROGRAMS)
+        if self.cpu_engine not in ("auto", "thread", "process"):
+            raise ValueError(f"--cpu-engine must be auto, thread or process, got {self.cpu_engine!r}")
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"--ks: every K must be a positive integer, got {self.ks}")
         for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",
@@ -145,6 +151,8 @@ class FrontendSettings:
     def key(self) -> str:
         """What a record must match to be reused (every setting that changes a block's result)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
+        if fields["cpu_engine"] == "thread":  # how runs went before the setting existed: their records match
+            del fields["cpu_engine"]
         fields["record_format"] = RECORD_FORMAT
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -181,6 +189,15 @@ class FrontendSettings:
         return max(1, min(k * self.requests_per_search(program), max_running))
 
 
+def cpu_engine_for(s: FrontendSettings, program: str, k: int) -> str:
+    """Where the ``cpu`` backend's engines run for a block: ``s.cpu_engine``, with ``auto`` resolved
+    as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.local.choose_engine_in`)."""
+    from sgl_tts import registry
+    from sgl_tts.backends.local import choose_engine_in
+
+    return choose_engine_in(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k)
+
+
 def program_options(s: FrontendSettings, program: str) -> dict[str, Any]:
     """The program's keyword arguments other than the question and the PRM (recorded with a block)."""
     args = s.run_config(program).program_arguments("", None)
@@ -207,6 +224,8 @@ class Target:
         server_pids: the server processes whose CPU is the run's too (with their children): those
             this command started; none for servers given by URL or the ``cpu`` backend.
         tokenizer: the generator's tokenizer (``server``), for the limit at the searches' context.
+        engine_pids: the engine processes of ``cpu`` with ``cpu_engine="process"``: their CPU is
+            the engines' (and counted in the process's).
     """
 
     name: str
@@ -220,6 +239,7 @@ class Target:
     decode_meter: Callable[[], Callable[[], "DecodeCounts | None"]] = lambda: (lambda: None)
     server_pids: Callable[[], Sequence[int]] = lambda: ()
     tokenizer: Callable[[], Any] | None = None
+    engine_pids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,19 +375,21 @@ def server_max_running(url: str) -> int:
     raise RuntimeError(f"{url}/server_info names no max running requests")
 
 
-def open_cpu(s: FrontendSettings) -> Target:
-    """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines in this process."""
+def open_cpu(s: FrontendSettings, engine_in: str = "thread") -> Target:
+    """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines, on threads of this
+    process or (``engine_in="process"``) in a child process each."""
     from sgl_tts import LocalBackend
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    gen = LocalBackend(shipped_model("generator"), seed=s.seed)
+    gen = LocalBackend(shipped_model("generator"), seed=s.seed, engine_in=engine_in)
     try:
-        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed)
+        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed, engine_in=engine_in)
     except BaseException:
         gen.shutdown()
         raise
     ids = tuple(i for i in (gen.engine.native_thread_id, prm_backend.engine.native_thread_id) if i is not None)
+    pids = tuple(getattr(b.engine, "pid", None) for b in (gen, prm_backend))
 
     def flush() -> None:
         gen.flush_cache()
@@ -379,7 +401,8 @@ def open_cpu(s: FrontendSettings) -> Target:
 
     return Target("cpu", gen, lambda: StepTagPRM(prm_backend), flush, ids, gen.engine.max_running,
                   lambda b, prompts: cpu_decode_limit(gen, b, prompts, s.temperature, s.seed), close,
-                  lambda: engine_decode_meter(gen.engine))
+                  lambda: engine_decode_meter(gen.engine),
+                  engine_pids=tuple(p for p in pids if p is not None))
 
 
 def open_server(s: FrontendSettings, generator_url: str, prm_url: str,
@@ -469,24 +492,30 @@ class CPUMeter:
     """This process's CPU over a ``with`` block, the part of it the given threads took, and the CPU
     of the given server processes (with their descendants) over the same block."""
 
-    def __init__(self, engine_threads: Sequence[int] = (), server_pids: Sequence[int] = ()):
+    def __init__(self, engine_threads: Sequence[int] = (), server_pids: Sequence[int] = (),
+                 engine_pids: Sequence[int] = ()):
         self.engine_threads = tuple(engine_threads)
         self.server_pids = tuple(server_pids)
+        self.engine_pids = tuple(engine_pids)
         self.user = self.system = self.engine_user = self.engine_system = 0.0
         self.server_user = self.server_system = 0.0
 
     def __enter__(self) -> "CPUMeter":
         self._r0 = resource.getrusage(resource.RUSAGE_SELF)
         self._e0 = thread_cpu(self.engine_threads)
+        self._p0 = process_tree_cpu(self.engine_pids)
         self._s0 = process_tree_cpu(self.server_pids)
         return self
 
     def __exit__(self, *exc) -> None:
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         e1 = thread_cpu(self.engine_threads)
+        p1 = process_tree_cpu(self.engine_pids)
         s1 = process_tree_cpu(self.server_pids)
-        self.user, self.system = r1.ru_utime - self._r0.ru_utime, r1.ru_stime - self._r0.ru_stime
-        self.engine_user, self.engine_system = e1[0] - self._e0[0], e1[1] - self._e0[1]
+        pu, ps = p1[0] - self._p0[0], p1[1] - self._p0[1]
+        self.user = r1.ru_utime - self._r0.ru_utime + pu
+        self.system = r1.ru_stime - self._r0.ru_stime + ps
+        self.engine_user, self.engine_system = e1[0] - self._e0[0] + pu, e1[1] - self._e0[1] + ps
         self.server_user, self.server_system = s1[0] - self._s0[0], s1[1] - self._s0[1]
 
 
@@ -539,7 +568,8 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
     errors: list[str] = []
     bar = tqdm(total=n, desc=f"{target.name} {program} K={k}", unit="search", disable=not progress, leave=False)
     decode_counts = target.decode_meter()
-    with PeakThreads() as threads, CPUMeter(target.engine_threads, target.server_pids()) as cpu:
+    with PeakThreads() as threads, CPUMeter(target.engine_threads, target.server_pids(),
+                                                   target.engine_pids) as cpu:
         started_at = time.time()
         t0 = time.perf_counter()
         for i, state in run_continuously(fn, args, backend=target.generator, in_flight=k, total=n):
@@ -568,7 +598,7 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
            "started_at": round(started_at, 3), "ended_at": round(ended_at, 3),
            "searches_per_s": round(n / wall, 4), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
            "cpu_user_s": round(cpu.user, 3), "cpu_system_s": round(cpu.system, 3),
-           "engine_threads": len(target.engine_threads),
+           "engine_threads": len(target.engine_threads), "engine_processes": len(target.engine_pids),
            "engine_user_s": round(cpu.engine_user, 3), "engine_system_s": round(cpu.engine_system, 3),
            "client_user_s": round(client_user, 3), "client_system_s": round(client_system, 3),
            "cpu_user_per_1k_tokens": per_1k(cpu.user), "cpu_system_per_1k_tokens": per_1k(cpu.system),
@@ -765,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"default {getattr(d, name)}" + (f" (--quick {d.QUICK[name]})" if name in d.QUICK else ""))
     p.add_argument("--temperature", type=float, default=None, help=f"default {d.temperature}")
+    p.add_argument("--cpu-engine", choices=("auto", "thread", "process"), default=None,
+                   help=f"where the cpu backend's model engines run: a thread of this process, a child "
+                        f"process each, or auto: as sgl-tts run decides per program and K (default {d.cpu_engine})")
     p.add_argument("--generator-url", default=None, help="a running generator for the server backend (default: "
                    "start the tiny generator with the plugin on the CPU)")
     p.add_argument("--generator-metrics", default=None, metavar="PREFIX",
@@ -843,9 +876,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mine = [(p, k) for b, p, k in todo if b == backend]
                 if not mine:
                     continue
-                if backend == "cpu":
-                    target = open_cpu(s)
-                else:
+                opened: dict[str, Target] = {}   # cpu: one target per engine placement, opened when needed
+
+                def target_for(program: str, k: int) -> Target:
+                    mode = cpu_engine_for(s, program, k) if backend == "cpu" else "server"
+                    if mode not in opened:
+                        opened[mode] = open_cpu(s, mode) if backend == "cpu" else open_server_target()
+                    return opened[mode]
+
+                def open_server_target() -> Target:
+                    nonlocal servers
                     gen_url, prm_url = args.generator_url, args.prm_url
                     metrics = args.generator_metrics
                     started: list[str] = []
@@ -860,9 +900,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         prm_url = prm_url or servers.url("prm")
                     records_of = None if metrics is None else functools.partial(metrics_file_records, metrics)
                     pids_of = functools.partial(_server_pids, servers, tuple(started))
-                    target = open_server(s, gen_url, prm_url, records_of, pids_of)
+                    return open_server(s, gen_url, prm_url, records_of, pids_of)
 
-                def limit_at(batch: int) -> float:
+                def limit_at(target: Target, batch: int) -> float:
                     if (target.name, batch) not in limits:
                         target.flush()
                         limits[(target.name, batch)] = round(target.decode_limit(batch, prompts), 2)
@@ -872,12 +912,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 try:
                     for program, k in mine:
+                        target = target_for(program, k)
                         nominal = s.limit_batch(program, k, target.max_running)
                         target.flush()   # every block samples the same texts: no block starts on a warm cache
                         rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
                         mean = rec["decode_batch_mean"]
                         batch = nominal if mean is None else max(1, round(mean))
-                        limit, nominal_limit = limit_at(batch), limit_at(nominal)
+                        limit, nominal_limit = limit_at(target, batch), limit_at(target, nominal)
                         context = rec["decode_context_mean"]
                         if context is not None and target.tokenizer is not None:
                             # the same batch at the searches' context: plain generations whose
@@ -892,7 +933,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             context_limit = limits[(target.name, batch, length)]
                             rec.update(context_limit_prompt_tokens=length, context_limit_tokens_per_s=context_limit,
                                        context_limit_fraction=round(rec["tokens_per_s"] / context_limit, 4))
-                        rec.update(key=key, limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
+                        rec.update(key=key, cpu_engine=cpu_engine_for(s, program, k) if backend == "cpu" else None,
+                                   limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
                                    limit_new_tokens=LIMIT_NEW_TOKENS,
                                    limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
                                    nominal_batch=nominal, nominal_limit_tokens_per_s=nominal_limit,
@@ -907,7 +949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
                                     program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
                 finally:
-                    target.close()
+                    for t in opened.values():
+                        t.close()
         finally:
             if servers is not None:
                 servers.stop_all()

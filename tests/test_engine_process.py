@@ -1,0 +1,198 @@
+"""The CPU engine in a process of its own (``LocalBackend(engine_in="process")``): the same completions
+and the same searches as the engine on a thread, its errors, its death and its close; and where
+``auto`` puts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import shutil
+import time
+
+import pytest
+
+from sgl_tts import LocalBackend
+from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
+from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
+from sgl_tts.backends.local import PROCESS_ENGINE_MIN_IN_FLIGHT, choose_engine_in
+from sgl_tts.experiment import RunConfig, RunError, program_function
+from sgl_tts.models import shipped_model
+from sgl_tts.prm import StepTagPRM
+from sgl_tts.runner import run_continuously
+from sgl_tts import task
+
+PROMPT = "Question: compute ((3+4)*5)-6.\n\n"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_path):
+    """The same tiny model behind a thread engine and a process engine, same seed."""
+    thread = LocalBackend(tiny_model_path, seed=7)
+    process = LocalBackend(tiny_model_path, seed=7, engine_in="process")
+    yield thread, process
+    thread.shutdown()
+    process.shutdown()
+
+
+def _comparable(comp):
+    meta = {k: v for k, v in comp.meta_info.items() if k not in ("id", "e2e_latency")}
+    return comp.text, comp.output_ids, meta
+
+
+def test_the_child_returns_what_the_thread_engine_returns(pair):
+    thread, process = pair
+    assert process.model is None and isinstance(process.engine, EngineProcess)
+    ids = thread.encode(PROMPT)
+    requests = [
+        (SamplingSpec(max_new_tokens=12, temperature=0.9, seed=s), LogprobSpec(return_logprob=True,
+                                                                                  logprob_start_len=3,
+                                                                                  top_logprobs_num=2))
+        for s in range(6)
+    ] + [(SamplingSpec(max_new_tokens=8, temperature=0), LogprobSpec(token_ids_logprob=(5, 9)))]
+    thread.flush_cache()
+    process.flush_cache()
+    # one at a time on each side: the same batches, the same prefix-cache hits, bit for bit
+    want = [_comparable(thread.engine.submit(ids, sp, lp).result()) for sp, lp in requests]
+    got = [_comparable(process.engine.submit(ids, sp, lp).result(timeout=120)) for sp, lp in requests]
+    assert got == want
+    assert want[0][2]["cached_tokens"] == 0 and want[1][2]["cached_tokens"] > 0
+    # all in flight together: each future gets its own request's answer
+    futs = [process.engine.submit(ids, sp, lp) for sp, lp in requests]
+    assert [len(f.result(timeout=120).output_ids) for f in futs] == [12] * 6 + [len(want[6][1])]
+    # scores at positions (what a step-tag PRM reads) cross the pipe unchanged
+    assert process.next_token_logprobs([PROMPT], [[-1, -3]], [5, 9]) == \
+        thread.next_token_logprobs([PROMPT], [[-1, -3]], [5, 9])
+
+
+def test_a_bad_request_fails_at_submit_with_the_thread_engines_message(pair):
+    thread, process = pair
+    for bad in ([], [10 ** 9]):
+        with pytest.raises(ValueError) as in_thread:
+            thread.engine.submit(bad, SamplingSpec())
+        with pytest.raises(ValueError) as in_process:
+            process.engine.submit(bad, SamplingSpec())
+        assert str(in_process.value) == str(in_thread.value)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        process.engine.submit([1, 2], SamplingSpec(top_p=0))
+
+
+def test_stats_and_flush_reach_the_child(pair):
+    _, process = pair
+    ids = process.encode(PROMPT + "again")
+    before = process.engine.stats
+    process.engine.generate(ids, SamplingSpec(max_new_tokens=4, temperature=0))
+    process.engine.generate(ids, SamplingSpec(max_new_tokens=4, temperature=0))
+    after = process.engine.stats
+    assert after.requests == before.requests + 2
+    assert after.cached_tokens > before.cached_tokens          # the second reused the first's prefix
+    process.flush_cache()
+    third = process.engine.generate(ids, SamplingSpec(max_new_tokens=4, temperature=0))
+    assert third.meta_info["cached_tokens"] == 0
+
+
+def test_the_same_searches_on_a_thread_engine_and_on_process_engines():
+    """Beam search (and MCTS) keep the same beams, answers and token counts wherever the engines
+    run: equal algorithm output, given the same seeds."""
+    problems = task.test_split()[:3]
+    outcomes = {}
+    for where in ("thread", "process"):
+        gen = LocalBackend(shipped_model("generator"), seed=0, engine_in=where)
+        prm_backend = LocalBackend(shipped_model("prm"), seed=0, engine_in=where)
+        try:
+            for program in ("beam_search", "mcts"):
+                cfg = RunConfig(program=program, n=4, beam_width=2, max_depth=6, parallel=2,
+                                cpu_engine=where)
+                prm = StepTagPRM(prm_backend)
+                args = [cfg.program_arguments(p.question, prm) for p in problems]
+                got = {}
+                for i, state in run_continuously(program_function(program), args, backend=gen, in_flight=3):
+                    assert not isinstance(state, BaseException) and state.error() is None
+                    r = state.ret_value
+                    got[i] = (r.answer, r.tokens_generated, [t.steps for t in r.trajectories],
+                              [round(s, 6) for t in r.trajectories for s in t.step_scores])
+                outcomes[(where, program)] = got
+        finally:
+            gen.shutdown()
+            prm_backend.shutdown()
+    assert outcomes[("process", "beam_search")] == outcomes[("thread", "beam_search")]
+    assert outcomes[("process", "mcts")] == outcomes[("thread", "mcts")]
+    assert all(len(v) == 3 for v in outcomes.values())
+
+
+def test_a_killed_child_fails_what_is_in_flight_and_what_comes_after(tiny_model_path):
+    be = LocalBackend(tiny_model_path, seed=0, engine_in="process")
+    try:
+        ids = be.encode(PROMPT)
+        be.engine.generate(ids, SamplingSpec(max_new_tokens=2))       # loaded and serving
+        fut = be.engine.submit(ids, SamplingSpec(max_new_tokens=1500, ignore_eos=True))
+        os.kill(be.engine.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"the engine process for .* exited \(exit code -9\)"):
+            fut.result(timeout=60)
+        with pytest.raises(RuntimeError, match=r"exited \(exit code -9\)"):
+            be.engine.submit(ids, SamplingSpec(max_new_tokens=2))
+    finally:
+        be.shutdown()
+
+
+def test_close_fails_the_unfinished_and_ends_the_child(tiny_model_path):
+    be = LocalBackend(tiny_model_path, seed=0, engine_in="process")
+    ids = be.encode(PROMPT)
+    be.engine.generate(ids, SamplingSpec(max_new_tokens=2))
+    futs = [be.engine.submit(ids, SamplingSpec(max_new_tokens=120, ignore_eos=True)) for _ in range(4)]
+    t0 = time.perf_counter()
+    be.shutdown()
+    assert time.perf_counter() - t0 < 30
+    assert be.engine._process.poll() == 0                 # it exited by itself, cleanly
+    for f in futs:
+        with pytest.raises(RuntimeError, match="the engine was closed"):
+            f.result(timeout=1)
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        be.engine.submit(ids, SamplingSpec(max_new_tokens=2))
+    be.shutdown()                                          # twice is fine
+
+
+def test_a_model_the_child_cannot_load_names_the_folder_and_the_error(tiny_model_path, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_path, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    engine = EngineProcess(EngineSpec(str(broken)))        # returns at once; the load runs in the child
+    try:
+        with pytest.raises(RuntimeError, match=rf"the engine process could not load {broken}: "):
+            engine.wait_ready()
+        with pytest.raises(RuntimeError, match="could not load"):   # and stays failed
+            engine.submit([1, 2], SamplingSpec(max_new_tokens=1))
+    finally:
+        engine.close()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="engine_in must be 'thread' or 'process', got 'gpu'"):
+        LocalBackend(shipped_model("generator"), engine_in="gpu")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineProcess(EngineSpec("/nowhere", dtype="int8"))
+    with pytest.raises(RunError, match="unknown cpu_engine 'fast'; choose auto, thread or process"):
+        RunConfig(cpu_engine="fast").validate()
+
+
+# ------------------------------------------------------------------------------------ the policy
+@pytest.mark.parametrize("setting, tree_search, in_flight, expected", [
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, "process"),
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, "thread"),
+    ("auto", False, 128, "thread"),          # best-of-N: measured slower in a child
+    ("thread", True, 128, "thread"),
+    ("process", False, 1, "process"),
+])
+def test_where_the_engines_run(setting, tree_search, in_flight, expected):
+    assert choose_engine_in(setting, tree_search=tree_search, in_flight=in_flight) == expected
+
+
+def test_a_run_resolves_auto_from_its_program_and_in_flight():
+    assert RunConfig(program="beam_search", in_flight=8).engine_in == "process"
+    assert RunConfig(program="dvts", in_flight=32).engine_in == "process"
+    assert RunConfig(program="mcts", in_flight=8).engine_in == "process"
+    assert RunConfig(program="mcts", in_flight=4).engine_in == "thread"
+    assert RunConfig(program="best_of_n", in_flight=64).engine_in == "thread"
+    assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_in == "thread"
+    # where the engines run changes no result: a run resumes under another placement
+    assert RunConfig(cpu_engine="process").run_key() == RunConfig().run_key()

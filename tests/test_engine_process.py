@@ -196,3 +196,24 @@ def test_a_run_resolves_auto_from_its_program_and_in_flight():
     assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_in == "thread"
     # where the engines run changes no result: a run resumes under another placement
     assert RunConfig(cpu_engine="process").run_key() == RunConfig().run_key()
+
+
+def test_the_child_ends_when_its_caller_is_killed(tiny_model_path, tmp_path):
+    """Nothing is left behind: a caller SIGKILLed mid-request closes the socket, and the child ends."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = (f"import sys\nfrom sgl_tts import LocalBackend\nfrom sgl_tts.backends.engine import SamplingSpec\n"
+              f"be = LocalBackend({str(tiny_model_path)!r}, engine_in='process')\n"
+              f"fut = be.engine.submit(be.encode('x' * 20), SamplingSpec(max_new_tokens=1500, ignore_eos=True))\n"
+              f"print(be.engine.pid, flush=True)\nfut.result()\n")
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(caller.stdout.readline()))
+        caller.kill()
+        caller.wait()
+        child.wait(timeout=60)          # raises psutil.TimeoutExpired if it stayed
+    finally:
+        caller.kill()

@@ -6,6 +6,7 @@ the end-to-end ones use the shipped tiny models on the CPU backend, including a 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import hashlib
@@ -78,7 +79,7 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     conf = tmp_path / "run.yaml"
     conf.write_text(yaml.safe_dump({"program": "dvts", "n": 12, "beam-width": 3,
                                     "step_tokens": [16, 64], "prm": "/models/a", "temperature": 0.5}))
-    ap = experiment.argparse.ArgumentParser()
+    ap = argparse.ArgumentParser()
     experiment.add_config_arguments(ap)
     args = ap.parse_args(["--config", str(conf), "--n", "6", "--step-tokens", "8,8,32",
                           "--prm", "/models/prm", "--no-progress"])

@@ -6,15 +6,9 @@ prompt prefixes computed once), then decodes every running request together, one
 retires requests as they finish. New requests join between steps, so a 64-way fork costs one decode
 forward per token, not 64.
 
-Semantics follow SGLang 0.5.15's server (``Req.update_finish_state`` and the detokenizer's
-``trim_matched_stop``) so that a program gets the same text from this backend and from a server:
-
-* the length limit is checked first, then stop strings (on the decoded tail of the last
-  ``max_stop_tokens + 1`` tokens), then stop token ids / EOS (all skipped when ``ignore_eos``);
-* a matched stop string is cut from the text at its first occurrence; a matched stop token is dropped;
-  a length finish trims nothing;
-* input logprobs start at ``logprob_start_len`` and their first entry is ``None``; ``token_ids_logprob``
-  rows are aligned the same way; sampled-token logprobs are taken after temperature scaling.
+What a request asks and returns, with SGLang's meanings, is in :mod:`sgl_tts.backends.semantics`;
+the running batch's KV slabs, the prefix cache and the attention over them in
+:mod:`sgl_tts.backends.kv`. Their names are importable from here as before.
 """
 
 from __future__ import annotations
@@ -22,115 +16,40 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from typing import Any, Iterable, Sequence
+from collections import deque
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
+
+from sgl_tts.backends.kv import (  # noqa: F401 - _Batch, _SlabLayer, _stack_rows, _sdpa_gqa_decode: tests
+    ATTENTION,
+    PrefixCache,
+    _Batch,
+    _sdpa_gqa_decode,
+    _SlabLayer,
+    _stack_rows,
+    use_engine_attention,
+)
+from sgl_tts.backends.semantics import (  # noqa: F401 - re-exported: the names' home before the split
+    Completion,
+    LogprobSpec,
+    SamplingSpec,
+    UnsupportedFeatureError,
+    check_request,
+    finish_reason,
+    output_text,
+    sample,
+    stop_window,
+    top_logprobs,
+)
 
 logger = logging.getLogger(__name__)
-
-
-ATTENTION = "sgl_tts_sdpa"
-
-
-def _sdpa_gqa_decode(module, query, key, value, attention_mask, **kwargs):
-    """Transformers' SDPA attention, except for one-token queries with grouped KV heads: those attend
-    with the query heads folded onto their KV head instead of copying K and V per query head
-    (transformers' ``repeat_kv`` whenever a mask is given). At 512 decoding rows that copy was
-    hundreds of MB per step, mostly page-fault time; the result is the same attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    if q_len != 1 or kv_heads == heads or kwargs.get("dropout", 0.0) or \
-            (attention_mask is not None and attention_mask.shape[2] != 1):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rep = heads // kv_heads
-    q = query.reshape(b, kv_heads, rep, dim)            # head h = kv * rep + r, as repeat_kv maps it
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"))
-    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
-
-
-def use_engine_attention(model) -> None:
-    """Switch a transformers model to :func:`_sdpa_gqa_decode` (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _sdpa_gqa_decode)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    model.set_attn_implementation(ATTENTION)
-
-
-class UnsupportedFeatureError(NotImplementedError):
-    """A request asked for something this backend does not implement (it is never ignored)."""
-
-
-@dataclasses.dataclass
-class SamplingSpec:
-    """Sampling and stopping parameters of one request (SGLang's meanings)."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    seed: int | None = None
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
-                f"got {self.min_new_tokens}."
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
-
-
-@dataclasses.dataclass
-class LogprobSpec:
-    """Which log-probabilities to return (SGLang's ``/generate`` fields)."""
-
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] | None = None
-    return_text_in_logprobs: bool = False
-
-
-@dataclasses.dataclass
-class Completion:
-    """What a finished request returns: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
-
-    text: str
-    output_ids: list[int]
-    meta_info: dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -204,268 +123,6 @@ class _Request:
         if rows:
             limit = min(limit, min(rows))
         return max(limit, 0)
-
-
-class _SlabLayer(DynamicLayer):
-    """A KV layer backed by buffers with spare rows and columns, so that the running batch changes
-    in place: its ``rows`` rows occupy columns ``[start, start + length)`` of ``kbuf``/``vbuf``
-    ([row capacity, kv heads, column capacity, head dim]); appending a token writes one column,
-    a joining row writes into a spare row, a longer joining row moves ``start`` left into the
-    spare columns there. Cells outside a row's valid columns hold finite stale values (zeros or
-    an earlier row's KV) that the attention mask hides."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, *,
-                 rows: int | None = None, start: int = 0):
-        super().__init__()
-        self.kbuf, self.vbuf = keys, values
-        self.rows = keys.shape[0] if rows is None else rows
-        self.start, self.length = start, length
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Re-point ``keys``/``values`` at the live region after ``rows``/``start``/``length`` moved."""
-        end = self.start + self.length
-        self.keys = self.kbuf[:self.rows, :, self.start:end]
-        self.values = self.vbuf[:self.rows, :, self.start:end]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = key_states.shape[-2]
-        end = self.start + self.length
-        if end + n > self.kbuf.shape[2]:
-            cap = max(self.length + n, int(self.length * 1.5) + 16)
-            self.kbuf = _regrid(self.kbuf, self.rows, self.start, self.length, cap)
-            self.vbuf = _regrid(self.vbuf, self.rows, self.start, self.length, cap)
-            self.start, end = 0, self.length
-        self.kbuf[:self.rows, :, end:end + n] = key_states
-        self.vbuf[:self.rows, :, end:end + n] = value_states
-        self.length += n
-        self.refresh()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-
-def _regrid(buf: torch.Tensor, rows: int, start: int, length: int, cols: int) -> torch.Tensor:
-    """A new buffer of ``cols`` columns (same row capacity) holding ``buf``'s live region at column 0."""
-    new = buf.new_zeros(buf.shape[0], buf.shape[1], cols, buf.shape[3])
-    new[:rows, :, :length] = buf[:rows, :, start:start + length]
-    return new
-
-
-class _Batch:
-    """KV of the running requests: per layer a :class:`_SlabLayer`, rows left-padded to a common
-    length (``valid`` says which columns of a row hold a real token)."""
-
-    def __init__(self, layers: list[_SlabLayer], valid: torch.Tensor, reqs: list[_Request],
-                 next_pos: torch.Tensor):
-        self.layers = layers
-        self.valid = valid            # bool [rows, length]: which columns hold a real token
-        self.reqs = reqs
-        self.next_pos = next_pos      # long [rows]: position id of the next fed token
-
-    @property
-    def length(self) -> int:
-        return self.valid.shape[1]
-
-    def cache(self) -> Cache:
-        return Cache(layers=list(self.layers))
-
-    def row_kv(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row i's KV with padding removed: per layer ([heads, n, dim], [heads, n, dim])."""
-        cols = self.valid[i].nonzero().squeeze(1)
-        return [(lay.keys[i].index_select(1, cols), lay.values[i].index_select(1, cols))
-                for lay in self.layers]
-
-    def can_take(self, new: "_Batch") -> bool:
-        """Whether ``new``'s rows fit in this batch's spare rows and columns without reallocating."""
-        lay = self.layers[0]
-        return (lay.rows + len(new.reqs) <= lay.kbuf.shape[0]
-                and new.length <= lay.start + lay.length)
-
-    def take(self, new: "_Batch") -> None:
-        """Append ``new``'s rows in place (:meth:`can_take` must hold): each is right-aligned with
-        the running rows; a longer one moves the batch's first column left."""
-        n0, n1, t = len(self.reqs), len(self.reqs) + len(new.reqs), new.length
-        grow = max(0, t - self.length)
-        for lay, nl in zip(self.layers, new.layers):
-            end = lay.start + lay.length
-            lay.kbuf[n0:n1, :, end - t:end] = nl.keys
-            lay.vbuf[n0:n1, :, end - t:end] = nl.values
-            lay.rows, lay.start, lay.length = n1, lay.start - grow, lay.length + grow
-            lay.refresh()
-        old = self.valid
-        if grow:
-            old = torch.cat([torch.zeros(n0, grow, dtype=torch.bool), old], dim=1)
-        pad = torch.zeros(len(new.reqs), old.shape[1] - t, dtype=torch.bool)
-        self.valid = torch.cat([old, torch.cat([pad, new.valid], dim=1)])
-        self.reqs = self.reqs + new.reqs
-        self.next_pos = torch.cat([self.next_pos, new.next_pos])
-
-
-def _stack_rows(parts: Sequence[tuple[list[_SlabLayer], torch.Tensor]], *, row_capacity: int,
-                slack: int, headroom: int):
-    """Concatenate batches of rows into new buffers, left-padding each to the longest, with room for
-    ``row_capacity`` rows in all, ``slack`` spare columns before the first and ``headroom`` after the
-    last; returns (layers, valid)."""
-    length = max(v.shape[1] for _, v in parts)
-    rows = sum(v.shape[0] for _, v in parts)
-    ref = parts[0][0]
-    layers = []
-    for li in range(len(ref)):
-        kb = ref[li].kbuf
-        k = kb.new_zeros(max(rows, row_capacity), kb.shape[1], slack + length + headroom, kb.shape[3])
-        v = torch.zeros_like(k)
-        r = 0
-        end = slack + length
-        for lays, valid in parts:
-            n, t = valid.shape
-            k[r:r + n, :, end - t:end] = lays[li].keys
-            v[r:r + n, :, end - t:end] = lays[li].values
-            r += n
-        layers.append(_SlabLayer(k, v, length, rows=rows, start=slack))
-    valid = torch.zeros(rows, length, dtype=torch.bool)
-    r = 0
-    for _, vmask in parts:
-        n, t = vmask.shape
-        valid[r:r + n, length - t:] = vmask
-        r += n
-    return layers, valid
-
-
-class PrefixCache:
-    """KV of recently seen token sequences, for reuse by requests that extend them.
-
-    LRU, capped in bytes and in entries. A lookup finds the longest common prefix with any entry.
-    Entries are indexed by a hash chain over their whole 16-token blocks, so a lookup compares
-    tokens only with the entries that share its longest indexed block prefix (a linear scan over
-    every entry remains only for prefixes shorter than one block); at hundreds of entries the scan
-    alone was a fifth of the engine's time.
-    """
-
-    BLOCK = 16
-
-    def __init__(self, max_bytes: int, max_entries: int = 512):
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
-        self.bytes = 0
-        # key (the ids' bytes) -> (ids, kv, nbytes, block hash chain)
-        self._entries: OrderedDict[bytes, tuple[np.ndarray, list, int, list[int]]] = OrderedDict()
-        self._index: dict[int, dict[bytes, None]] = {}   # chain hash of m blocks -> entries with them
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @classmethod
-    def _chain(cls, ids: np.ndarray, blocks: int) -> list[int]:
-        """hash(first block), hash(first two blocks), ...: ``blocks`` chained hashes."""
-        out, h, b = [], 0, cls.BLOCK
-        for m in range(blocks):
-            h = hash((h, ids[m * b:(m + 1) * b].tobytes()))
-            out.append(h)
-        return out
-
-    def lookup(self, ids: np.ndarray, limit: int):
-        """Longest cached prefix of ``ids`` (at most ``limit`` tokens): (n, kv) with kv sliced to n."""
-        cap = min(limit, len(ids))
-        chain = self._chain(ids, cap // self.BLOCK)
-        candidates: Iterable[bytes] = self._entries
-        for h in reversed(chain):
-            found = self._index.get(h)
-            if found:
-                candidates = list(found)   # every entry sharing more than this many tokens is here
-                break
-        best_n, best_key = 0, None
-        for key in candidates:
-            eids = self._entries[key][0]
-            m = min(len(eids), cap)
-            if m <= best_n:
-                continue
-            eq = eids[:m] == ids[:m]
-            n = m if eq.all() else int(eq.argmin())
-            if n > best_n:
-                best_n, best_key = n, key
-        if best_key is None:
-            return 0, None
-        self._entries.move_to_end(best_key)
-        kv = self._entries[best_key][1]
-        return best_n, [(k[:, :best_n], v[:, :best_n]) for k, v in kv]
-
-    def insert(self, ids: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self.max_bytes <= 0 or len(ids) == 0:
-            return
-        key = ids.tobytes()
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-        if nbytes > self.max_bytes:
-            return
-        # An entry that is a prefix of the new one is now redundant.
-        for okey in [k for k in self._entries if len(k) <= len(key) and key.startswith(k)]:
-            self._remove(okey)
-        chain = self._chain(ids, len(ids) // self.BLOCK)
-        self._entries[key] = (ids.copy(), [(k.contiguous(), v.contiguous()) for k, v in kv], nbytes, chain)
-        for h in chain:
-            self._index.setdefault(h, {})[key] = None
-        self.bytes += nbytes
-        while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
-            self._remove(next(iter(self._entries)))
-
-    def _remove(self, key: bytes) -> None:
-        _, _, nbytes, chain = self._entries.pop(key)
-        self.bytes -= nbytes
-        for h in chain:
-            holders = self._index[h]
-            del holders[key]
-            if not holders:
-                del self._index[h]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._index.clear()
-        self.bytes = 0
-
-
-def check_request(input_ids: Sequence[int], sampling: SamplingSpec, logprobs: LogprobSpec | None,
-                  score_positions: tuple[Sequence[int], Sequence[int]] | None, *, vocab_size: int,
-                  max_positions: int | None
-                  ) -> tuple[list[int], LogprobSpec, tuple[tuple[int, ...], tuple[int, ...]] | None]:
-    """Validate one request as :meth:`BatchEngine.submit` takes it (ValueError naming the field);
-    returns its token ids, logprob spec and score positions in the engine's form. Shared with
-    :class:`~sgl_tts.backends.engine_process.EngineProcess`, which checks before sending."""
-    ids = [int(t) for t in input_ids]
-    if not ids:
-        raise ValueError("a request needs at least one input token")
-    sampling.validate()
-    if max_positions and len(ids) + sampling.max_new_tokens > max_positions:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
-            f"the model's max_position_embeddings ({max_positions}); shorten the prompt or "
-            f"lower max_new_tokens")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"input token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
-    lp = logprobs or LogprobSpec()
-    if lp.return_logprob and lp.logprob_start_len is not None and lp.logprob_start_len > len(ids):
-        raise ValueError(
-            f"logprob_start_len={lp.logprob_start_len} is higher than the number of input "
-            f"tokens ({len(ids)}); use a smaller logprob_start_len")
-    sp = None
-    if score_positions is not None:
-        pos, tids = (tuple(int(p) for p in score_positions[0]),
-                     tuple(int(t) for t in score_positions[1]))
-        if any(not 0 <= p < len(ids) for p in pos):
-            raise ValueError(f"score positions must lie in [0, {len(ids)}), got {pos}")
-        if any(not 0 <= t < vocab_size for t in tids):
-            raise ValueError(f"score token ids must lie in [0, {vocab_size}), got {tids}")
-        sp = (pos, tids)
-    return ids, lp, sp
 
 
 class BatchEngine:
@@ -681,36 +338,11 @@ class BatchEngine:
                 self._prefill([probe], cache_only=True)
 
     def _prefill(self, reqs: list[_Request], cache_only: bool = False) -> None:
-        hits = []
-        for r in reqs:
-            ids = np.asarray(r.input_ids, dtype=np.int64)
-            n, kv = self.prefix_cache.lookup(ids, r.reuse_limit())
-            r.cached_tokens = n
-            hits.append(kv)
-        past_len = max(r.cached_tokens for r in reqs)
+        slabs, past_valid = self._past_kv(reqs)
+        past_len = past_valid.shape[1]
         suffixes = [r.input_ids[r.cached_tokens:] for r in reqs]
         slen = max(len(s) for s in suffixes)
         b = len(reqs)
-
-        # Past KV (from the prefix cache), left-padded to past_len.
-        cfg_layers = self._num_layers()
-        layers = []
-        for li in range(cfg_layers):
-            k = v = None
-            for i, kv in enumerate(hits):
-                if kv is None:
-                    continue
-                kk, vv = kv[li]
-                if k is None:
-                    k = kk.new_zeros(b, kk.shape[0], past_len + slen + 8, kk.shape[2])
-                    v = torch.zeros_like(k)
-                n = kk.shape[1]
-                k[i, :, past_len - n:past_len] = kk
-                v[i, :, past_len - n:past_len] = vv
-            layers.append((k, v))
-        past_valid = torch.zeros(b, past_len, dtype=torch.bool)
-        for i, r in enumerate(reqs):
-            past_valid[i, past_len - r.cached_tokens:] = True
 
         input_ids = torch.full((b, slen), self.pad_id, dtype=torch.long)
         in_valid = torch.zeros(b, slen, dtype=torch.bool)
@@ -735,10 +367,6 @@ class BatchEngine:
             keep.update(p + off for p in r.needed_rows())
         keep_cols = sorted(keep)
 
-        if past_len:
-            slabs = [_SlabLayer(k, v, past_len) for k, v in layers]
-        else:
-            slabs = [_SlabLayer(*self._empty_kv(b, slen + 8), 0) for _ in range(cfg_layers)]
         cache = Cache(layers=slabs)
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache,
@@ -751,15 +379,7 @@ class BatchEngine:
         valid = torch.cat([past_valid, in_valid], dim=1)
         batch = _Batch(slabs, valid, reqs, torch.tensor([len(r.input_ids) for r in reqs]))
 
-        # Remember each distinct prompt's KV for later requests that extend it.
-        seen = set()
-        for i, r in enumerate(reqs):
-            key = tuple(r.input_ids)
-            if len(key) > r.cached_tokens and key not in seen:
-                seen.add(key)
-                kv = batch.row_kv(i)
-                self.prefix_cache.insert(np.asarray(key, dtype=np.int64),
-                                         [(k[:, :len(key)], v[:, :len(key)]) for k, v in kv])
+        self._remember_prompts(reqs, batch)
         if cache_only:
             return
 
@@ -784,6 +404,50 @@ class BatchEngine:
         if alive:
             self._merge(batch, alive)
 
+    def _past_kv(self, reqs: list[_Request]) -> tuple[list[_SlabLayer], torch.Tensor]:
+        """Look every request up in the prefix cache (setting its ``cached_tokens``) and lay the hits'
+        KV out left-padded to the longest hit, with room for the uncached suffixes: the slabs the
+        prefill forward appends to, and which past columns are real."""
+        hits = []
+        for r in reqs:
+            n, kv = self.prefix_cache.lookup(np.asarray(r.input_ids, dtype=np.int64), r.reuse_limit())
+            r.cached_tokens = n
+            hits.append(kv)
+        past_len = max(r.cached_tokens for r in reqs)
+        slen = max(len(r.input_ids) - r.cached_tokens for r in reqs)
+        b = len(reqs)
+        past_valid = torch.zeros(b, past_len, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            past_valid[i, past_len - r.cached_tokens:] = True
+        if not past_len:
+            return [_SlabLayer(*self._empty_kv(b, slen + 8), 0) for _ in range(self._num_layers())], past_valid
+        slabs = []
+        for li in range(self._num_layers()):
+            k = v = None
+            for i, kv in enumerate(hits):
+                if kv is None:
+                    continue
+                kk, vv = kv[li]
+                if k is None:
+                    k = kk.new_zeros(b, kk.shape[0], past_len + slen + 8, kk.shape[2])
+                    v = torch.zeros_like(k)
+                n = kk.shape[1]
+                k[i, :, past_len - n:past_len] = kk
+                v[i, :, past_len - n:past_len] = vv
+            slabs.append(_SlabLayer(k, v, past_len))
+        return slabs, past_valid
+
+    def _remember_prompts(self, reqs: list[_Request], batch: _Batch) -> None:
+        """Cache each distinct prompt's KV (beyond what came from the cache) for later requests that
+        extend it."""
+        seen = set()
+        for i, r in enumerate(reqs):
+            key = tuple(r.input_ids)
+            if len(key) > r.cached_tokens and key not in seen:
+                seen.add(key)
+                self.prefix_cache.insert(np.asarray(key, dtype=np.int64),
+                                         [(k[:, :len(key)], v[:, :len(key)]) for k, v in batch.row_kv(i)])
+
     def _record_input_logprobs(self, r: _Request, logits: torch.Tensor, col_index: dict, off: int):
         lp = r.logprobs
         if r.score_positions is not None:
@@ -805,7 +469,7 @@ class BatchEngine:
             nxt = torch.tensor(r.input_ids[start + 1:])
             r.in_lp += lps.gather(1, nxt[:, None]).squeeze(1).tolist()
             if lp.top_logprobs_num > 0:
-                r.in_top += _topk(lps, lp.top_logprobs_num)
+                r.in_top += top_logprobs(lps, lp.top_logprobs_num)
             if lp.token_ids_logprob:
                 r.in_ids_lp += lps[:, list(lp.token_ids_logprob)].tolist()
 
@@ -921,7 +585,8 @@ class BatchEngine:
             tokens[g] = scaled[g].argmax(-1)
         sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
         if sampled:
-            tokens[torch.tensor(sampled)] = self._sample([reqs[i] for i in sampled], scaled[sampled])
+            draws = torch.stack([torch.rand((), generator=reqs[i].generator or self._rng) for i in sampled])
+            tokens[torch.tensor(sampled)] = sample(scaled[sampled], [reqs[i].sampling for i in sampled], draws)
         logprobs = None
         for i, r in enumerate(reqs):
             t = int(tokens[i])
@@ -932,38 +597,10 @@ class BatchEngine:
                     logprobs = scaled.log_softmax(-1)
                 r.out_lp.append(float(logprobs[i, t]))
                 if lp.top_logprobs_num > 0:
-                    r.out_top.extend(_topk(logprobs[i:i + 1], lp.top_logprobs_num))
+                    r.out_top.extend(top_logprobs(logprobs[i:i + 1], lp.top_logprobs_num))
                 if lp.token_ids_logprob:
                     r.out_ids_lp.append(logprobs[i, list(lp.token_ids_logprob)].tolist())
             self._check_finished(r)
-
-    def _sample(self, reqs: list[_Request], scaled: torch.Tensor) -> torch.Tensor:
-        """top-k / top-p / min-p filtering (SGLang's rules, on sorted probabilities), then one seeded
-        uniform draw per request mapped through the CDF in *vocabulary* order.
-
-        Inverting the CDF in vocabulary order (not sorted order) keeps a seeded draw stable when
-        batching perturbs logits by float noise: near-equal probabilities may swap places in a sort,
-        but a token's interval in vocabulary order only moves by the noise itself.
-        """
-        probs = scaled.softmax(-1)
-        probs_sorted, idx = probs.sort(dim=-1, descending=True)
-        vocab = probs.shape[1]
-        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs])
-        top_p = torch.tensor([r.sampling.top_p for r in reqs])
-        min_p = torch.tensor([r.sampling.min_p for r in reqs])
-        ranks = torch.arange(vocab)[None]
-        cum = probs_sorted.cumsum(-1)
-        drop_sorted = (ranks >= top_k[:, None]) | ((cum - probs_sorted) > top_p[:, None])
-        drop_sorted |= probs_sorted < (probs_sorted[:, :1] * min_p[:, None])
-        drop_sorted[:, 0] = False  # the most likely token always survives
-        drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
-        kept = probs.masked_fill(drop, 0.0)
-        cdf = kept.cumsum(-1)
-        u = torch.stack([torch.rand((), generator=r.generator or self._rng) for r in reqs])
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-        # Rounding at the CDF's end must not land past the last kept token.
-        last_kept = vocab - 1 - (~drop).flip(1).float().argmax(1)
-        return torch.minimum(pick, last_kept)
 
     def _check_finished(self, r: _Request) -> None:
         if r.sampling.stop and not r.stop_window:
@@ -1047,52 +684,6 @@ class BatchEngine:
         return frozenset(ids)
 
 
-def stop_window(stops: Sequence[str], tokenizer) -> int:
-    """How many trailing tokens SGLang decodes to look for stop strings (``stop_str_max_len + 1``)."""
-    return max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops) + 1
-
-
-def finish_reason(output_ids: Sequence[int], sampling: SamplingSpec, tokenizer,
-                  eos_ids: frozenset[int], stop_window: int) -> dict | None:
-    """Whether a request ends after its latest token, in SGLang 0.5.15's order and form.
-
-    Length first, then stop strings (searched in the decoded tail of the last ``stop_window``
-    tokens, SGLang's ``stop_str_max_len + 1``), then stop token ids / EOS unless ``ignore_eos``.
-    Returns SGLang's ``finish_reason`` JSON or ``None``.
-    """
-    if len(output_ids) >= sampling.max_new_tokens:
-        return {"type": "length", "length": sampling.max_new_tokens}
-    if sampling.stop:
-        tail = tokenizer.decode(list(output_ids[-stop_window:]))
-        for stop in sampling.stop:
-            if stop in tail:
-                return {"type": "stop", "matched": stop}
-    if sampling.ignore_eos:
-        return None
-    t = output_ids[-1]
-    if t in sampling.stop_token_ids or t in eos_ids:
-        return {"type": "stop", "matched": t}
-    return None
-
-
-def output_text(output_ids: Sequence[int], reason: dict | None, sampling: SamplingSpec,
-                tokenizer) -> str:
-    """The text SGLang returns: a matched stop token is dropped, a matched stop string is cut at its
-    first occurrence (both kept with ``no_stop_trim``), a length finish trims nothing."""
-    ids = list(output_ids)
-    matched = (reason or {}).get("matched")
-    if not matched:  # as SGLang's trim_matched_stop: nothing to trim (this includes token id 0)
-        return tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
-    if isinstance(matched, int) and not sampling.no_stop_trim and ids:
-        ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
-    if isinstance(matched, str):
-        pos = text.find(matched)
-        if pos != -1:
-            text = text[:pos + len(matched)] if sampling.no_stop_trim else text[:pos]
-    return text
-
-
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Number of leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -1100,8 +691,3 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _topk(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    vals, idx = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return [list(zip(v.tolist(), i.tolist())) for v, i in zip(vals, idx)]

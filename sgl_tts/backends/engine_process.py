@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -29,13 +30,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Sequence
 
-from sgl_tts.backends.engine import (
-    EngineStats,
-    LogprobSpec,
-    SamplingSpec,
-    UnsupportedFeatureError,
-    check_request,
-)
+from sgl_tts.backends.engine import EngineStats
+from sgl_tts.backends.semantics import LogprobSpec, SamplingSpec, UnsupportedFeatureError, check_request
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +65,7 @@ def load_model(path: str | os.PathLike, dtype: str, trust_remote_code: bool = Fa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sgl_tts.backends.engine import use_engine_attention
+    from sgl_tts.backends.kv import use_engine_attention
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     model = AutoModelForCausalLM.from_pretrained(
@@ -380,6 +376,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or not args[0].isdigit():
         raise SystemExit("usage: main([FD]) (started by sgl_tts's EngineProcess, not by hand)")
+    # Ctrl-C in a terminal reaches the whole process group: the caller handles it and closes the
+    # socket (or dies, which closes it too); the child ends on that, without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(args[0]))
     try:
         spec = conn.recv()

@@ -19,13 +19,9 @@ from sglang.lang.chat_template import get_chat_template, get_chat_template_by_mo
 from sglang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, token_length_normalized
 from sglang.lang.ir import SglSamplingParams
 
-from sgl_tts.backends.engine import (
-    BatchEngine,
-    Completion,
-    LogprobSpec,
-    SamplingSpec,
-    UnsupportedFeatureError,
-)
+from sgl_tts.backends.engine import BatchEngine
+from sgl_tts.backends.kv import running_rows
+from sgl_tts.backends.semantics import Completion, LogprobSpec, SamplingSpec, UnsupportedFeatureError
 from sgl_tts.backends.engine_process import (
     DTYPES,
     EngineProcess,
@@ -65,7 +61,10 @@ class LocalBackend(BaseBackend):
         model_path: a Hugging Face model folder (``config.json``, weights, tokenizer).
         dtype: ``"float32"`` (default, exact) or ``"bfloat16"`` (faster on recent CPUs).
         device: torch device for the model.
-        max_running: most requests decoded together.
+        max_running: most requests decoded together; ``None`` (default): as many as
+            ``kv_memory_mb`` of KV holds at the model's longest sequence (at most 2,048 tokens),
+            between 16 and 1,024 (:func:`~sgl_tts.backends.kv.running_rows`).
+        kv_memory_mb: the KV memory that sizes ``max_running`` when it is not given.
         prefix_cache_mb: memory kept for KV of shared prefixes (0 disables reuse across calls).
         seed: seed of the engine's generator for requests without their own seed.
         chat_template: SGLang chat template name; by default chosen from the model path as SGLang does.
@@ -81,12 +80,13 @@ class LocalBackend(BaseBackend):
     """
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
-                 max_running: int = 256, prefix_cache_mb: int = 256, seed: int | None = None,
+                 max_running: int | None = None, kv_memory_mb: int = 2048, prefix_cache_mb: int = 256,
+                 seed: int | None = None,
                  chat_template: str | None = None, gather_window_ms: float = 4.0,
                  threads: int | None = 1, trust_remote_code: bool = False,
                  engine_in: EngineIn = "thread"):
         super().__init__()
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -101,15 +101,18 @@ class LocalBackend(BaseBackend):
         if engine_in not in ("thread", "process"):
             raise ValueError(f"engine_in must be 'thread' or 'process', got {engine_in!r}")
         self.model_path = str(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if max_running is None:
+            max_running = running_rows(config, 2 if dtype in ("bfloat16", "float16") else 4, kv_memory_mb << 20)
+        elif max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {max_running}")
         spec = EngineSpec(self.model_path, dtype=dtype, trust_remote_code=trust_remote_code,
                           max_running=max_running, prefix_cache_bytes=prefix_cache_mb << 20, seed=seed,
                           gather_window_s=gather_window_ms / 1000.0, threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.engine: BatchEngine | EngineProcess
         if engine_in == "process":
-            from transformers import AutoConfig
-
-            check_supported_architecture(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+            check_supported_architecture(config)
             self.engine = EngineProcess(spec)
             self.model = None
         else:

@@ -43,166 +43,39 @@ import argparse
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
-import resource
 import shlex
 import sys
 import tempfile
-import threading
 import time
-import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from sgl_tts.bench.cpu_meter import CPUMeter, PeakThreads, process_tree_cpu, thread_cpu  # noqa: F401
+from sgl_tts.bench.frontend_report import (  # noqa: F401 - re-exported: their home before the split
+    median_runs,
+    goals,
+    format_report,
+    plot_report,
+)
+from sgl_tts.bench.frontend_settings import (  # noqa: F401
+    BACKENDS,
+    PROGRAMS,
+    LIMIT_NEW_TOKENS,
+    GEN_KV_BYTES,
+    PRM_KV_BYTES,
+    METRICS_FLUSH_WAIT_S,
+    _positive_ints,
+    _names,
+    FrontendSettings,
+    cpu_engine_for,
+    program_options,
+)
 from sgl_tts.bench.load import flush_cache, read_records
 from sgl_tts.serve import sigterm_stops_servers
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("cpu", "server")
-PROGRAMS = ("beam_search", "best_of_n", "mcts")
-LIMIT_NEW_TOKENS = 64          # tokens of each plain generation of the limit measurement
-GEN_KV_BYTES = 1 << 30         # the generator server's KV pool when this command starts it
-PRM_KV_BYTES = 512 << 20       # the PRM server's
-RECORD_FORMAT = 2              # 2: the limit is taken at the generator's observed running batch
-METRICS_FLUSH_WAIT_S = 1.5     # the plugin's records reach disk within a second (its flush timer)
-
-
-def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
-    out = []
-    for part in (x.strip() for x in text.split(",")):
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"{flag}: {part!r} is not a positive integer (give a comma-separated list, e.g. 1,8,32)")
-        out.append(int(part))
-    return tuple(out)
-
-
-def _names(text: str, flag: str, choices: Sequence[str]) -> tuple[str, ...]:
-    out = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in out if x not in choices]
-    if bad or not out:
-        raise ValueError(f"{flag}: unknown value {bad[0] if bad else text!r}; choose from {', '.join(choices)}")
-    return out
-
-
-# ------------------------------------------------------------------------------------- settings
-@dataclasses.dataclass(frozen=True)
-class FrontendSettings:
-    """One run's settings.
-
-    Attributes:
-        backends, programs, ks: what to run (blocks: every backend x program x K).
-        min_searches: searches per block are max(K, this).
-        beams, beam_width: beam search's N and M.
-        samples: best-of-N's N.
-        rollouts, expansion_width, parallel: MCTS's rollout budget, children per expansion and
-            rollouts in flight.
-        max_depth, step_tokens: most steps of a tree search and a step's token limit.
-        max_tokens: a best-of-N sample's token limit.
-        temperature: sampling temperature.
-        seed: the sampling seed (``sgl-tts run``'s: each sample's seed derives from it).
-        cpu_engine: where the ``cpu`` backend's engines run: ``thread`` (in this process),
-            ``process`` (a child process each, :class:`~sgl_tts.backends.engine_process.EngineProcess`)
-            or ``auto`` (per block, as ``sgl-tts run`` decides: :func:`cpu_engine_for`).
-    """
-
-    backends: tuple[str, ...] = BACKENDS
-    programs: tuple[str, ...] = PROGRAMS
-    ks: tuple[int, ...] = (1, 8, 32, 128)
-    min_searches: int = 8
-    beams: int = 16
-    beam_width: int = 4
-    samples: int = 16
-    rollouts: int = 16
-    expansion_width: int = 4
-    parallel: int = 4
-    max_depth: int = 40
-    step_tokens: int = 64
-    max_tokens: int = 256
-    temperature: float = 0.8
-    seed: int = 0
-    cpu_engine: str = "auto"
-
-    # --quick: K in {1, 4}, 4 searches, small budgets (a CI check, not a measurement)
-    QUICK: typing.ClassVar[dict[str, Any]] = dict(ks=(1, 4), min_searches=4, beams=4, beam_width=2, samples=4,
-                                                  rollouts=4, expansion_width=2, parallel=2)
-    # what may differ between runs whose records are shared (which blocks to run)
-    NOT_IN_KEY: typing.ClassVar[tuple[str, ...]] = ("backends", "programs", "ks")
-
-    def __post_init__(self):
-        _names(",".join(self.backends), "--backends", BACKENDS)
-        _names(",".join(self.programs), "--programs", PROGRAMS)
-        if self.cpu_engine not in ("auto", "thread", "process"):
-            raise ValueError(f"--cpu-engine must be auto, thread or process, got {self.cpu_engine!r}")
-        if not self.ks or any(k < 1 for k in self.ks):
-            raise ValueError(f"--ks: every K must be a positive integer, got {self.ks}")
-        for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",
-                     "max_depth", "step_tokens", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
-        from sgl_tts.task import TEST_SIZE
-        if self.searches(max(self.ks)) > TEST_SIZE:
-            raise ValueError(f"--ks: {max(self.ks)} searches exceed the {TEST_SIZE} test problems")
-
-    def key(self) -> str:
-        """What a record must match to be reused (every setting that changes a block's result)."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
-        if fields["cpu_engine"] == "thread":  # how runs went before the setting existed: their records match
-            del fields["cpu_engine"]
-        fields["record_format"] = RECORD_FORMAT
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-
-    def searches(self, k: int) -> int:
-        """Searches of a block with K in flight."""
-        return max(k, self.min_searches)
-
-    def run_config(self, program: str):
-        """``sgl-tts run``'s :class:`~sgl_tts.experiment.RunConfig` for ``program`` at these budgets."""
-        from sgl_tts.experiment import RunConfig
-
-        common = dict(program=program, max_depth=self.max_depth, step_tokens=[self.step_tokens],
-                      max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed, progress=False)
-        if program == "beam_search":
-            cfg = RunConfig(n=self.beams, beam_width=self.beam_width, **common)
-        elif program == "best_of_n":
-            cfg = RunConfig(n=self.samples, **common)
-        else:   # MCTS scores trajectories by their weakest step (the program's default)
-            cfg = RunConfig(n=self.rollouts, beam_width=self.expansion_width, parallel=self.parallel,
-                            aggregation="min", **common)
-        cfg.validate()
-        return cfg
-
-    def requests_per_search(self, program: str) -> int:
-        """Generation requests one search keeps in flight."""
-        if program == "beam_search":
-            return self.beams
-        if program == "best_of_n":
-            return self.samples
-        return self.parallel * self.expansion_width
-
-    def limit_batch(self, program: str, k: int, max_running: int) -> int:
-        """B: the running batch K searches give the generator (at most its max running requests)."""
-        return max(1, min(k * self.requests_per_search(program), max_running))
-
-
-def cpu_engine_for(s: FrontendSettings, program: str, k: int) -> str:
-    """Where the ``cpu`` backend's engines run for a block: ``s.cpu_engine``, with ``auto`` resolved
-    as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.local.choose_engine_in`)."""
-    from sgl_tts import registry
-    from sgl_tts.backends.local import choose_engine_in
-
-    return choose_engine_in(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k)
-
-
-def program_options(s: FrontendSettings, program: str) -> dict[str, Any]:
-    """The program's keyword arguments other than the question and the PRM (recorded with a block)."""
-    args = s.run_config(program).program_arguments("", None)
-    return {k: v for k, v in args.items() if k not in ("question", "prm")}
-
 
 # ------------------------------------------------------------------------------------- targets
 @dataclasses.dataclass
@@ -451,100 +324,7 @@ def start_servers(workdir: str | None = None):
         workdir or tempfile.mkdtemp(prefix="sgl-tts-bench-frontend-"))
 
 
-# ------------------------------------------------------------------------------------- measuring
-def thread_cpu(native_ids: Iterable[int]) -> tuple[float, float]:
-    """User and system CPU seconds of this process's threads with these native ids."""
-    import psutil
-
-    wanted = set(native_ids)
-    if not wanted:
-        return 0.0, 0.0
-    user = system = 0.0
-    for t in psutil.Process().threads():
-        if t.id in wanted:
-            user += t.user_time
-            system += t.system_time
-    return user, system
-
-
-def process_tree_cpu(pids: Iterable[int]) -> tuple[float, float]:
-    """User and system CPU seconds of these processes and all their live descendants."""
-    import psutil
-
-    user = system = 0.0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for p in procs:
-            try:
-                t = p.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            user += t.user
-            system += t.system
-    return user, system
-
-
-class CPUMeter:
-    """This process's CPU over a ``with`` block, the part of it the given threads took, and the CPU
-    of the given server processes (with their descendants) over the same block."""
-
-    def __init__(self, engine_threads: Sequence[int] = (), server_pids: Sequence[int] = (),
-                 engine_pids: Sequence[int] = ()):
-        self.engine_threads = tuple(engine_threads)
-        self.server_pids = tuple(server_pids)
-        self.engine_pids = tuple(engine_pids)
-        self.user = self.system = self.engine_user = self.engine_system = 0.0
-        self.server_user = self.server_system = 0.0
-
-    def __enter__(self) -> "CPUMeter":
-        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
-        self._e0 = thread_cpu(self.engine_threads)
-        self._p0 = process_tree_cpu(self.engine_pids)
-        self._s0 = process_tree_cpu(self.server_pids)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        e1 = thread_cpu(self.engine_threads)
-        p1 = process_tree_cpu(self.engine_pids)
-        s1 = process_tree_cpu(self.server_pids)
-        pu, ps = p1[0] - self._p0[0], p1[1] - self._p0[1]
-        self.user = r1.ru_utime - self._r0.ru_utime + pu
-        self.system = r1.ru_stime - self._r0.ru_stime + ps
-        self.engine_user, self.engine_system = e1[0] - self._e0[0] + pu, e1[1] - self._e0[1] + ps
-        self.server_user, self.server_system = s1[0] - self._s0[0], s1[1] - self._s0[1]
-
-
-class PeakThreads:
-    """The most threads alive during a ``with`` block (``threading.active_count()``, the sampler's own
-    thread included), sampled every ``interval`` seconds by a thread that waits on an event."""
-
-    def __init__(self, interval: float = 0.2):
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sgl-tts-thread-sampler", daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            self.peak = max(self.peak, threading.active_count())
-            if self._stop.wait(self.interval):
-                return
-
-    def __enter__(self) -> "PeakThreads":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, threading.active_count())
-
-
+# ------------------------------------------------------------------------------------- a block
 def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: FrontendSettings, *,
               progress: bool = True) -> tuple[dict[str, Any], list[Any]]:
     """Run ``program`` over the first max(K, min_searches) problems with K in flight on ``target``.
@@ -622,165 +402,6 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
     return rec, results
 
 
-# ------------------------------------------------------------------------------------- report
-def median_runs(records: Sequence[dict]) -> list[dict]:
-    """One record per block (backend, program, K): with several runs of a block (``--repeats``), the
-    run with the median searches/s (the lower of the middle two for an even count), copied with
-    ``runs`` (how many) and ``searches_per_s_min`` and ``_max`` (their spread)."""
-    runs: dict[tuple[str, str, int], list[dict]] = {}
-    for r in records:
-        runs.setdefault((r["backend"], r["program"], r["k"]), []).append(r)
-    out = []
-    for recs in runs.values():
-        ordered = sorted(recs, key=lambda r: r["searches_per_s"])
-        out.append(ordered[(len(ordered) - 1) // 2] | {
-            "runs": len(recs), "searches_per_s_min": ordered[0]["searches_per_s"],
-            "searches_per_s_max": ordered[-1]["searches_per_s"]})
-    return out
-
-
-def _blocks(records: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
-    out: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(records, key=lambda r: (BACKENDS.index(r["backend"]), PROGRAMS.index(r["program"]), r["k"])):
-        out.setdefault((r["backend"], r["program"]), []).append(r)
-    return out
-
-
-def goals(records: Sequence[dict]) -> list[tuple[str, str]]:
-    """The goals, one ``(PASS | FAIL | SKIP, text)`` per line, on each block's median run."""
-    records = median_runs(records)
-    lines: list[tuple[str, str]] = []
-    blocks = _blocks(records)
-    for (backend, program), recs in blocks.items():
-        best: tuple[float, int] | None = None
-        fell = []
-        for r in recs:
-            if best is not None and r["searches_per_s"] < 0.9 * best[0]:
-                fell.append(f"K={r['k']} {r['searches_per_s']:.3f} < 90% of {best[0]:.3f} (K={best[1]})")
-            if best is None or r["searches_per_s"] > best[0]:
-                best = (r["searches_per_s"], r["k"])
-        seen = ", ".join(f"{r['searches_per_s']:.3f} (K={r['k']})" for r in recs)
-        lines.append(("FAIL" if fell else "PASS", f"throughput never falls as K grows, {backend} {program}: "
-                      + ("; ".join(fell) if fell else f"searches/s {seen}")))
-    for (backend, program), recs in blocks.items():
-        r = next((x for x in recs if x["k"] == 128), recs[-1])
-        where = "K=128" if r["k"] == 128 else f"K={r['k']} (largest run; the goal names K=128)"
-        share = r.get("client_system_share")
-        lines.append(("SKIP" if share is None else "PASS" if share < 0.10 else "FAIL",
-                      f"client system CPU under 10% of the run's CPU (client, and servers started here) at {where}, "
-                      f"{backend} {program}: "
-                      + ("no CPU measured" if share is None else f"{100 * share:.1f}%")))
-    r = next((x for x in records if x["backend"] == "server" and x["program"] == "beam_search" and x["k"] == 32), None)
-    if r is None:
-        lines.append(("SKIP", "on the server at K=32 beam search reaches >= 85% of the decode limit: not run"))
-    else:
-        f = r["limit_fraction"]
-        at = ("the running batch it had" if r.get("limit_batch_source") == "observed"
-              else "the nominal batch (the generator's running batch was not measured)")
-        bare = (f"{100 * f:.0f}% ({r['tokens_per_s']:.0f} of {r['limit_tokens_per_s']:.0f} tokens/s at "
-                f"B={r['limit_batch']})")
-        ctx = r.get("context_limit_fraction")
-        if ctx is None:
-            lines.append(("PASS" if f >= 0.85 else "FAIL",
-                          f"on the server at K=32 beam search reaches >= 85% of the decode limit at {at}: {bare}"))
-        else:
-            # a decode row's cost grows with its context: the limit that names the searches' own
-            # context decides; the one on bare questions is shown beside it
-            lines.append(("PASS" if ctx >= 0.85 else "FAIL",
-                          f"on the server at K=32 beam search reaches >= 85% of the decode limit at {at} and the "
-                          f"context it had: {100 * ctx:.0f}% ({r['tokens_per_s']:.0f} of "
-                          f"{r['context_limit_tokens_per_s']:.0f} tokens/s at B={r['limit_batch']}, "
-                          f"{r['decode_context_mean']:.0f} tokens of context per row); on bare questions: {bare}"))
-    return lines
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _pct(x: float | None) -> str:
-    """A fraction as a whole percentage; ``-`` when not measured."""
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def format_report(records: Sequence[dict]) -> str:
-    """A Markdown table of every block, then the goals."""
-    records = median_runs(records)
-    lines = ["| backend | program | K | runs | searches | wall (s) | searches/s | spread | tokens | tokens/s | "
-             "running batch | "
-             "limit tok/s | of limit | context | of its limit | extend share | nominal B | of its limit | "
-             "CPU user/1k tok | sys/1k | client user/1k | "
-             "client sys/1k | servers' CPU s | sys share | client sys share (of its own) | peak threads | accuracy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-             "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for recs in _blocks(records).values():
-        for r in recs:
-            nominal = r.get("nominal_limit_fraction")
-            lines.append(
-                f"| {r['backend']} | {r['program']} | {r['k']} | {r['runs']} | {r['searches']} | {r['wall_s']:.1f} | "
-                f"{r['searches_per_s']:.3f} | "
-                f"{'-' if r['runs'] == 1 else format(r['searches_per_s_min'], '.3f') + '-' + format(r['searches_per_s_max'], '.3f')} | "
-                f"{r['tokens']} | {r['tokens_per_s']:.0f} | "
-                f"{_f(r.get('decode_batch_mean'), '.1f')} | "
-                f"{r['limit_tokens_per_s']:.0f} | {100 * r['limit_fraction']:.0f}% | "
-                f"{_f(r.get('decode_context_mean'), '.0f')} | {_pct(r.get('context_limit_fraction'))} | "
-                f"{_pct(None if r.get('extend_s') is None else r['extend_s'] / r['wall_s'])} | "
-                f"{r.get('nominal_batch', r['limit_batch'])} | {_f(None if nominal is None else 100 * nominal, '.0f')}% | "
-                f"{_f(r['cpu_user_per_1k_tokens'], '.3f')} | {_f(r['cpu_system_per_1k_tokens'], '.3f')} | "
-                f"{_f(r['client_user_per_1k_tokens'], '.3f')} | {_f(r['client_system_per_1k_tokens'], '.3f')} | "
-                f"{_f((r['server_user_s'] + r['server_system_s']) if r.get('server_processes') else None, '.1f')} | "
-                f"{_f(None if r['system_share'] is None else 100 * r['system_share'], '.1f')}% | "
-                f"{_f(None if r['client_system_share'] is None else 100 * r['client_system_share'], '.1f')}% "
-                f"({_f(None if r.get('client_own_system_share') is None else 100 * r['client_own_system_share'], '.0f')}%) | "
-                f"{r['peak_threads']} | {100 * r['accuracy']:.0f}% |")
-    lines.append("")
-    lines += [f"{verdict} {text}" for verdict, text in goals(records)]
-    return "\n".join(lines)
-
-
-def plot_report(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """Per program: tokens/s against K, one solid line per backend and its decode limit dashed (top);
-    the client's CPU seconds (user + system) per 1,000 generated tokens (bottom)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = median_runs(records)
-    programs = [p for p in PROGRAMS if any(r["program"] == p for r in records)]
-    fig, axes = plt.subplots(2, max(1, len(programs)), figsize=(4.2 * max(1, len(programs)), 6.4), squeeze=False)
-    for col, program in enumerate(programs):
-        top, bottom = axes[0][col], axes[1][col]
-        for i, backend in enumerate(BACKENDS):
-            recs = sorted((r for r in records if r["program"] == program and r["backend"] == backend),
-                          key=lambda r: r["k"])
-            if not recs:
-                continue
-            ks = [r["k"] for r in recs]
-            color = f"C{i}"
-            top.plot(ks, [r["tokens_per_s"] for r in recs], "-o", color=color, label=f"{backend} searches")
-            top.plot(ks, [r["limit_tokens_per_s"] for r in recs], "--", color=color, alpha=0.7,
-                     label=f"{backend} decode limit")
-            cpu = [(r["client_user_per_1k_tokens"] or 0) + (r["client_system_per_1k_tokens"] or 0) for r in recs]
-            bottom.plot(ks, cpu, "-o", color=color, label=f"{backend} client")
-        ks_run = sorted({r["k"] for r in records if r["program"] == program})
-        for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ks_run, [str(k) for k in ks_run])
-            ax.set_xlabel("K (searches in flight)")
-            ax.set_ylim(bottom=0)
-        top.set_title(program)
-        top.set_ylabel("generated tokens / s")
-        bottom.set_ylabel("client CPU s / 1,000 tokens")
-        top.legend(fontsize=7)
-        bottom.legend(fontsize=7)
-    fig.suptitle(title or "many searches at once", fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
 # ------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-tts bench-frontend", description=__doc__.split("\n\n")[0])
@@ -832,6 +453,89 @@ def _server_pids(servers, names: Sequence[str]) -> list[int]:
     return [pid for pid in (servers.pid(n) for n in names) if pid is not None] if servers else []
 
 
+class Targets:
+    """What blocks run on, opened when a block first needs it: on ``cpu`` one target per engine
+    placement (threads, processes), on ``server`` the servers given by URL or, for those not given,
+    the tiny generator and PRM started here (stopped by :meth:`close`)."""
+
+    def __init__(self, s: FrontendSettings, args: argparse.Namespace):
+        self.s, self.args = s, args
+        self.servers = None
+        self.opened: dict[tuple[str, str], Target] = {}
+
+    def for_block(self, backend: str, program: str, k: int) -> Target:
+        mode = cpu_engine_for(self.s, program, k) if backend == "cpu" else "server"
+        if (backend, mode) not in self.opened:
+            self.opened[(backend, mode)] = open_cpu(self.s, mode) if backend == "cpu" else self._open_server()
+        return self.opened[(backend, mode)]
+
+    def _open_server(self) -> Target:
+        gen_url, prm_url, metrics = self.args.generator_url, self.args.prm_url, self.args.generator_metrics
+        started: list[str] = []
+        if gen_url is None or prm_url is None:
+            self.servers = self.servers or start_servers()
+            if gen_url is None:
+                metrics = str(self.servers.metrics_prefix("generator"))
+                started.append("generator")
+            if prm_url is None:
+                started.append("prm")
+            gen_url = gen_url or self.servers.url("generator")
+            prm_url = prm_url or self.servers.url("prm")
+        records_of = None if metrics is None else functools.partial(metrics_file_records, metrics)
+        pids_of = functools.partial(_server_pids, self.servers, tuple(started))
+        return open_server(self.s, gen_url, prm_url, records_of, pids_of)
+
+    def close(self, backend: str | None = None) -> None:
+        """Close the targets of ``backend`` (all when None; then stop the servers started here)."""
+        for key in [key for key in self.opened if backend in (None, key[0])]:
+            self.opened.pop(key).close()
+        if backend is None and self.servers is not None:
+            self.servers.stop_all()
+
+
+class Limits:
+    """The generator's decode limits, each measured once per target name, batch and context; those in
+    the records already written count as measured."""
+
+    def __init__(self, records: Sequence[dict], prompts: Sequence[str], problems: Sequence[Any]):
+        self.prompts, self.problems = prompts, problems
+        self.known: dict[tuple, float] = {(r["backend"], r["limit_batch"]): r["limit_tokens_per_s"] for r in records}
+
+    def at(self, target: Target, batch: int, length: int | None = None, results: Sequence[Any] = ()) -> float:
+        """Tokens/s of ``batch`` plain generations: on the bare questions, or (``length``) on prompts of
+        that many tokens cut from the block's own search texts."""
+        key = (target.name, batch) if length is None else (target.name, batch, length)
+        if key not in self.known:
+            target.flush()
+            prompts = self.prompts if length is None else context_prompts(
+                target.tokenizer(), search_texts(self.problems, results), length, batch)
+            self.known[key] = round(target.decode_limit(batch, prompts), 2)
+            logger.info("%s decode limit at B=%d%s: %.0f tokens/s", target.name, batch,
+                        "" if length is None else f", {length} prompt tokens", self.known[key])
+        return self.known[key]
+
+    def add_to(self, rec: dict, target: Target, nominal: int, results: Sequence[Any]) -> None:
+        """The block's limit fields: at its observed running batch (``nominal`` when not known), at the
+        nominal batch, and (when the generator reported its context) at the searches' context."""
+        mean = rec["decode_batch_mean"]
+        batch = nominal if mean is None else max(1, round(mean))
+        limit, nominal_limit = self.at(target, batch), self.at(target, nominal)
+        context = rec["decode_context_mean"]
+        if context is not None and target.tokenizer is not None:
+            # the same batch at the searches' context: plain generations whose prompts are cut from
+            # the searches' own texts, so that their mean context over the LIMIT_NEW_TOKENS decoded
+            # equals the block's
+            length = max(1, round(context - (LIMIT_NEW_TOKENS + 1) / 2))
+            context_limit = self.at(target, batch, length, results)
+            rec.update(context_limit_prompt_tokens=length, context_limit_tokens_per_s=context_limit,
+                       context_limit_fraction=round(rec["tokens_per_s"] / context_limit, 4))
+        rec.update(limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
+                   limit_new_tokens=LIMIT_NEW_TOKENS,
+                   limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
+                   nominal_batch=nominal, nominal_limit_tokens_per_s=nominal_limit,
+                   nominal_limit_fraction=round(rec["tokens_per_s"] / nominal_limit, 4))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -865,95 +569,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if skipped:
         print(f"sgl-tts bench-frontend: {skipped} run(s) already in {out} under settings {key}: skipped")
     problems = task.test_split()[:s.searches(max(s.ks))]
-    prompts = [p.question + "\n\n" for p in problems]
-    limits: dict[tuple, float] = {(r["backend"], r["limit_batch"]): r["limit_tokens_per_s"] for r in records}
+    limits = Limits(records, [p.question + "\n\n" for p in problems], problems)
     provenance = {"machine": describe(), "command": "sgl-tts bench-frontend " + shlex.join(argv)}
-    servers = None
+    targets = Targets(s, args)
+    settings = {k_: v for k_, v in dataclasses.asdict(s).items() if k_ not in FrontendSettings.NOT_IN_KEY}
     # SIGTERM (a job runner, timeout) ends the run as Ctrl-C does: the servers started here stop too
     with sigterm_stops_servers():
         try:
             for backend in s.backends:
-                mine = [(p, k) for b, p, k in todo if b == backend]
-                if not mine:
-                    continue
-                opened: dict[str, Target] = {}   # cpu: one target per engine placement, opened when needed
-
-                def target_for(program: str, k: int) -> Target:
-                    mode = cpu_engine_for(s, program, k) if backend == "cpu" else "server"
-                    if mode not in opened:
-                        opened[mode] = open_cpu(s, mode) if backend == "cpu" else open_server_target()
-                    return opened[mode]
-
-                def open_server_target() -> Target:
-                    nonlocal servers
-                    gen_url, prm_url = args.generator_url, args.prm_url
-                    metrics = args.generator_metrics
-                    started: list[str] = []
-                    if gen_url is None or prm_url is None:
-                        servers = servers or start_servers()
-                        if gen_url is None:
-                            metrics = str(servers.metrics_prefix("generator"))
-                            started.append("generator")
-                        if prm_url is None:
-                            started.append("prm")
-                        gen_url = gen_url or servers.url("generator")
-                        prm_url = prm_url or servers.url("prm")
-                    records_of = None if metrics is None else functools.partial(metrics_file_records, metrics)
-                    pids_of = functools.partial(_server_pids, servers, tuple(started))
-                    return open_server(s, gen_url, prm_url, records_of, pids_of)
-
-                def limit_at(target: Target, batch: int) -> float:
-                    if (target.name, batch) not in limits:
-                        target.flush()
-                        limits[(target.name, batch)] = round(target.decode_limit(batch, prompts), 2)
-                        logger.info("%s decode limit at B=%d: %.0f tokens/s", target.name, batch,
-                                    limits[(target.name, batch)])
-                    return limits[(target.name, batch)]
-
-                try:
-                    for program, k in mine:
-                        target = target_for(program, k)
-                        nominal = s.limit_batch(program, k, target.max_running)
-                        target.flush()   # every block samples the same texts: no block starts on a warm cache
-                        rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
-                        mean = rec["decode_batch_mean"]
-                        batch = nominal if mean is None else max(1, round(mean))
-                        limit, nominal_limit = limit_at(target, batch), limit_at(target, nominal)
-                        context = rec["decode_context_mean"]
-                        if context is not None and target.tokenizer is not None:
-                            # the same batch at the searches' context: plain generations whose
-                            # prompts are cut from the searches' own texts, so that their mean
-                            # context over the LIMIT_NEW_TOKENS decoded equals the block's
-                            length = max(1, round(context - (LIMIT_NEW_TOKENS + 1) / 2))
-                            if (target.name, batch, length) not in limits:
-                                target.flush()
-                                texts = context_prompts(target.tokenizer(), search_texts(problems, results),
-                                                        length, batch)
-                                limits[(target.name, batch, length)] = round(target.decode_limit(batch, texts), 2)
-                            context_limit = limits[(target.name, batch, length)]
-                            rec.update(context_limit_prompt_tokens=length, context_limit_tokens_per_s=context_limit,
-                                       context_limit_fraction=round(rec["tokens_per_s"] / context_limit, 4))
-                        rec.update(key=key, cpu_engine=cpu_engine_for(s, program, k) if backend == "cpu" else None,
-                                   limit_batch=batch, limit_batch_source="nominal" if mean is None else "observed",
-                                   limit_new_tokens=LIMIT_NEW_TOKENS,
-                                   limit_tokens_per_s=limit, limit_fraction=round(rec["tokens_per_s"] / limit, 4),
-                                   nominal_batch=nominal, nominal_limit_tokens_per_s=nominal_limit,
-                                   nominal_limit_fraction=round(rec["tokens_per_s"] / nominal_limit, 4),
-                                   max_running=target.max_running, options=program_options(s, program),
-                                   settings={k_: v for k_, v in dataclasses.asdict(s).items()
-                                             if k_ not in FrontendSettings.NOT_IN_KEY},
-                                   **provenance, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-                        with out.open("a") as fh:
-                            fh.write(json.dumps(rec) + "\n")
-                        records.append(rec)
-                        logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
-                                    program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
-                finally:
-                    for t in opened.values():
-                        t.close()
+                for program, k in [(p, k) for b, p, k in todo if b == backend]:
+                    target = targets.for_block(backend, program, k)
+                    target.flush()   # every block samples the same texts: no block starts on a warm cache
+                    rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
+                    limits.add_to(rec, target, s.limit_batch(program, k, target.max_running), results)
+                    rec.update(key=key, cpu_engine=cpu_engine_for(s, program, k) if backend == "cpu" else None,
+                               max_running=target.max_running, options=program_options(s, program),
+                               settings=settings, **provenance,
+                               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+                    with out.open("a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                    records.append(rec)
+                    logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
+                                program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])
+                targets.close(backend)
         finally:
-            if servers is not None:
-                servers.stop_all()
+            targets.close()
     shown = [r for r in records if r["backend"] in s.backends and r["program"] in s.programs and r["k"] in s.ks]
     report = format_report(shown)
     out.with_suffix(".md").write_text(report + "\n")
@@ -964,7 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["BACKENDS", "CPUMeter", "DecodeCounts", "FrontendSettings", "PROGRAMS", "PeakThreads", "Target", "cpu_decode_limit",
+__all__ = ["BACKENDS", "CPUMeter", "DecodeCounts", "FrontendSettings", "Limits", "PROGRAMS", "PeakThreads", "Target",
+           "Targets", "cpu_decode_limit",
            "engine_decode_meter", "format_report", "median_runs", "process_tree_cpu", "goals", "main", "open_cpu", "open_server", "plot_report", "program_options",
            "records_decode_counts", "run_block", "server_decode_limit", "server_max_running", "settings_from_args", "start_servers",
            "thread_cpu"]

@@ -1,0 +1,447 @@
+"""``sgl-tts run``'s settings: :class:`RunConfig` (validation, the run key, the program's arguments
+through the registry), reading it from YAML and flags (defaults < YAML < flags), and the one-line
+:class:`RunError`."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from sgl_tts import registry
+from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
+
+# kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
+PROGRAMS = registry.names()
+MCTS_SETTINGS = registry.MCTS_SETTINGS   # MCTS's own settings and their defaults (registry)
+PRM_KINDS = ("step_tag", "reward_head")
+RULES = ("majority", "prm_weighted", "prm_best")
+
+
+class RunError(Exception):
+    """A bad input or a failed run: its message is one line naming the problem and the fix.
+
+    ``settings``: the :class:`RunConfig` fields a bad-setting error is about (so an error caused by a
+    config file's key can name the file and the key's line).
+    """
+
+    def __init__(self, message: str, settings: Sequence[str] = ()):
+        super().__init__(message)
+        self.settings = tuple(settings)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Every setting of ``sgl-tts run`` (YAML keys and ``--flags`` have these names, ``_`` or ``-``).
+
+    Attributes:
+        problems: JSONL dataset; ``None``: the embedded tiny task's test split.
+        output: results JSONL, one line per finished problem (appended to on a rerun).
+        limit: run only the first ``limit`` problems.
+        program: ``beam_search``, ``dvts``, ``best_of_n``, ``self_consistency`` (majority vote,
+            no PRM) or ``mcts``.
+        n: the budget N: beams (beam search, DVTS), samples (best-of-N) or rollouts (MCTS).
+        beam_width: M, children per kept beam (beam search), per subtree (DVTS) or per expansion (MCTS).
+        max_depth: most steps of a tree search.
+        step_tokens: token limit of a step; several values are a per-depth schedule.
+        max_tokens: token limit of a whole best-of-N sample.
+        temperature: sampling temperature.
+        aggregation: step scores to one score: ``last``, ``min``, ``prod`` or ``mean``.
+        branching: beam search children per beam: ``equal`` or ``proportional`` (dynamic branching).
+        lookahead: beam search lookahead rollout steps (0: none).
+        filter_duplicates: beam search drops an open candidate whose path equals an earlier one's.
+        semantics: beam search as sgl-tts defines it (``sgl-tts``) or as huggingface/search-and-learn
+            runs it (``search-and-learn``; see ``programs/beam_search.py`` for every difference).
+        sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
+        speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
+            trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
+            with LookAhead verification (see :mod:`sgl_tts.pipeline`).
+        overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
+        parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
+        c_puct: MCTS exploration weight.
+        threshold: MCTS acceptance threshold of both early exits.
+        positive_exit: MCTS stops once a finished trajectory reaches the threshold.
+        negative_exit: MCTS stops once every leaf is below the threshold (aggregation min or prod).
+        futility: MCTS negative exit compares a leaf's aggregated score (``path``) or its own step
+            score (``step``, seed 004's rule) with the threshold.
+        first_step_cutoff: MCTS selective futility check: leaves whose first step scored below it are
+            left out of the negative-exit check.
+        seed: sampling seed of the run (each sample's seed derives from it).
+        delimiter: step delimiter.
+        answer_pattern: regex whose first group is the answer.
+        generator: generator model folder or SGLang server URL; ``None``: the embedded default.
+        runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
+        cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
+            each) or ``auto`` (a process for tree searches with 8+ in flight; see
+            :func:`sgl_tts.backends.local.choose_engine_in`).
+        prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
+            PRM (best-of-N then ranks nothing and picks the majority).
+        prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
+            reward head read at the end of each step prefix).
+        prm_tokenizer: tokenizer folder of a PRM served by URL (default: the server's model path).
+        prm_good: label token of a good step (step-tag PRMs); prm_bad: of a bad step.
+        prm_tag: the step tag a step-tag PRM reads after each step.
+        in_flight: problems in flight at once.
+        plot: save accuracy-vs-N and goodput figures to this PNG (``None``: no plot).
+        progress: show a progress bar.
+    """
+
+    problems: str | None = None
+    output: str = "sgl-tts-run.jsonl"
+    limit: int | None = None
+    program: str = "beam_search"
+    n: int = 16
+    beam_width: int = 4
+    max_depth: int = 40
+    step_tokens: list[int] = dataclasses.field(default_factory=lambda: [64])
+    max_tokens: int = 256
+    temperature: float = 0.8
+    aggregation: str = "last"
+    branching: str = "equal"
+    lookahead: int = 0
+    filter_duplicates: bool = False
+    semantics: str = "sgl-tts"
+    sort_completed: bool = False
+    speculative: str = "off"
+    overlap_verification: bool = False
+    parallel: int = 1
+    c_puct: float = 1.0
+    threshold: float = 0.9
+    positive_exit: bool = True
+    negative_exit: bool = False
+    futility: str = "path"
+    first_step_cutoff: float | None = None
+    seed: int = 0
+    delimiter: str = STEP_DELIMITER
+    answer_pattern: str = BOXED
+    generator: str | None = None
+    runtime: str = "auto"
+    cpu_engine: str = "auto"
+    prm: str | None = None
+    prm_kind: str = "step_tag"
+    prm_tokenizer: str | None = None
+    prm_good: str = "+"
+    prm_bad: str = "-"
+    prm_tag: str = STEP_DELIMITER
+    in_flight: int = 8
+    plot: str | None = None
+    progress: bool = True
+
+    # Settings that do not change any result (a run may resume under different values of these). The
+    # dataset's path is one: a resumed run checks each written problem's question instead.
+    NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
+        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine")
+    # Settings added after runs were written: at their default they stay out of the run key, so an
+    # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too.
+    KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
+        "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False,
+        # never change a kept beam (exact); truncate changes samples, so it is keyed
+        "speculative": "off", "overlap_verification": False}
+    # Settings that never change a result: the same key with them on or off (a run may resume either way).
+    SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
+        "speculative": ("off", "exact"), "overlap_verification": (False, True)}
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
+                     ) -> "RunConfig":
+        """Defaults, then the YAML file's keys, then ``overrides`` (already typed). A bad setting that
+        came from the file is reported as ``config file PATH line N: ...`` (N: its key's line)."""
+        values: dict[str, Any] = {}
+        lines: dict[str, int] = {}
+        if yaml_path is not None:
+            values, lines = read_yaml(yaml_path)
+        values.update(overrides or {})
+        cfg = cls(**values)
+        try:
+            cfg.validate()
+        except RunError as exc:
+            from_file = [lines[n] for n in exc.settings if n in lines and n not in (overrides or {})]
+            if not from_file:
+                raise
+            raise RunError(f"config file {Path(yaml_path)} line {min(from_file)}: {exc}", exc.settings) from None
+        return cfg
+
+    def validate(self) -> None:
+        def bad(msg: str, *settings: str) -> None:
+            raise RunError(msg, settings)
+
+        spec = registry.find(self.program)
+        if spec is None:
+            bad(f"unknown program {self.program!r}; choose one of {', '.join(registry.names())}", "program")
+        for name in ("n", "beam_width", "max_depth", "max_tokens", "in_flight"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}", name)
+        if self.limit is not None and self.limit < 1:
+            bad(f"limit must be a positive integer, got {self.limit}", "limit")
+        if not self.step_tokens or any(not isinstance(x, int) or x < 1 for x in self.step_tokens):
+            bad(f"step_tokens must be positive integers, got {self.step_tokens!r}", "step_tokens")
+        if self.aggregation not in AGGREGATIONS:
+            bad(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}", "aggregation")
+        if self.branching not in ("equal", "proportional"):
+            bad(f"unknown branching {self.branching!r}; choose equal or proportional", "branching")
+        if self.lookahead < 0:
+            bad(f"lookahead must be >= 0, got {self.lookahead}", "lookahead")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if self.semantics not in ("sgl-tts", "search-and-learn"):
+            bad(f"unknown semantics {self.semantics!r}; choose sgl-tts or search-and-learn", "semantics")
+        if self.program != "beam_search" and (self.semantics != "sgl-tts" or self.filter_duplicates
+                                              or self.sort_completed):
+            bad("semantics, filter_duplicates and sort_completed are beam_search settings",
+                "program", "semantics", "filter_duplicates", "sort_completed")
+        if self.semantics == "search-and-learn" and (self.branching != "equal" or self.lookahead):
+            bad("semantics search-and-learn has no branching or lookahead (its beam search never reads "
+                "its lookahead steps)", "semantics", "branching", "lookahead")
+        if self.sort_completed and self.semantics != "search-and-learn":
+            bad("sort_completed needs semantics search-and-learn", "sort_completed", "semantics")
+        if self.speculative not in ("off", "exact", "truncate"):
+            bad(f"unknown speculative mode {self.speculative!r}; choose off, exact or truncate", "speculative")
+        if (self.speculative != "off" or self.overlap_verification) and (
+                self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
+            bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)",
+                "speculative", "overlap_verification", "program", "semantics")
+        others: dict[str, list[str]] = {}   # another program's own settings, off their defaults
+        for k, (owner, default) in registry.own_settings().items():
+            if owner != self.program and getattr(self, k) != default:
+                others.setdefault(owner, []).append(k)
+        for owner, changed in others.items():
+            bad(f"{', '.join(changed)}: settings of program {owner}", *changed)
+        if spec.prm == "required" and self.uses_prm is False:
+            bad(f"{self.program} needs a PRM; drop prm: none (or use program self_consistency)", "program", "prm")
+        if spec.check is not None:
+            spec.check(self, bad)
+        if self.prm_kind not in PRM_KINDS:
+            bad(f"unknown prm_kind {self.prm_kind!r}; choose one of {', '.join(PRM_KINDS)}", "prm_kind")
+        if self.runtime not in ("auto", "server", "cuda", "cpu"):
+            bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu", "runtime")
+        if self.cpu_engine not in ("auto", "thread", "process"):
+            bad(f"unknown cpu_engine {self.cpu_engine!r}; choose auto, thread or process", "cpu_engine")
+
+    @property
+    def engine_in(self) -> str:
+        """Where a CPU backend opened for this run runs its engines (``cpu_engine`` resolved)."""
+        from sgl_tts.backends.local import choose_engine_in
+
+        spec = registry.find(self.program)
+        return choose_engine_in(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
+                                in_flight=self.in_flight)
+
+    @property
+    def uses_prm(self) -> bool:
+        spec = registry.find(self.program)   # (an unknown program: validate() names it)
+        return (spec is None or spec.prm != "none") and (self.prm is None or self.prm.lower() != "none")
+
+    def run_key(self) -> str:
+        """A short hash of every setting that changes results (a resumed run must match it)."""
+        keyed_when_set = {**self.KEYED_WHEN_SET, **{k: d for k, (_, d) in registry.own_settings().items()}}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY
+                  and not (k in keyed_when_set and v == keyed_when_set[k])
+                  and not (k in self.SAME_RESULTS and v in self.SAME_RESULTS[k])}
+        if self.program == "beam_search" and self.semantics == "sgl-tts":
+            # its step seeds are keyed by (depth, parent, child) since issue 18 (before: by beam index),
+            # so a run written before samples differently and does not resume into this one
+            fields["seeds"] = SEED_SCHEME
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+    def program_arguments(self, question: str, prm) -> dict[str, Any]:
+        """The keyword arguments of the chosen program for one question (its registry record's)."""
+        return registry.program(self.program).arguments(self, question, prm)
+
+
+SEED_SCHEME = "depth-parent-ordinal"
+
+
+def program_function(name: str):
+    """The ``@sgl.function`` behind a program name (its registry record's)."""
+    return registry.program(name).load()
+
+
+# ------------------------------------------------------------------------------------- config I/O
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's settings, checked against :class:`RunConfig`'s fields."""
+    return read_yaml(path)[0]
+
+
+def read_yaml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, int]]:
+    """A config file's settings (checked against :class:`RunConfig`'s fields) and the line each
+    setting's key is on. Every error is one line: ``config file PATH line N: what is wrong``."""
+    import yaml
+
+    p = Path(path)
+    where = f"config file {p}"
+    fix = "pass --config PATH to a YAML file of RunConfig keys"
+    text = utf8_text(read_input(p, where, fix), where)
+    try:
+        loader = yaml.SafeLoader(text)   # checks the characters already
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        raise RunError(f"{where} {_yaml_error(exc, text)}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise RunError(f"{where} must be a mapping of settings, got {type(data).__name__}")
+    key_lines = {}
+    for key_node, _ in node.value:
+        if isinstance(key_node, yaml.ScalarNode):
+            key_lines[str(key_node.value).replace("-", "_")] = key_node.start_mark.line + 1
+    known = {f.name: f for f in dataclasses.fields(RunConfig)}
+    out, lines = {}, {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        at = f"{where} line {key_lines[name]}" if name in key_lines else where
+        if name not in known:
+            raise RunError(f"{at}: unknown setting {key!r}; known settings: {', '.join(known)}")
+        try:
+            out[name] = _coerce(known[name], value)
+        except (TypeError, ValueError) as exc:
+            raise RunError(f"{at}: {key}: {exc}") from None
+        if name in key_lines:
+            lines[name] = key_lines[name]
+    return out, lines
+
+
+def _yaml_error(exc: Exception, text: str) -> str:
+    """``line N: not valid YAML: ...`` from a PyYAML error (its lines are 0-based)."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        line = exc.problem_mark.line + 1
+        what = exc.problem or str(exc).splitlines()[0]
+        if exc.context and exc.context_mark is not None and exc.context_mark.line + 1 != line:
+            what += f" ({exc.context} that began on line {exc.context_mark.line + 1})"
+        return f"line {line}: not valid YAML: {what}"
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        return f"line {line}: not valid YAML: {str(exc).splitlines()[0]}"
+    return f"is not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+def read_input(path: Path, where: str, fix: str) -> bytes:
+    """The bytes of an input file; a missing file, a directory or an unreadable file is a
+    :class:`RunError` naming ``where`` (e.g. ``problems file PATH``) and ``fix``."""
+    if path.is_dir():
+        raise RunError(f"{where} is a directory; {fix}")
+    if not path.is_file():
+        raise RunError(f"{where} not found; {fix}")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise RunError(f"{where} cannot be read: {exc.strerror or exc}; {fix}") from None
+
+
+def utf8_text(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are a
+    :class:`RunError` ``WHERE line N: not UTF-8 text (byte 0x.. at column C)``."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        line = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise RunError(f"{where} line {line}: not UTF-8 text (byte 0x{data[at]:02x} at column {column}); "
+                       f"save the file as UTF-8") from None
+
+
+def _field_kind(field: dataclasses.Field) -> str:
+    hint = typing.get_type_hints(RunConfig)[field.name]
+    if hint is bool:
+        return "bool"
+    if hint in (int, int | None):
+        return "int"
+    if hint in (float, float | None):
+        return "float"
+    if hint == list[int]:
+        return "ints"
+    return "str"
+
+
+def _coerce(field: dataclasses.Field, value: Any) -> Any:
+    """A YAML or command-line value as the field's type (``"none"`` for optional fields is None)."""
+    kind = _field_kind(field)
+    optional = field.default is None
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "~")):
+        if not optional:
+            raise ValueError("cannot be empty")
+        return None
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1"):
+            return True
+        if str(value).lower() in ("false", "no", "0"):
+            return False
+        raise ValueError(f"expected true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {value!r}") from None
+    if kind == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    if kind == "ints":
+        items = value if isinstance(value, list) else str(value).split(",")
+        try:
+            return [int(x) for x in items if str(x).strip()]
+        except ValueError:
+            raise ValueError(f"expected integers (a list, or comma-separated), got {value!r}") from None
+    return str(value)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` plus one ``--flag`` per :class:`RunConfig` field (only given flags override)."""
+    parser.add_argument("--config", default=None, help="YAML file of settings (flags override it)")
+    docs = _field_docs()
+    for f in dataclasses.fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_kind(f)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})".strip()
+        if kind == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_text.replace("%", "%%"))
+
+
+def _field_docs() -> dict[str, str]:
+    """Each field's line from the Attributes section of RunConfig's docstring."""
+    docs, current = {}, None
+    for line in (RunConfig.__doc__ or "").splitlines():
+        s = line.strip()
+        head = s.split(":", 1)
+        if len(head) == 2 and head[0] in {f.name for f in dataclasses.fields(RunConfig)}:
+            current = head[0]
+            docs[current] = head[1].strip()
+        elif current and s:
+            docs[current] += " " + s
+    return docs
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The config from ``--config`` and the flags given on the command line."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    overrides = {}
+    for name, value in vars(args).items():
+        if name in fields:
+            try:
+                overrides[name] = _coerce(fields[name], value)
+            except (TypeError, ValueError) as exc:
+                raise RunError(f"--{name.replace('_', '-')}: {exc}") from None
+    return RunConfig.from_sources(args.config, overrides)

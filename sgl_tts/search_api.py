@@ -190,16 +190,7 @@ def parse_request(body: Any, limits: Limits = Limits(), defaults: Defaults = Def
     budget = _int({"budget": settings["n"]}, "budget", 1, limits.max_budget, " (--max-budget)")
     _int({"beam_width": settings["beam_width"]}, "beam_width", 1, limits.max_budget, " (--max-budget)")
     _int({"max_depth": settings["max_depth"]}, "max_depth", 1, limits.max_depth, " (--max-depth)")
-    steps = settings["step_tokens"]
-    steps = [steps] if isinstance(steps, int) and not isinstance(steps, bool) else steps
-    if not isinstance(steps, list) or not steps or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
-                                                       for x in steps):
-        raise _bad(f"'step_tokens' must be a positive integer or a list of them, got {settings['step_tokens']!r}",
-                   "step_tokens")
-    if max(steps) > limits.max_step_tokens:
-        raise _bad(f"'step_tokens' = {max(steps)} is over this server's limit of {limits.max_step_tokens} "
-                   f"(--max-step-tokens)", "step_tokens", code="limit_exceeded")
-    settings["step_tokens"] = steps
+    settings["step_tokens"] = _step_tokens(settings["step_tokens"], limits)
 
     max_tokens = _int(body, "max_completion_tokens", 1, limits.max_step_tokens, " (--max-step-tokens)")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, limits.max_step_tokens,
@@ -220,14 +211,7 @@ def parse_request(body: Any, limits: Limits = Limits(), defaults: Defaults = Def
             raise _bad(f"'seed' must be an integer, got {seed!r}", "seed")
         settings["seed"] = seed
     choices = _int(body, "n", 1, min(limits.max_choices, budget), " (the search's budget or --max-choices)") or 1
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise _bad(f"'stream' must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
-        raise _bad("'stream_options' may only hold include_usage", "stream_options")
-    if options and not stream:
-        raise _bad("'stream_options' needs stream: true", "stream_options")
+    stream, include_usage = _streaming(body)
     try:
         cfg = RunConfig(**settings)
         cfg.validate()
@@ -236,7 +220,32 @@ def parse_request(body: Any, limits: Limits = Limits(), defaults: Defaults = Def
     except RunError as exc:
         raise _bad(str(exc)) from exc
     return SearchRequest(model=model, config=cfg, question=question, choices=choices, stream=stream,
-                         include_usage=bool(options.get("include_usage", False)))
+                         include_usage=include_usage)
+
+
+def _step_tokens(value: Any, limits: Limits) -> list[int]:
+    """'step_tokens' as a list of positive ints within this server's limit (one int is a list of one)."""
+    steps = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(steps, list) or not steps or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                                       for x in steps):
+        raise _bad(f"'step_tokens' must be a positive integer or a list of them, got {value!r}", "step_tokens")
+    if max(steps) > limits.max_step_tokens:
+        raise _bad(f"'step_tokens' = {max(steps)} is over this server's limit of {limits.max_step_tokens} "
+                   f"(--max-step-tokens)", "step_tokens", code="limit_exceeded")
+    return steps
+
+
+def _streaming(body: Mapping) -> tuple[bool, bool]:
+    """'stream' and 'stream_options' read: whether to stream, and whether to end with a usage chunk."""
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _bad(f"'stream' must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise _bad("'stream_options' may only hold include_usage", "stream_options")
+    if options and not stream:
+        raise _bad("'stream_options' needs stream: true", "stream_options")
+    return stream, bool(options.get("include_usage", False))
 
 
 __all__ = ["APIError", "Defaults", "Limits", "OPENAI_FIELDS", "SEARCH_FIELDS", "SearchRequest", "parse_request",

@@ -313,37 +313,8 @@ class SearchService:
                 on_start(group)
             args = cfg.program_arguments(req.question, self.prm)
             args["search_group"] = group
-            program = program_function(cfg.program)
-            box: dict[str, Any] = {}
-
-            def work() -> None:
-                try:
-                    box["state"] = program.run(backend=endpoint, **args)
-                except BaseException as exc:   # handed to the caller below
-                    box["error"] = exc
-                finally:
-                    with endpoint.changed:
-                        box["done"] = True
-                        endpoint.changed.notify_all()
-
-            worker = threading.Thread(target=work, name=f"sgl-tts-search-{group}", daemon=True)
-            remove = cancel.add_callback(_notifier(endpoint.changed))
-            try:
-                worker.start()
-                self._await_program(group, endpoint, cancel, box)
-            finally:
-                remove()
-            worker.join()   # it has returned already (box["done"]); only the thread's exit is left
+            result = self._run_program(program_function(cfg.program), args, group, endpoint, cancel)
             latency = time.monotonic() - t0
-            if cancel.is_set():
-                raise SearchCancelled(f"search {group} was cancelled")
-            if "error" in box:
-                raise box["error"]
-            state = box["state"]
-            err = state.error()
-            if err is not None:
-                raise err if isinstance(err, BaseException) else RuntimeError(str(err))
-            result = state.ret_value
             prompt_tokens = len(self.generator.encode(req.question + cfg.delimiter))
             with self._lock:
                 self.served += 1
@@ -354,6 +325,41 @@ class SearchService:
                 self.running.pop(group, None)
                 self._free += 1
                 self._lock.notify_all()
+
+    def _run_program(self, program, args: dict[str, Any], group: str, endpoint: "SearchEndpoint",
+                     cancel: CancelEvent) -> Any:
+        """The program's return value: it runs on a thread of its own while this one sleeps until the
+        program ends or ``cancel`` is set (then its requests are aborted and it is waited out);
+        raises :class:`SearchCancelled` or the program's error."""
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["state"] = program.run(backend=endpoint, **args)
+            except BaseException as exc:   # handed to the caller below
+                box["error"] = exc
+            finally:
+                with endpoint.changed:
+                    box["done"] = True
+                    endpoint.changed.notify_all()
+
+        worker = threading.Thread(target=work, name=f"sgl-tts-search-{group}", daemon=True)
+        remove = cancel.add_callback(_notifier(endpoint.changed))
+        try:
+            worker.start()
+            self._await_program(group, endpoint, cancel, box)
+        finally:
+            remove()
+        worker.join()   # it has returned already (box["done"]); only the thread's exit is left
+        if cancel.is_set():
+            raise SearchCancelled(f"search {group} was cancelled")
+        if "error" in box:
+            raise box["error"]
+        state = box["state"]
+        err = state.error()
+        if err is not None:
+            raise err if isinstance(err, BaseException) else RuntimeError(str(err))
+        return state.ret_value
 
     def _take_slot(self, group: str, cancel: CancelEvent) -> None:
         """Wait (asleep) for a slot, in arrival order; raises :class:`SearchCancelled` as soon as

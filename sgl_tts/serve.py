@@ -322,13 +322,23 @@ def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict
     return specs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts serve``."""
-    import argparse
+def print_commands(specs: Sequence[ServerSpec], label: str = "", health: bool = True) -> None:
+    """A dry run: each server's command line, environment first, under a comment naming it (and
+    where it answers when healthy)."""
     import shlex
 
-    from sgl_tts.cpu_serving import CPU_ENV, DEFAULT_KV_MEMORY, cpu_pair_flags
-    from sgl_tts.memory import add_plan_arguments, plan_from_args
+    for spec in specs:
+        print(f"# {label + ' ' if label else ''}{spec.name}" + (f": healthy at {spec.health_url}" if health else ""))
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (spec.env or {}).items())
+        print((prefix + " " if prefix else "") + shlex.join(spec.command))
+
+
+def build_parser():
+    """``sgl-tts serve``'s flags: the memory plan's (GPU) and the CPU, replica and router ones."""
+    import argparse
+
+    from sgl_tts.cpu_serving import DEFAULT_KV_MEMORY
+    from sgl_tts.memory import add_plan_arguments
 
     ap = argparse.ArgumentParser(prog="sgl-tts serve", description=__doc__.splitlines()[0])
     add_plan_arguments(ap, models_required=False)
@@ -364,54 +374,70 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="comma-separated ports of the replicas (default: --generator-port + 100, + 101, ...)")
     ap.add_argument("--health-timeout", type=float, default=600.0)
     ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
-    args = ap.parse_args(argv)
-    env = None
-    try:
-        if args.replicas < 1:
-            raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-        if args.device == "cpu":
-            from sgl_tts.models import shipped_model
+    return ap
 
-            args.generator = args.generator or str(shipped_model("generator") or "")
-            args.prm = args.prm or str(shipped_model("prm") or "")
-            if not (args.generator and args.prm):
-                raise ValueError("this install ships no tiny models: pass --generator and --prm")
-            flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
-            if args.replicas > 1:   # the generator's share, split between its replicas
-                from sgl_tts.cpu_serving import cpu_server_flags
-                from sgl_tts.memory import parse_bytes
 
-                share = parse_bytes(args.kv_memory) * args.generator_share / args.replicas
-                flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
-            env = dict(CPU_ENV)
-        else:
-            if not (args.generator and args.prm):
-                ap.error("--generator and --prm are required with --device cuda")
-            flags = plan_from_args(args).flags
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
-        return 1
+def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
+    """The generator's and the PRM's server flags and their environment: on the CPU the shipped tiny
+    models by default, --kv-memory split by --generator-share (the generator's share split again
+    between its replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
+    input."""
+    from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags, cpu_server_flags
+    from sgl_tts.memory import parse_bytes, plan_from_args
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.device != "cpu":
+        if not (args.generator and args.prm):
+            raise ValueError("--generator and --prm are required with --device cuda")
+        return plan_from_args(args).flags, None
+    from sgl_tts.models import shipped_model
+
+    args.generator = args.generator or str(shipped_model("generator") or "")
+    args.prm = args.prm or str(shipped_model("prm") or "")
+    if not (args.generator and args.prm):
+        raise ValueError("this install ships no tiny models: pass --generator and --prm")
+    flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
+    if args.replicas > 1:
+        share = parse_bytes(args.kv_memory) * args.generator_share / args.replicas
+        flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
+    return flags, dict(CPU_ENV)
+
+
+def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpec]:
+    """The servers to start, in start-up order: the pair, or K generator replicas, the PRM and the
+    router on the generator's port."""
+    import shlex
+
     # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
     plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu")
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
                         first=args.first, plugin=plugin, env=env)
-    if args.replicas > 1:
-        try:
-            ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
-                     else [args.generator_port + 100 + i for i in range(args.replicas)])
-            specs = replicate(specs, args.replicas, host=args.host, router_port=args.generator_port,
-                              replica_ports=ports, router_policy=args.router_policy,
-                              router_args=shlex.split(args.router_args),
-                              gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
-        except ValueError as exc:
-            print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
-            return 1
+    if args.replicas == 1:
+        return specs
+    ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
+             else [args.generator_port + 100 + i for i in range(args.replicas)])
+    return replicate(specs, args.replicas, host=args.host, router_port=args.generator_port,
+                     replica_ports=ports, router_policy=args.router_policy,
+                     router_args=shlex.split(args.router_args),
+                     gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts serve``."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        flags, env = pair_flags(args)
+        specs = serve_specs(args, flags, env)
+    except (FileNotFoundError, ValueError) as exc:
+        if args.device == "cuda" and not (args.generator and args.prm):
+            ap.error(str(exc))
+        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+        return 1
     if args.dry_run:
-        for spec in specs:
-            print(f"# {spec.name}: healthy at {spec.health_url}")
-            prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (spec.env or {}).items())
-            print((prefix + " " if prefix else "") + shlex.join(spec.command))
+        print_commands(specs)
         return 0
 
     def ready(servers):
@@ -436,5 +462,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ManagedServer", "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_specs", "main", "replicate",
+__all__ = ["ManagedServer", "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_parser", "build_specs", "main",
+           "pair_flags", "print_commands", "replicate", "serve_specs",
            "router_spec", "run_servers", "wait_router_workers", "sigterm_stops_servers"]

@@ -33,9 +33,7 @@ def server_command(model: str, port: int, metrics: str, mem_fraction: float, ser
                           plugin=TTSSettings("prefix-aware", metrics_file=metrics), extra=shlex.split(server_args))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from sgl_tts.models import shipped_model
-
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sgl-tts smoke", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: generator and PRM as CPU SGLang servers (sgl-tts serve --device cpu)")
@@ -47,7 +45,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS)
     ap.add_argument("--health-timeout", type=float, default=900.0)
     ap.add_argument("--dry-run", action="store_true", help="print the server command and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def smoke_specs(args: argparse.Namespace, gen: Path, prm_path: Path, metrics: str) -> list:
+    """The servers: on the CPU the tiny generator (plugin on) and PRM as ``sgl-tts serve --device cpu``
+    starts them; on CUDA the tiny generator alone (the PRM runs in this process)."""
+    if args.device == "cpu":
+        from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
+        from sgl_tts.serve import build_specs
+
+        return build_specs(str(gen), str(prm_path), cpu_pair_flags(gen, prm_path, "256MiB"), host="127.0.0.1",
+                           ports={"generator": args.port, "prm": args.prm_port}, first="generator",
+                           plugin=TTSSettings("prefix-aware", metrics_file=metrics, seeded_sampling=True),
+                           env=dict(CPU_ENV))
+    from sgl_tts.serve import ServerSpec
+
+    return [ServerSpec("generator", server_command(str(gen), args.port, metrics, args.mem_fraction,
+                                                   args.server_args, max_batch=args.beams),
+                       f"http://127.0.0.1:{args.port}/health")]
+
+
+def run_searches(args: argparse.Namespace, prm_path: Path, timings: dict[str, float]) -> dict[str, int]:
+    """Beam search on ``--problems`` test problems against the running generator (group ``smoke-<i>``),
+    timing the first and the mean search; returns how many were right and the tokens generated."""
+    from programs.beam_search import beam_search
+    from sgl_tts import task
+    from sgl_tts.backends import LocalBackend, SGLangEndpoint
+    from sgl_tts.prm import StepTagPRM
+
+    endpoint = SGLangEndpoint(f"http://127.0.0.1:{args.port}")
+    prm = StepTagPRM(SGLangEndpoint(f"http://127.0.0.1:{args.prm_port}") if args.device == "cpu"
+                     else LocalBackend(str(prm_path)))
+    problems = task.test_split()[:args.problems]
+    right, tokens, per = 0, 0, []
+    for i, p in enumerate(problems):
+        t0 = time.perf_counter()
+        state = beam_search.run(question=p.question, prm=prm, num_beams=args.beams, beam_width=2,
+                                max_depth=12, search_group=f"smoke-{i}", backend=endpoint)
+        if state.error() is not None:
+            raise RuntimeError(f"problem {i}: {state.error()}")
+        res = state.ret_value
+        per.append(time.perf_counter() - t0)
+        right += res.answer == str(p.answer)
+        tokens += res.tokens_generated
+    timings["first search (s)"] = per[0]
+    timings["mean search (s)"] = sum(per) / len(per)
+    return {"right": right, "problems": len(problems), "tokens": tokens}
+
+
+def plugin_requests(metrics: str) -> int:
+    """How many of the smoke searches' requests the plugin logged as admitted (its prefill records,
+    with the searches' request ids; each scheduler process writes <metrics>.<pid>)."""
+    from sgl_tts.plugin.metrics import read_records, scheduler_files
+    from sgl_tts.protocol import GROUP_PREFIX
+
+    return sum(str(r["rid"]).startswith(GROUP_PREFIX + "smoke-")
+               for rec in read_records(scheduler_files(metrics))
+               if rec.get("event") == "prefill" for r in rec.get("requests", []))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from sgl_tts.models import shipped_model
+
+    args = build_parser().parse_args(argv)
     gen, prm_path = shipped_model("generator"), shipped_model("prm")
     if gen is None or prm_path is None:
         print("sgl-tts smoke: error: this install ships no tiny models (sgl_tts/models/data)", file=sys.stderr)
@@ -56,58 +117,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("sgl-tts smoke: error: need --problems >= 1 and --beams >= 2", file=sys.stderr)
         return 1
     metrics = str(Path(tempfile.mkdtemp(prefix="sgl-tts-smoke-")) / "plugin-metrics.jsonl")
-    if args.device == "cpu":
-        from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
-        from sgl_tts.serve import build_specs
+    specs = smoke_specs(args, gen, prm_path, metrics)
+    from sgl_tts.serve import ServerFailed, print_commands, run_servers
 
-        specs = build_specs(str(gen), str(prm_path), cpu_pair_flags(gen, prm_path, "256MiB"), host="127.0.0.1",
-                            ports={"generator": args.port, "prm": args.prm_port}, first="generator",
-                            plugin=TTSSettings("prefix-aware", metrics_file=metrics, seeded_sampling=True),
-                            env=dict(CPU_ENV))
-    else:
-        from sgl_tts.serve import ServerSpec
-
-        specs = [ServerSpec("generator", server_command(str(gen), args.port, metrics, args.mem_fraction,
-                                                        args.server_args, max_batch=args.beams),
-                            f"http://127.0.0.1:{args.port}/health")]
     if args.dry_run:
-        for spec in specs:
-            prefix = " ".join(f"{k}={v}" for k, v in (spec.env or {}).items())
-            print((prefix + " " if prefix else "") + shlex.join(spec.command))
+        print_commands(specs)
         return 0
 
-    from programs.beam_search import beam_search
-    from sgl_tts import task
-    from sgl_tts.backends import LocalBackend, SGLangEndpoint
-    from sgl_tts.prm import StepTagPRM
-    from sgl_tts.serve import ServerFailed, run_servers
-
     timings: dict[str, float] = {}
-    outcome: dict[str, object] = {}
+    outcome: dict[str, int] = {}
     stop = threading.Event()
     t_start = time.perf_counter()
 
     def work(servers) -> None:
         try:
             timings["server start (s)"] = time.perf_counter() - t_start
-            endpoint = SGLangEndpoint(f"http://127.0.0.1:{args.port}")
-            prm = StepTagPRM(SGLangEndpoint(f"http://127.0.0.1:{args.prm_port}") if args.device == "cpu"
-                             else LocalBackend(str(prm_path)))
-            problems = task.test_split()[:args.problems]
-            right, tokens, per = 0, 0, []
-            for i, p in enumerate(problems):
-                t0 = time.perf_counter()
-                state = beam_search.run(question=p.question, prm=prm, num_beams=args.beams, beam_width=2,
-                                        max_depth=12, search_group=f"smoke-{i}", backend=endpoint)
-                if state.error() is not None:
-                    raise RuntimeError(f"problem {i}: {state.error()}")
-                res = state.ret_value
-                per.append(time.perf_counter() - t0)
-                right += res.answer == str(p.answer)
-                tokens += res.tokens_generated
-            timings["first search (s)"] = per[0]
-            timings["mean search (s)"] = sum(per) / len(per)
-            outcome.update(right=right, problems=len(problems), tokens=tokens)
+            outcome.update(run_searches(args, prm_path, timings))
         finally:
             stop.set()
 
@@ -116,14 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ServerFailed, RuntimeError, ConnectionError) as exc:
         print(f"sgl-tts smoke: FAILED: {exc}", file=sys.stderr)
         return 1
-    # the plugin logs every prefill batch it admitted, with the search's request ids
-    from sgl_tts.plugin.metrics import read_records, scheduler_files
-    from sgl_tts.protocol import GROUP_PREFIX
-
-    # each scheduler process writes <metrics>.<pid> (found by running it against a real server)
-    smoke_rids = sum(str(r["rid"]).startswith(GROUP_PREFIX + "smoke-")
-                     for rec in read_records(scheduler_files(metrics))
-                     if rec.get("event") == "prefill" for r in rec.get("requests", []))
+    smoke_rids = plugin_requests(metrics)
     if smoke_rids == 0:
         print(f"sgl-tts smoke: FAILED: the plugin logged none of the search's requests in {metrics}.* "
               f"(is the sgl-tts plugin installed where the server runs?)", file=sys.stderr)
@@ -134,7 +152,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{outcome['tokens']} tokens generated; the plugin admitted {smoke_rids} of its requests ({metrics})")
     print("OK")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

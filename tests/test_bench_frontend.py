@@ -20,7 +20,8 @@ FIELDS = {
     "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
     "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
     "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at",
-    "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine"}
+    "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine",
+    "cpu_running_cap"}
 # the server's records also have the limit at the searches' context (the plugin's records give it)
 CONTEXT_FIELDS = {"context_limit_prompt_tokens", "context_limit_tokens_per_s", "context_limit_fraction"}
 
@@ -58,6 +59,7 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["engine_threads"] == engine_threads and r["engine_processes"] == 0
     # --quick's K <= 4: auto keeps the cpu backend's engines on threads (a process from K = 8)
     assert r["cpu_engine"] == (None if r["backend"] == "server" else "thread")
+    assert r["cpu_running_cap"] == (None if r["backend"] == "server" else 256)
     assert 0 <= r["client_user_s"] <= r["cpu_user_s"] and 0 <= r["client_system_s"] <= r["cpu_system_s"]
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
     # servers given by URL (and the cpu backend) have no processes of the run's to measure
@@ -291,10 +293,12 @@ def test_process_tree_cpu_counts_a_servers_children(tmp_path):
 def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
     s = FrontendSettings()
     assert s.cpu_engine == "auto"
-    assert [frontend.cpu_engine_for(s, p, k) for p in ("beam_search", "mcts", "best_of_n") for k in (4, 8)] == \
-        ["thread", "process", "thread", "process", "thread", "thread"]
+    assert [frontend.cpu_engine_for(s, p, k).engine_in for p in ("beam_search", "mcts", "best_of_n")
+            for k in (4, 8)] == ["thread", "process", "thread", "process", "thread", "thread"]
+    assert [frontend.cpu_engine_for(s, p, 8).running_cap for p in ("beam_search", "mcts", "best_of_n")] == \
+        [1024, 1024, 256]
     thread = FrontendSettings(cpu_engine="thread")
-    assert frontend.cpu_engine_for(thread, "mcts", 128) == "thread"
+    assert frontend.cpu_engine_for(thread, "mcts", 128).engine_in == "thread"
     # records from before the setting existed ran on threads: they keep their key
     assert thread.key() == "9516a6ebd41a" and s.key() != thread.key()
 

@@ -14,7 +14,8 @@ import pytest
 from sgl_tts import LocalBackend
 from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
-from sgl_tts.backends.local import PROCESS_ENGINE_MIN_IN_FLIGHT, choose_engine_in
+from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
+                                    EngineLayout, choose_engine)
 from sgl_tts.experiment import RunConfig, RunError, program_function
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
@@ -102,6 +103,7 @@ def test_the_same_searches_on_a_thread_engine_and_on_process_engines():
             for program in ("beam_search", "mcts"):
                 cfg = RunConfig(program=program, n=4, beam_width=2, max_depth=6, parallel=2,
                                 cpu_engine=where)
+                assert cfg.engine_layout.engine_in == where
                 prm = StepTagPRM(prm_backend)
                 args = [cfg.program_arguments(p.question, prm) for p in problems]
                 got = {}
@@ -176,44 +178,53 @@ def test_bad_settings_are_refused():
 
 
 # ------------------------------------------------------------------------------------ the policy
+MANY, FEW = TREE_SEARCH_RUNNING_CAP, DEFAULT_RUNNING_CAP
+
+
 @pytest.mark.parametrize("setting, tree_search, in_flight, expected", [
-    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, "process"),
-    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, "thread"),
-    ("auto", False, 128, "thread"),          # best-of-N: measured slower in a child
-    ("thread", True, 128, "thread"),
-    ("process", False, 1, "process"),
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, ("process", MANY)),
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, ("thread", FEW)),
+    ("auto", False, 128, ("thread", FEW)),          # best-of-N: measured slower in a child and with more rows
+    ("thread", True, 128, ("thread", MANY)),        # the setting places the engines; the workload sizes them
+    ("process", False, 1, ("process", FEW)),
 ])
-def test_where_the_engines_run(setting, tree_search, in_flight, expected):
-    assert choose_engine_in(setting, tree_search=tree_search, in_flight=in_flight) == expected
+def test_how_the_engines_are_laid_out(setting, tree_search, in_flight, expected):
+    layout = choose_engine(setting, tree_search=tree_search, in_flight=in_flight)
+    assert (layout.engine_in, layout.running_cap) == expected
+    assert layout.options() == {"engine_in": expected[0], "running_cap": expected[1]}
+    with pytest.raises(ValueError, match="cpu engine must be auto, thread or process, got 'gpu'"):
+        choose_engine("gpu", tree_search=True, in_flight=8)
 
 
 def test_a_run_resolves_auto_from_its_program_and_in_flight():
-    assert RunConfig(program="beam_search", in_flight=8).engine_in == "process"
-    assert RunConfig(program="dvts", in_flight=32).engine_in == "process"
-    assert RunConfig(program="mcts", in_flight=8).engine_in == "process"
-    assert RunConfig(program="mcts", in_flight=4).engine_in == "thread"
-    assert RunConfig(program="best_of_n", in_flight=64).engine_in == "thread"
-    assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_in == "thread"
+    assert RunConfig(program="beam_search", in_flight=8).engine_layout == EngineLayout("process", MANY)
+    assert RunConfig(program="dvts", in_flight=32).engine_layout == EngineLayout("process", MANY)
+    assert RunConfig(program="mcts", in_flight=8).engine_layout == EngineLayout("process", MANY)
+    assert RunConfig(program="mcts", in_flight=4).engine_layout == EngineLayout("thread", FEW)
+    assert RunConfig(program="best_of_n", in_flight=64).engine_layout == EngineLayout("thread", FEW)
+    assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_layout == \
+        EngineLayout("thread", MANY)
     # where the engines run changes no result: a run resumes under another placement
     assert RunConfig(cpu_engine="process").run_key() == RunConfig().run_key()
 
 
-def test_the_child_ends_when_its_caller_is_killed(tiny_model_path, tmp_path):
-    """Nothing is left behind: a caller SIGKILLed mid-request closes the socket, and the child ends."""
-    import subprocess
-    import sys
+def test_running_rows_come_from_the_kv_budget_up_to_the_cap():
+    from transformers import Qwen2Config
 
-    import psutil
+    from sgl_tts.backends.kv import kv_bytes_per_token, running_rows
 
-    script = (f"import sys\nfrom sgl_tts import LocalBackend\nfrom sgl_tts.backends.engine import SamplingSpec\n"
-              f"be = LocalBackend({str(tiny_model_path)!r}, engine_in='process')\n"
-              f"fut = be.engine.submit(be.encode('x' * 20), SamplingSpec(max_new_tokens=1500, ignore_eos=True))\n"
-              f"print(be.engine.pid, flush=True)\nfut.result()\n")
-    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        child = psutil.Process(int(caller.stdout.readline()))
-        caller.kill()
-        caller.wait()
-        child.wait(timeout=60)          # raises psutil.TimeoutExpired if it stayed
-    finally:
-        caller.kill()
+    tiny = Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, hidden_size=256,
+                       head_dim=64, max_position_embeddings=512)
+    assert kv_bytes_per_token(tiny, 4) == 2 * 4 * 2 * 64 * 4          # K and V, 4 layers, 2 heads, fp32
+    # 2 GiB / (4 KiB x 512 tokens) = 1,024 rows: the cap decides
+    assert running_rows(tiny, 4, 2 << 30, cap=256) == 256 and running_rows(tiny, 4, 2 << 30, cap=4096) == 1024
+    big = Qwen2Config(num_hidden_layers=24, num_key_value_heads=2, num_attention_heads=14, hidden_size=896,
+                      max_position_embeddings=32768)
+    # rows planned at 2,048 tokens, not the model's 32k: 2 GiB / (24 KiB x 2,048) = 42
+    assert running_rows(big, 4, 2 << 30) == 42 and running_rows(big, 2, 2 << 30) == 85
+    assert running_rows(big, 4, 1 << 20) == 16                           # never below 16
+    assert LocalBackend(shipped_model("generator")).engine.max_running == DEFAULT_RUNNING_CAP
+    assert LocalBackend(shipped_model("generator"), running_cap=4096).engine.max_running == 1024
+    assert LocalBackend(shipped_model("generator"), max_running=3).engine.max_running == 3
+    with pytest.raises(ValueError, match="max_running must be at least 1, got 0"):
+        LocalBackend(shipped_model("generator"), max_running=0)

@@ -286,16 +286,14 @@ PLANNED_ROW_TOKENS = 2048
 MAX_RUNNING_ROWS = 1024
 
 
-def running_rows(config, dtype_bytes: int, kv_budget_bytes: int) -> int:
+def running_rows(config, dtype_bytes: int, kv_budget_bytes: int, cap: int = MAX_RUNNING_ROWS) -> int:
     """How many requests may decode together: as many rows of the model's longest sequence (at most
-    :data:`PLANNED_ROW_TOKENS`) as fit in ``kv_budget_bytes`` of KV, between 16 and
-    :data:`MAX_RUNNING_ROWS` (SGLang sizes its max running requests from its KV pool the same way).
-    The tiny generator gets 1,024: with 128 MCTS searches in flight on 2 cores, 256 rows ran 2.65
-    searches/s, 512 rows 2.86 and 1,024 rows 3.04 (2026-11-26)."""
+    :data:`PLANNED_ROW_TOKENS`) as fit in ``kv_budget_bytes`` of KV, between 16 and ``cap`` (SGLang
+    sizes its max running requests from its KV pool the same way)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     row = min(getattr(cfg, "max_position_embeddings", None) or PLANNED_ROW_TOKENS, PLANNED_ROW_TOKENS)
     rows = kv_budget_bytes // max(1, kv_bytes_per_token(config, dtype_bytes) * row)
-    return int(min(MAX_RUNNING_ROWS, max(16, rows)))
+    return int(min(cap, max(16, rows)))
 
 
 __all__ = ["ATTENTION", "MAX_RUNNING_ROWS", "PLANNED_ROW_TOKENS", "PrefixCache", "kv_bytes_per_token",

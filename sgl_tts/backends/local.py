@@ -7,6 +7,7 @@ shared forward passes and reuses the KV of shared prefixes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -35,23 +36,43 @@ logger = logging.getLogger(__name__)
 
 EngineIn = Literal["thread", "process"]
 
-#: In-flight searches from which ``engine_in="auto"`` runs a tree search's engines in processes of
-#: their own. Measured with ``sgl-tts bench-frontend --backends cpu`` (2-core CPU, 2026-11-26,
-#: docs/BENCHMARKS.md): beam search and MCTS gained 4-22% at every K (most at K = 128, where hundreds
-#: of fork threads share the interpreter with an in-process engine), while best-of-N, whose client
-#: is nearly idle, lost 1-12%; a child engine also costs ~3.5 s of start.
+#: In-flight searches from which ``auto`` lays a tree search's CPU engines out for many searches:
+#: each in a process of its own, with room for up to :data:`TREE_SEARCH_RUNNING_CAP` requests.
+#: Measured with ``sgl-tts bench-frontend --backends cpu`` (2-core CPU, 2026-11-26,
+#: docs/BENCHMARKS.md): in processes, beam search and MCTS gained 4-22% at every K (most at K = 128,
+#: where hundreds of fork threads share the interpreter with an in-process engine) while best-of-N,
+#: whose client is nearly idle, lost 1-12%; a child engine also costs ~3.5 s of start. 1,024 running
+#: rows instead of 256 took MCTS at K = 128 from 2.65 to 3.04 searches/s and beam search from 2.64 to
+#: 2.81, but best-of-16 at K = 32 from 2.63-2.95 to 2.52-2.58 (all its samples then decode at once
+#: and meet the PRM at once, instead of overlapping with the PRM's scoring of the first ones).
 PROCESS_ENGINE_MIN_IN_FLIGHT = 8
+DEFAULT_RUNNING_CAP = 256
+TREE_SEARCH_RUNNING_CAP = 1024
 
 
-def choose_engine_in(setting: str, *, tree_search: bool, in_flight: int) -> EngineIn:
-    """Where :class:`LocalBackend` runs its engine for a setting ``thread``, ``process`` or ``auto``:
-    ``auto`` is ``process`` for a tree search (beam search, DVTS, MCTS) with at least
-    :data:`PROCESS_ENGINE_MIN_IN_FLIGHT` searches in flight, else ``thread``."""
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """Where a :class:`LocalBackend`'s engine runs and the most requests it may decode together
+    (``running_cap``; the KV budget may allow fewer)."""
+
+    engine_in: EngineIn
+    running_cap: int
+
+    def options(self) -> dict[str, object]:
+        """The :class:`LocalBackend` keyword arguments."""
+        return {"engine_in": self.engine_in, "running_cap": self.running_cap}
+
+
+def choose_engine(setting: str, *, tree_search: bool, in_flight: int) -> EngineLayout:
+    """The CPU engines' layout for a setting ``thread``, ``process`` or ``auto`` and a workload: a tree
+    search (beam search, DVTS, MCTS) with at least :data:`PROCESS_ENGINE_MIN_IN_FLIGHT` searches in
+    flight gets :data:`TREE_SEARCH_RUNNING_CAP` running rows and, under ``auto``, processes; anything
+    else :data:`DEFAULT_RUNNING_CAP` rows and, under ``auto``, threads."""
     if setting not in ("auto", "thread", "process"):
         raise ValueError(f"cpu engine must be auto, thread or process, got {setting!r}")
-    if setting != "auto":
-        return setting  # type: ignore[return-value]
-    return "process" if tree_search and in_flight >= PROCESS_ENGINE_MIN_IN_FLIGHT else "thread"
+    many = tree_search and in_flight >= PROCESS_ENGINE_MIN_IN_FLIGHT
+    engine_in = setting if setting != "auto" else ("process" if many else "thread")
+    return EngineLayout(engine_in, TREE_SEARCH_RUNNING_CAP if many else DEFAULT_RUNNING_CAP)  # type: ignore[arg-type]
 
 
 class LocalBackend(BaseBackend):
@@ -63,8 +84,10 @@ class LocalBackend(BaseBackend):
         device: torch device for the model.
         max_running: most requests decoded together; ``None`` (default): as many as
             ``kv_memory_mb`` of KV holds at the model's longest sequence (at most 2,048 tokens),
-            between 16 and 1,024 (:func:`~sgl_tts.backends.kv.running_rows`).
+            between 16 and ``running_cap`` (:func:`~sgl_tts.backends.kv.running_rows`).
         kv_memory_mb: the KV memory that sizes ``max_running`` when it is not given.
+        running_cap: the most ``max_running=None`` allows (default 256; :func:`choose_engine` gives
+            tree searches with many in flight 1,024).
         prefix_cache_mb: memory kept for KV of shared prefixes (0 disables reuse across calls).
         seed: seed of the engine's generator for requests without their own seed.
         chat_template: SGLang chat template name; by default chosen from the model path as SGLang does.
@@ -80,7 +103,8 @@ class LocalBackend(BaseBackend):
     """
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
-                 max_running: int | None = None, kv_memory_mb: int = 2048, prefix_cache_mb: int = 256,
+                 max_running: int | None = None, kv_memory_mb: int = 2048,
+                 running_cap: int = DEFAULT_RUNNING_CAP, prefix_cache_mb: int = 256,
                  seed: int | None = None,
                  chat_template: str | None = None, gather_window_ms: float = 4.0,
                  threads: int | None = 1, trust_remote_code: bool = False,
@@ -103,7 +127,8 @@ class LocalBackend(BaseBackend):
         self.model_path = str(path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if max_running is None:
-            max_running = running_rows(config, 2 if dtype in ("bfloat16", "float16") else 4, kv_memory_mb << 20)
+            max_running = running_rows(config, 2 if dtype in ("bfloat16", "float16") else 4, kv_memory_mb << 20,
+                                       cap=running_cap)
         elif max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         spec = EngineSpec(self.model_path, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -285,5 +310,5 @@ def admission_priority(fields: RequestFields) -> int:
 SPECULATIVE_PRIORITY = -1
 
 
-__all__ = ["LocalBackend", "PROCESS_ENGINE_MIN_IN_FLIGHT", "UnsupportedFeatureError",
-           "check_supported_architecture", "choose_engine_in"]
+__all__ = ["DEFAULT_RUNNING_CAP", "EngineLayout", "LocalBackend", "PROCESS_ENGINE_MIN_IN_FLIGHT",
+           "TREE_SEARCH_RUNNING_CAP", "UnsupportedFeatureError", "check_supported_architecture", "choose_engine"]

@@ -203,20 +203,168 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts bench``."""
+@dataclasses.dataclass
+class BenchSetup:
+    """What the flags and the model folders give one ``sgl-tts bench`` run: the models, the settings,
+    each side's server flags and environment, and the memory plan (CUDA)."""
+
+    gen_dir: Path
+    prm_dir: Path
+    names: dict[str, str]
+    tokenizers: dict[str, Path]
+    settings: BenchSettings
+    shape: dict
+    side_flags: dict
+    envs: dict
+    budget: str
+    vocab: int
+    plan: object | None = None
+
+
+def prepare(args) -> BenchSetup:
+    """Resolve the models, the trace and each side's flags (FileNotFoundError / ValueError on bad input)."""
     from sgl_tts.bench.dummy_models import WORD_SPECIALS, tokenizer_dir
     from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
-    from sgl_tts.machine import describe
     from sgl_tts.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
+
+    models_dir = Path(args.models_dir).expanduser()
+    gen_dir, prm_dir = model_folder(args.generator, models_dir), model_folder(args.prm, models_dir)
+    names = {"generator": _label(args.generator), "prm": _label(args.prm)}
+    args.generator, args.prm = str(gen_dir), str(prm_dir)
+    gen_cfg = json.loads((gen_dir / "config.json").read_text())
+    toks = {"generator": tokenizer_dir(gen_dir), "prm": tokenizer_dir(prm_dir)}
+    # a path (and the PRM's input for it) must fit both models' context
+    contexts = [c for c in (context_tokens(gen_dir), context_tokens(prm_dir)) if c]
+    context = min(contexts) if contexts else None
+    draft = settings_from_args(args, context, 1)
+    shape = draft.step_trace().describe(samples=4000)
+    vocab = int(gen_cfg["vocab_size"]) - len(WORD_SPECIALS)
+    if args.device == "cpu":
+        # no memory planning on the CPU (the roofline planner models a GPU): both sides get the
+        # same split of --kv-memory and SGLang's own batch limits; the limit's batch is n itself
+        flags = cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, args.stock_split)
+        # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
+        # a small vocabulary a random model would write them into many steps (an <unk> vanishes
+        # from the decoded text, a step tag makes a path unscorable), and the sides would differ
+        vocab_size = int(gen_cfg["vocab_size"])
+        banned = (range(vocab_size - len(WORD_SPECIALS), vocab_size)
+                  if toks["generator"] != gen_dir else ())
+        return BenchSetup(gen_dir, prm_dir, names, toks, settings_from_args(args, context, max(args.n), banned),
+                          shape, {"stock": flags, "sgl-tts": flags},
+                          {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)},
+                          f"{parse_bytes(args.kv_memory) / GiB:.2f} GiB of KV on the CPU, generator share "
+                          f"{args.stock_split} on both sides (no memory planning on the CPU)", vocab)
+    plan_args = argparse.Namespace(**vars(args))
+    plan_args.beams = args.beams or max(args.n)
+    plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
+    path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
+    plan_args.prompt_tokens = args.prompt_tokens + path
+    plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
+    # the longest request the benchmark sends: a path is cut before the context (see the trace)
+    plan_args.longest_request = args.longest_request or draft.context_tokens
+    plan = plan_from_args(plan_args)
+    longest = plan_args.longest_request or 0
+    stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
+                               min_pool_tokens={"generator": longest, "prm": longest})
+    return BenchSetup(gen_dir, prm_dir, names, toks,
+                      settings_from_args(args, context, plan.flags["generator"].max_running_requests or 1),
+                      shape, {"stock": stock, "sgl-tts": plan.flags}, {"stock": STOCK_ENV, "sgl-tts": None},
+                      f"{plan.budget / GiB:.1f} GiB", vocab, plan)
+
+
+def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
+    """Each side's servers: stock SGLang without the plugin, or the sgl-tts servers (plugin on)."""
     from sgl_tts.plugin.settings import TTSSettings
-    from sgl_tts.serve import ServerFailed, build_specs, run_servers, sigterm_stops_servers
+    from sgl_tts.serve import build_specs
+
+    extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
+    extra_by = {name: extra + (["--tokenizer-path", str(setup.tokenizers[name])]
+                               if setup.tokenizers[name] != folder else [])
+                for name, folder in (("generator", setup.gen_dir), ("prm", setup.prm_dir))}
+    ports = {"generator": args.generator_port, "prm": args.prm_port}
+    specs = {}
+    for side in args.sides:
+        servers = "stock" if side == "stock" else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
+        plugin = TTSSettings("prefix-aware", metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
+                             ) if servers == "sgl-tts" else None
+        specs[side] = build_specs(str(setup.gen_dir), str(setup.prm_dir), setup.side_flags[servers], host=args.host,
+                                  ports=ports, first=args.first, plugin=plugin, extra=extra_by,
+                                  env=setup.envs[servers])
+    return specs
+
+
+def bench_header(args, argv: Sequence[str], setup: BenchSetup) -> dict:
+    """The report's provenance: models, machine, date, command, budget, workload, pools, trace."""
+    from sgl_tts.machine import describe
+
+    trace = setup.settings.step_trace()
+    return {"generator": setup.names["generator"], "prm": setup.names["prm"], "machine": describe(),
+            "date": datetime.date.today().isoformat(), "command": shlex.join(["sgl-tts", "bench", *argv]),
+            "device": args.device, "budget": setup.budget,
+            "workload": dataclasses.asdict(setup.plan.work) if setup.plan is not None else None,
+            "pools": {side: {name: setup.side_flags[side][name].max_total_tokens for name in ("generator", "prm")}
+                      for side in SIDES},
+            "trace": {**dataclasses.asdict(trace), **{k: round(v, 3) for k, v in setup.shape.items()}}}
+
+
+class SideRunner:
+    """Runs the sides one after another on one records file: a side's servers start, it runs what it
+    has not finished (and, on an sgl-tts side, the decode limit), its servers stop; ``left`` counts
+    what ``--stop-after`` left undone."""
+
+    def __init__(self, args, setup: BenchSetup, specs: dict[str, list], writer: RecordWriter):
+        self.args, self.setup, self.specs, self.writer = args, setup, specs, writer
+        self.deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
+        self.left = 0
+
+    def run(self, side: str) -> None:
+        """Raises ServerFailed / BenchError / OSError (connection errors) when the side fails."""
+        from sgl_tts.serve import run_servers
+
+        settings, writer = self.setup.settings, self.writer
+        done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
+        limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
+        need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
+        need_limit = side != "stock" and {min(n, settings.planned_batch) for n in settings.n} - limits
+        if need <= done and not need_limit:
+            return
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.left += len(need - done) + (1 if need_limit else 0)
+            return
+        stop = threading.Event()
+
+        def work(servers):
+            try:
+                urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
+                toks = self.setup.tokenizers
+                unfinished = run_side(side, urls["generator"], urls["prm"], settings,
+                                      prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
+                                      vocab=self.setup.vocab, done=done, write=writer,
+                                      progress=not self.args.no_progress, deadline=self.deadline)
+                self.left += unfinished
+                if side != "stock" and not unfinished:
+                    measure_limit(urls["generator"], settings, vocab=self.setup.vocab, write=writer, done=limits)
+            except Exception as exc:
+                time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines
+                dead = next((s for s in servers if not s.alive()), None)
+                if dead is not None:
+                    raise dead.failure(f"exited with code {dead.proc.returncode} during the searches") from exc
+                raise
+            finally:
+                stop.set()
+
+        run_servers(self.specs[side], health_timeout=self.args.health_timeout, on_ready=work, stop_event=stop,
+                    out=sys.stderr if self.args.json else None)   # with --json stdout carries only the JSON
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts bench``."""
+    from sgl_tts.serve import ServerFailed, print_commands, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
-    cpu = args.device == "cpu"
-    if not cpu and not (args.generator and args.prm):
+    if args.device != "cpu" and not (args.generator and args.prm):
         ap.error("--generator and --prm are required with --device cuda")
     apply_device_defaults(args)
 
@@ -224,82 +372,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts bench: error: {msg}", file=sys.stderr)
         return 1
 
-    plan = None
     try:
-        models_dir = Path(args.models_dir).expanduser()
-        gen_dir, prm_dir = model_folder(args.generator, models_dir), model_folder(args.prm, models_dir)
-        names = {"generator": _label(args.generator), "prm": _label(args.prm)}
-        args.generator, args.prm = str(gen_dir), str(prm_dir)
-        gen_cfg = json.loads((gen_dir / "config.json").read_text())
-        toks = {"generator": tokenizer_dir(gen_dir), "prm": tokenizer_dir(prm_dir)}
-        # a path (and the PRM's input for it) must fit both models' context
-        contexts = [c for c in (context_tokens(gen_dir), context_tokens(prm_dir)) if c]
-        context = min(contexts) if contexts else None
-        draft = settings_from_args(args, context, 1)
-        shape = draft.step_trace().describe(samples=4000)
-        if cpu:
-            # no memory planning on the CPU (the roofline planner models a GPU): both sides get the
-            # same split of --kv-memory and SGLang's own batch limits; the limit's batch is n itself
-            flags = cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, args.stock_split)
-            side_flags = {"stock": flags, "sgl-tts": flags}
-            # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
-            # a small vocabulary a random model would write them into many steps (an <unk> vanishes
-            # from the decoded text, a step tag makes a path unscorable), and the sides would differ
-            vocab_size = int(gen_cfg["vocab_size"])
-            banned = (range(vocab_size - len(WORD_SPECIALS), vocab_size)
-                      if toks["generator"] != gen_dir else ())
-            settings = settings_from_args(args, context, max(args.n), banned)
-            budget = (f"{parse_bytes(args.kv_memory) / GiB:.2f} GiB of KV on the CPU, generator share "
-                      f"{args.stock_split} on both sides (no memory planning on the CPU)")
-            envs = {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)}
-        else:
-            plan_args = argparse.Namespace(**vars(args))
-            plan_args.beams = args.beams or max(args.n)
-            plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
-            path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
-            plan_args.prompt_tokens = args.prompt_tokens + path
-            plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
-            # the longest request the benchmark sends: a path is cut before the context (see the trace)
-            plan_args.longest_request = args.longest_request or draft.context_tokens
-            plan = plan_from_args(plan_args)
-            settings = settings_from_args(args, context, plan.flags["generator"].max_running_requests or 1)
-            longest = plan_args.longest_request or 0
-            stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
-                                       min_pool_tokens={"generator": longest, "prm": longest})
-            side_flags = {"stock": stock, "sgl-tts": plan.flags}
-            budget = f"{plan.budget / GiB:.1f} GiB"
-            envs = {"stock": STOCK_ENV, "sgl-tts": None}
+        setup = prepare(args)
     except (FileNotFoundError, ValueError) as exc:
         return fail(str(exc))
-    vocab = int(gen_cfg["vocab_size"]) - len(WORD_SPECIALS)
-    output = Path(args.output or f"bench-out/{names['generator']}+{names['prm']}.jsonl")
-
-    extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
-    extra_by = {name: extra + (["--tokenizer-path", str(toks[name])] if toks[name] != folder else [])
-                for name, folder in (("generator", gen_dir), ("prm", prm_dir))}
-    ports = {"generator": args.generator_port, "prm": args.prm_port}
-    specs = {}
-    for side in args.sides:
-        servers = "stock" if side == "stock" else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
-        plugin = TTSSettings("prefix-aware", metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
-                             ) if servers == "sgl-tts" else None
-        specs[side] = build_specs(str(gen_dir), str(prm_dir), side_flags[servers], host=args.host, ports=ports,
-                                  first=args.first, plugin=plugin, extra=extra_by, env=envs[servers])
-    trace = settings.step_trace()
-    header = {"generator": names["generator"], "prm": names["prm"], "machine": describe(),
-              "date": datetime.date.today().isoformat(), "command": shlex.join(["sgl-tts", "bench", *argv]),
-              "device": args.device, "budget": budget,
-              "workload": dataclasses.asdict(plan.work) if plan is not None else None,
-              "pools": {side: {name: side_flags[side][name].max_total_tokens for name in ("generator", "prm")}
-                        for side in SIDES},
-              "trace": {**dataclasses.asdict(trace), **{k: round(v, 3) for k, v in shape.items()}}}
+    settings = setup.settings
+    output = Path(args.output or f"bench-out/{setup.names['generator']}+{setup.names['prm']}.jsonl")
+    specs = side_specs(args, setup, output)
+    header = bench_header(args, argv, setup)
     if args.dry_run:
         print(json.dumps(settings.to_json()))
-        for side, side_specs in specs.items():
-            for spec in side_specs:
-                env = " ".join(f"{k}={v}" for k, v in (spec.env or {}).items())
-                print(f"# {side} {spec.name}")
-                print((env + " " if env else "") + shlex.join(spec.command))
+        for side, specs_of_side in specs.items():
+            print_commands(specs_of_side, label=side, health=False)
         return 0
 
     def show(records) -> None:
@@ -317,60 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         show(records)
         return 0
     writer = RecordWriter(output, settings, records)
-    deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
-    log_out = sys.stderr if args.json else None   # stdout carries only the JSON
-    left = 0
-
-    def bench_side(side: str) -> int | None:
-        """Start ``side``'s servers, run what it has not finished, stop them; an exit code on failure."""
-        nonlocal left
-        done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
-        limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
-        need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
-        need_limit = side != "stock" and {min(n, settings.planned_batch) for n in settings.n} - limits
-        if need <= done and not need_limit:
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            left += len(need - done) + (1 if need_limit else 0)
-            return None
-        stop = threading.Event()
-
-        def work(servers):
-            nonlocal left
-            try:
-                urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
-                unfinished = run_side(side, urls["generator"], urls["prm"], settings,
-                                      prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
-                                      vocab=vocab, done=done, write=writer, progress=not args.no_progress,
-                                      deadline=deadline)
-                left += unfinished
-                if side != "stock" and not unfinished:
-                    measure_limit(urls["generator"], settings, vocab=vocab, write=writer, done=limits)
-            except Exception as exc:
-                time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines
-                dead = next((s for s in servers if not s.alive()), None)
-                if dead is not None:
-                    raise dead.failure(f"exited with code {dead.proc.returncode} during the searches") from exc
-                raise
-            finally:
-                stop.set()
-
-        try:
-            run_servers(specs[side], health_timeout=args.health_timeout, on_ready=work, stop_event=stop,
-                        out=log_out)
-        except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
-            end_stream_executors()
-            show(writer.records)
-            return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
-        return None
-
+    runner = SideRunner(args, setup, specs, writer)
     # one SIGTERM handler for every side: a signal between two sides stops the command the same way
     try:
         with sigterm_stops_servers():
             for side in args.sides:
-                code = bench_side(side)
-                if code is not None:
-                    return code
+                try:
+                    runner.run(side)
+                except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
+                    end_stream_executors()
+                    show(writer.records)
+                    return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
     except KeyboardInterrupt:
         # A search cut short leaves its forks' workers (non-daemon threads) waiting for work; their
         # states would end them when collected, but not when the signal landed inside that clean-up
@@ -380,8 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     show(writer.records)
     rows = summarize(writer.records, settings)
-    if left:
-        print(f"sgl-tts bench: --stop-after reached with work left ({left} searches or measurements); "
+    if runner.left:
+        print(f"sgl-tts bench: --stop-after reached with work left ({runner.left} searches or measurements); "
               f"run the same command again to go on from {output}", file=sys.stderr)
         return 3
     if any(r.match is False for r in rows):

@@ -248,16 +248,19 @@ def server_max_running(url: str) -> int:
     raise RuntimeError(f"{url}/server_info names no max running requests")
 
 
-def open_cpu(s: FrontendSettings, engine_in: str = "thread") -> Target:
-    """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines, on threads of this
-    process or (``engine_in="process"``) in a child process each."""
+def open_cpu(s: FrontendSettings, layout=None) -> Target:
+    """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines laid out as ``layout``
+    (a :class:`~sgl_tts.backends.local.EngineLayout`; default: threads of this process, 256 rows)."""
+    from sgl_tts.backends.local import DEFAULT_RUNNING_CAP, EngineLayout
+
+    layout = layout or EngineLayout("thread", DEFAULT_RUNNING_CAP)
     from sgl_tts import LocalBackend
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    gen = LocalBackend(shipped_model("generator"), seed=s.seed, engine_in=engine_in)
+    gen = LocalBackend(shipped_model("generator"), seed=s.seed, **layout.options())
     try:
-        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed, engine_in=engine_in)
+        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed, **layout.options())
     except BaseException:
         gen.shutdown()
         raise
@@ -461,13 +464,13 @@ class Targets:
     def __init__(self, s: FrontendSettings, args: argparse.Namespace):
         self.s, self.args = s, args
         self.servers = None
-        self.opened: dict[tuple[str, str], Target] = {}
+        self.opened: dict[tuple[str, Any], Target] = {}
 
     def for_block(self, backend: str, program: str, k: int) -> Target:
-        mode = cpu_engine_for(self.s, program, k) if backend == "cpu" else "server"
-        if (backend, mode) not in self.opened:
-            self.opened[(backend, mode)] = open_cpu(self.s, mode) if backend == "cpu" else self._open_server()
-        return self.opened[(backend, mode)]
+        layout = cpu_engine_for(self.s, program, k) if backend == "cpu" else None
+        if (backend, layout) not in self.opened:
+            self.opened[(backend, layout)] = open_cpu(self.s, layout) if backend == "cpu" else self._open_server()
+        return self.opened[(backend, layout)]
 
     def _open_server(self) -> Target:
         gen_url, prm_url, metrics = self.args.generator_url, self.args.prm_url, self.args.generator_metrics
@@ -582,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     target.flush()   # every block samples the same texts: no block starts on a warm cache
                     rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
                     limits.add_to(rec, target, s.limit_batch(program, k, target.max_running), results)
-                    rec.update(key=key, cpu_engine=cpu_engine_for(s, program, k) if backend == "cpu" else None,
+                    layout = cpu_engine_for(s, program, k) if backend == "cpu" else None
+                    rec.update(key=key, cpu_engine=layout and layout.engine_in,
+                               cpu_running_cap=layout and layout.running_cap,
                                max_running=target.max_running, options=program_options(s, program),
                                settings=settings, **provenance,
                                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))

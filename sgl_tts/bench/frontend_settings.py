@@ -137,13 +137,13 @@ class FrontendSettings:
         return max(1, min(k * self.requests_per_search(program), max_running))
 
 
-def cpu_engine_for(s: FrontendSettings, program: str, k: int) -> str:
-    """Where the ``cpu`` backend's engines run for a block: ``s.cpu_engine``, with ``auto`` resolved
-    as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.local.choose_engine_in`)."""
+def cpu_engine_for(s: FrontendSettings, program: str, k: int):
+    """How the ``cpu`` backend lays its engines out for a block: ``s.cpu_engine``, with ``auto``
+    resolved as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.local.choose_engine`)."""
     from sgl_tts import registry
-    from sgl_tts.backends.local import choose_engine_in
+    from sgl_tts.backends.local import choose_engine
 
-    return choose_engine_in(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k)
+    return choose_engine(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k)
 
 
 def program_options(s: FrontendSettings, program: str) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class RunConfig:
         runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
         cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
             each) or ``auto`` (a process for tree searches with 8+ in flight; see
-            :func:`sgl_tts.backends.local.choose_engine_in`).
+            :func:`sgl_tts.backends.local.choose_engine`).
         prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
             PRM (best-of-N then ranks nothing and picks the majority).
         prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
@@ -224,13 +224,14 @@ class RunConfig:
             bad(f"unknown cpu_engine {self.cpu_engine!r}; choose auto, thread or process", "cpu_engine")
 
     @property
-    def engine_in(self) -> str:
-        """Where a CPU backend opened for this run runs its engines (``cpu_engine`` resolved)."""
-        from sgl_tts.backends.local import choose_engine_in
+    def engine_layout(self):
+        """How a CPU backend opened for this run lays its engines out (``cpu_engine`` resolved for the
+        program and ``in_flight``): a :class:`~sgl_tts.backends.local.EngineLayout`."""
+        from sgl_tts.backends.local import choose_engine
 
         spec = registry.find(self.program)
-        return choose_engine_in(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
-                                in_flight=self.in_flight)
+        return choose_engine(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
+                             in_flight=self.in_flight)
 
     @property
     def uses_prm(self) -> bool:

@@ -43,7 +43,7 @@ def open_prm(cfg: RunConfig):
         backend = LocalClassifier(target)
     else:
         from sgl_tts.backends import LocalBackend
-        backend = LocalBackend(target, seed=cfg.seed, engine_in=cfg.engine_in)
+        backend = LocalBackend(target, seed=cfg.seed, **cfg.engine_layout.options())
     try:
         if cfg.prm_kind == "reward_head":
             prm = RewardHeadPRM(backend, tag=cfg.prm_tag)
@@ -85,7 +85,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
         if todo and generator is None:
             import sgl_tts
             generator = sgl_tts.connect(cfg.generator, runtime=cfg.runtime,
-                                        local_options={"engine_in": cfg.engine_in})
+                                        local_options=cfg.engine_layout.options())
             owned.append(generator)
         if todo and prm is None and cfg.uses_prm:
             prm, prm_backend = open_prm(cfg)

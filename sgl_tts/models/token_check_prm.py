@@ -93,6 +93,26 @@ def _single_token(tok, text: str, what: str) -> int:
     return ids[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What every construction stage needs: the generator's width ``h0`` and the PRM's ``h``, head dim
+    ``d``, generator layers ``n``, checked tokens (``k`` of them, ids ``ids``), the side dimensions'
+    layout, one norm unit ``u`` and the slowest rotary frequency's index ``slow``."""
+
+    h0: int
+    h: int
+    d: int
+    n: int
+    ids: list[int]
+    lay: dict
+    u: float
+    slow: int
+
+    @property
+    def k(self) -> int:
+        return len(self.ids)
+
+
 def build_token_check_prm(generator: str | Path, out: str | Path, *, readout: Readout = Readout(),
                           checked: Sequence[str] = CHECKED_DIGITS, tag: str = "\n\n",
                           good: str = "+", bad: str = "-") -> Path:
@@ -103,30 +123,16 @@ def build_token_check_prm(generator: str | Path, out: str | Path, *, readout: Re
     gen = AutoModelForCausalLM.from_pretrained(generator, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(generator)
     gc = gen.config
-    if gc.model_type != "qwen2":
-        raise ValueError(f"the token-check PRM is built from a Qwen2 generator, got {gc.model_type!r}")
-    if len(set(checked)) != len(checked) or not checked:
-        raise ValueError(f"checked tokens must be distinct and non-empty, got {list(checked)}")
-    k = len(checked)
-    h0, d = gc.hidden_size, gc.head_dim or gc.hidden_size // gc.num_attention_heads
-    if 2 * k + 5 > SIDE_DIMS:
-        raise ValueError(f"{k} checked tokens need {2 * k + 5} side dimensions, have {SIDE_DIMS}")
-    if 2 * k * (k - 1) > gc.intermediate_size:
-        raise ValueError(f"{k} checked tokens need {2 * k * (k - 1)} MLP units, the generator's "
-                         f"intermediate size is {gc.intermediate_size}")
-    if d < 2 * _POS_FREQS:
-        raise ValueError(f"head dim {d} is too small (need {2 * _POS_FREQS})")
+    theta = _check_generator(gc, checked)
     ids = [_single_token(tok, t, "checked token") for t in checked]
     tag_id = _single_token(tok, tag, "step tag")
     good_id, bad_id = _single_token(tok, good, "good label"), _single_token(tok, bad, "bad label")
-    rope = getattr(gc, "rope_parameters", None) or {}
-    theta = float(rope.get("rope_theta", getattr(gc, "rope_theta", 10000.0)))
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"only default rotary embeddings are supported, got {rope.get('rope_type')!r}")
-
-    h, n = h0 + SIDE_DIMS, gc.num_hidden_layers
-    lay = _layout(h0, k)
-    code, logits, const = lay["code"], lay["logits"], lay["const"]
+    h0, n = gc.hidden_size, gc.num_hidden_layers
+    h = h0 + SIDE_DIMS
+    d = gc.head_dim or gc.hidden_size // gc.num_attention_heads
+    # u: what a norm after the constant makes of one unit (not a power of 2); slow: the slowest
+    # rotary frequency, whose rotation stays < 0.07 rad over 512 positions
+    shape = _Shape(h0, h, d, n, ids, _layout(h0, len(ids)), math.sqrt(h) * _NORM_UNIT, d // 2 - 1)
     cfg = Qwen2Config(**{**gc.to_dict(), "hidden_size": h, "num_hidden_layers": n + 3,
                          "tie_word_embeddings": False, "layer_types": ["full_attention"] * (n + 3)})
     cfg.architectures = ["Qwen2ForCausalLM"]
@@ -134,51 +140,89 @@ def build_token_check_prm(generator: str | Path, out: str | Path, *, readout: Re
                               "good": good, "bad": bad, "readout": dataclasses.asdict(readout)})
     src = gen.state_dict()
     sd = {name: torch.zeros_like(v) for name, v in Qwen2ForCausalLM(cfg).state_dict().items()}
-    emb = src["model.embed_tokens.weight"]
-    unembed = gen.get_output_embeddings().weight.detach()
+    _copy_generator(sd, src, shape, tag_id)
+    _tag_flag_layer(sd, src["model.embed_tokens.weight"][tag_id], shape)
+    _check_layer(sd, src, gen.get_output_embeddings().weight.detach(), shape, theta)
+    _share_layer(sd, shape)
+    _readout_head(sd, shape, readout, good_id, bad_id)
 
-    sd["model.embed_tokens.weight"][:, :h0] = emb
-    for j, t in enumerate(ids):
-        sd["model.embed_tokens.weight"][t, code[j]] = _CODE_SCALE
-    sd["model.embed_tokens.weight"][tag_id, lay["tag_code"]] = _CODE_SCALE
+    model = Qwen2ForCausalLM(cfg)
+    model.load_state_dict(sd)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
-    # The generator's layers, shifted by one, reading and writing only the first h0 dimensions.
-    rescale = math.sqrt(h0 / h)
-    for i in range(n):
+
+def _check_generator(gc, checked: Sequence[str]) -> float:
+    """Refuse a generator the construction cannot take; its rotary base."""
+    if gc.model_type != "qwen2":
+        raise ValueError(f"the token-check PRM is built from a Qwen2 generator, got {gc.model_type!r}")
+    if len(set(checked)) != len(checked) or not checked:
+        raise ValueError(f"checked tokens must be distinct and non-empty, got {list(checked)}")
+    k = len(checked)
+    d = gc.head_dim or gc.hidden_size // gc.num_attention_heads
+    if 2 * k + 5 > SIDE_DIMS:
+        raise ValueError(f"{k} checked tokens need {2 * k + 5} side dimensions, have {SIDE_DIMS}")
+    if 2 * k * (k - 1) > gc.intermediate_size:
+        raise ValueError(f"{k} checked tokens need {2 * k * (k - 1)} MLP units, the generator's "
+                         f"intermediate size is {gc.intermediate_size}")
+    if d < 2 * _POS_FREQS:
+        raise ValueError(f"head dim {d} is too small (need {2 * _POS_FREQS})")
+    rope = getattr(gc, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"only default rotary embeddings are supported, got {rope.get('rope_type')!r}")
+    return float(rope.get("rope_theta", getattr(gc, "rope_theta", 10000.0)))
+
+
+def _copy_generator(sd: dict, src: dict, sh: _Shape, tag_id: int) -> None:
+    """Embeddings (plus the checked tokens' and the tag's codes) and the generator's layers, shifted by
+    one, reading and writing only the first h0 dimensions."""
+    sd["model.embed_tokens.weight"][:, :sh.h0] = src["model.embed_tokens.weight"]
+    for j, t in enumerate(sh.ids):
+        sd["model.embed_tokens.weight"][t, sh.lay["code"][j]] = _CODE_SCALE
+    sd["model.embed_tokens.weight"][tag_id, sh.lay["tag_code"]] = _CODE_SCALE
+    rescale = math.sqrt(sh.h0 / sh.h)
+    for i in range(sh.n):
         s, t = f"model.layers.{i}.", f"model.layers.{i + 1}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                      "mlp.up_proj"):
-            sd[t + name + ".weight"][:, :h0] = src[s + name + ".weight"]
+            sd[t + name + ".weight"][:, :sh.h0] = src[s + name + ".weight"]
             if name.startswith("self_attn"):
                 sd[t + name + ".bias"][:] = src[s + name + ".bias"]
         for name in ("self_attn.o_proj", "mlp.down_proj"):
-            sd[t + name + ".weight"][:h0] = src[s + name + ".weight"]
+            sd[t + name + ".weight"][:sh.h0] = src[s + name + ".weight"]
         for name in ("input_layernorm", "post_attention_layernorm"):
-            sd[t + name + ".weight"][:h0] = src[s + name + ".weight"] * rescale
+            sd[t + name + ".weight"][:sh.h0] = src[s + name + ".weight"] * rescale
 
-    u = math.sqrt(h) * _NORM_UNIT  # what a norm after the constant makes of one unit (not a power of 2)
-    slow = d // 2 - 1  # the slowest rotary frequency: its rotation stays < 0.07 rad over 512 positions
-    # Layer 0: flag = "a step tag occurred at or before this position" (the prompt ends with one).
-    p = "model.layers.0."
+
+def _tag_flag_layer(sd: dict, tag_embedding: torch.Tensor, sh: _Shape) -> None:
+    """Layer 0: flag = "a step tag occurred at or before this position" (the prompt ends with one)."""
+    p, lay, d = "model.layers.0.", sh.lay, sh.d
     sd[p + "input_layernorm.weight"][:] = 1.0
     sd[p + "post_attention_layernorm.weight"][:] = 1.0
-    tag_rms = math.sqrt((float((emb[tag_id] ** 2).sum()) + _CODE_SCALE ** 2) / h)
+    tag_rms = math.sqrt((float((tag_embedding ** 2).sum()) + _CODE_SCALE ** 2) / sh.h)
     tag_norm = _CODE_SCALE / tag_rms  # the tag code after layer 0's input norm
-    sd[p + "self_attn.q_proj.bias"][slow] = 1.0
-    sd[p + "self_attn.k_proj.weight"][slow, lay["tag_code"]] = math.sqrt(d) * _KEY_GAIN / tag_norm
+    sd[p + "self_attn.q_proj.bias"][sh.slow] = 1.0
+    sd[p + "self_attn.k_proj.weight"][sh.slow, lay["tag_code"]] = math.sqrt(d) * _KEY_GAIN / tag_norm
     sd[p + "self_attn.v_proj.weight"][0, lay["tag_code"]] = 1.0 / tag_norm
     sd[p + "self_attn.o_proj.weight"][lay["flag"], 0] = _CODE_SCALE
 
-    # Layer A: copy the previous position's logits of the checked tokens; add the constant.
-    a = f"model.layers.{n + 1}."
-    sd[a + "input_layernorm.weight"][:h0] = src["model.norm.weight"] * rescale
+
+def _check_layer(sd: dict, src: dict, unembed: torch.Tensor, sh: _Shape, theta: float) -> None:
+    """Layer A: copy the previous position's logits of the checked tokens and add the constant; its
+    MLP checks whether the written token's logit was within the margin of the best competitor's."""
+    a, d, k, lay, u = f"model.layers.{sh.n + 1}.", sh.d, sh.k, sh.lay, sh.u
+    code, logits, const = lay["code"], lay["logits"], lay["const"]
+    sd[a + "input_layernorm.weight"][:sh.h0] = src["model.norm.weight"] * math.sqrt(sh.h0 / sh.h)
     freqs = theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
     for f in range(_POS_FREQS):  # score sum_f A cos((i - j - 1) theta_f): peaks at j = i - 1
         sd[a + "self_attn.q_proj.bias"][f] = _POS_GAIN * math.cos(freqs[f])
         sd[a + "self_attn.q_proj.bias"][f + d // 2] = -_POS_GAIN * math.sin(freqs[f])
         sd[a + "self_attn.k_proj.bias"][f] = 1.0
-    for j, t in enumerate(ids):
-        sd[a + "self_attn.v_proj.weight"][j, :h0] = unembed[t]
+    for j, t in enumerate(sh.ids):
+        sd[a + "self_attn.v_proj.weight"][j, :sh.h0] = unembed[t]
         sd[a + "self_attn.o_proj.weight"][logits[j], j] = 1.0
     sd[a + "self_attn.v_proj.bias"][k] = _CONST
     sd[a + "self_attn.o_proj.weight"][const, k] = 1.0
@@ -203,35 +247,33 @@ def build_token_check_prm(generator: str | Path, out: str | Path, *, readout: Re
                 sd[a + "mlp.down_proj.weight"][lay["check"], unit] = down
                 unit += 1
 
-    # Layer B: the share = mean of the per-token check over flagged, non-tag positions.
-    b = f"model.layers.{n + 2}."
+
+def _share_layer(sd: dict, sh: _Shape) -> None:
+    """Layer B: the share = mean of the per-token check over flagged, non-tag positions."""
+    b, lay, d = f"model.layers.{sh.n + 2}.", sh.lay, sh.d
+    const = lay["const"]
     w = sd[b + "input_layernorm.weight"]
     w[const], w[lay["check"]] = _NORM_UNIT, _NORM_UNIT * _CONST
     w[lay["flag"]] = w[lay["tag_code"]] = _NORM_UNIT * _CONST / _CODE_SCALE
     sd[b + "post_attention_layernorm.weight"][:] = 1.0
-    sd[b + "self_attn.q_proj.bias"][slow] = 1.0
-    key = sd[b + "self_attn.k_proj.weight"][slow]
+    sd[b + "self_attn.q_proj.bias"][sh.slow] = 1.0
+    key = sd[b + "self_attn.k_proj.weight"][sh.slow]
     key[const], key[lay["flag"]], key[lay["tag_code"]] = (-math.sqrt(d) * _KEY_GAIN, math.sqrt(d) * _KEY_GAIN,
                                                           -math.sqrt(d) * _KEY_GAIN)
-    sd[b + "self_attn.v_proj.weight"][0, lay["check"]] = 1.0 / u  # the norm scaled the check by u
+    sd[b + "self_attn.v_proj.weight"][0, lay["check"]] = 1.0 / sh.u  # the norm scaled the check by u
     sd[b + "self_attn.o_proj.weight"][lay["share"], 0] = 1.0
 
-    # Output: only the two labels carry information.
+
+def _readout_head(sd: dict, sh: _Shape, readout: Readout, good_id: int, bad_id: int) -> None:
+    """Output: only the two labels carry information."""
+    const, u = sh.lay["const"], sh.u
     w = sd["model.norm.weight"]
-    w[const], w[lay["share"]] = _NORM_UNIT, _NORM_UNIT * _CONST
+    w[const], w[sh.lay["share"]] = _NORM_UNIT, _NORM_UNIT * _CONST
     head = sd["lm_head.weight"]
     head[:, const] = _OTHER_LOGIT / u
     head[good_id, const] = readout.bias / u
     head[bad_id, const] = 0.0
-    head[bad_id, lay["share"]] = readout.slope / u
-
-    model = Qwen2ForCausalLM(cfg)
-    model.load_state_dict(sd)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
+    head[bad_id, sh.lay["share"]] = readout.slope / u
 
 
 def fit_readout(shares: Sequence[float], labels: Sequence[int], *, l2: float = 1e-3,

@@ -138,8 +138,12 @@ class SearchEndpoint(SGLangEndpoint):
         self.in_flight = 0
         self._on_generation = on_generation
 
+    def prepare_request(self, s, data, fields):   # every generation, streamed or not
+        if self.cancelled.is_set():
+            raise SearchCancelled(f"search {self.group} was cancelled")
+
     @contextlib.contextmanager
-    def _sending(self) -> Iterator[None]:
+    def sending(self, data) -> Iterator[None]:
         with self.changed:   # the lock the cancel is set under: a generation is either refused or counted
             if self.cancelled.is_set():
                 raise SearchCancelled(f"search {self.group} was cancelled")
@@ -152,25 +156,10 @@ class SearchEndpoint(SGLangEndpoint):
                 if self.cancelled.is_set():   # someone may be waiting for the last of them
                     self.changed.notify_all()
 
-    def _generate_body(self, s, sampling_params, fields):   # every generation, streamed or not
-        if self.cancelled.is_set():
-            raise SearchCancelled(f"search {self.group} was cancelled")
-        return super()._generate_body(s, sampling_params, fields)
-
-    def generate(self, s, sampling_params):
-        from sgl_tts.backends.request import take_request_fields
-
-        fields = take_request_fields()
-        with self._sending():
-            data = self._generate_body(s, sampling_params, fields)
-            obj = self.post("/generate", data)
+    def finish_answer(self, s, data, prepared, text, meta):
         if self._on_generation is not None:
-            self._on_generation(rid_depth(data.get("rid")) or 0, int(obj["meta_info"].get("completion_tokens", 0)))
-        return obj["text"], obj["meta_info"]
-
-    def generate_stream(self, s, sampling_params):
-        with self._sending():
-            yield from super().generate_stream(s, sampling_params)
+            self._on_generation(rid_depth(data.get("rid")) or 0, int(meta.get("completion_tokens", 0)))
+        return text, meta
 
 
 @dataclasses.dataclass

@@ -43,6 +43,12 @@ class SGLangEndpoint(RuntimeEndpoint):
     prompt and output already, so that commit would compute one token and cost every child a round
     trip; a fork of any other text (a fresh prompt) commits as SGLang does. The samples are the same
     either way. Everything else (chat templates, ``select``, ``concatenate_and_append``) is SGLang's own.
+
+    Subclasses meter, refuse or reshape generations through three public hooks that both
+    :meth:`generate` and :meth:`generate_stream` call, so a change to either reaches them:
+    :meth:`prepare_request` (the body before it is sent; may change it or raise), :meth:`sending`
+    (a context around the request while it is on the wire) and :meth:`finish_answer` (a whole answer
+    before the program sees it).
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: str | None = None,
@@ -60,7 +66,9 @@ class SGLangEndpoint(RuntimeEndpoint):
                 f"`python -m sglang.launch_server --model-path PATH --port PORT` or fix the URL"
             ) from exc
 
-    def _generate_body(self, s, sampling_params, fields: RequestFields) -> dict[str, Any]:
+    def request_body(self, s, sampling_params, fields: RequestFields) -> dict[str, Any]:
+        """The ``/generate`` body SGLang's client sends for ``s`` and these sampling params, with the
+        request fields (rid, priority, custom params, token ids' logprobs, seed)."""
         self._handle_dtype_to_regex(sampling_params)
         data: dict[str, Any] = {
             "text": s.text_,
@@ -79,13 +87,35 @@ class SGLangEndpoint(RuntimeEndpoint):
         self._add_images(s, data)
         return data
 
+    # ------------------------------------------------------------------------ hooks (subclasses)
+    def prepare_request(self, s, data: dict[str, Any], fields: RequestFields) -> Any:
+        """Called with every generation's body before it is sent (streamed or not): may change it, or
+        raise to refuse the request. What it returns reaches :meth:`finish_answer`. Default: nothing."""
+        return None
+
+    @contextlib.contextmanager
+    def sending(self, data: dict[str, Any]):
+        """A context around each generation while it is on the wire (a stream: until it ends)."""
+        yield
+
+    def finish_answer(self, s, data: dict[str, Any], prepared: Any, text: str,
+                      meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Called with every whole answer (not streamed) before the program sees it; may rewrite it.
+        ``prepared`` is what :meth:`prepare_request` returned. Default: the answer as it came."""
+        return text, meta
+
+    # ---------------------------------------------------------------------------- generation
     def generate(self, s, sampling_params):
         fields = take_request_fields()
         if self._aborts.covers(fields):
             return aborted_answer(fields)
-        obj = self.post("/generate", self._generate_body(s, sampling_params, fields))
-        self._served(s, len(s.text_) + len(obj["text"]))   # the interpreter appends the text next
-        return obj["text"], obj["meta_info"]
+        data = self.request_body(s, sampling_params, fields)
+        prepared = self.prepare_request(s, data, fields)
+        with self.sending(data):
+            obj = self.post("/generate", data)
+        text, meta = self.finish_answer(s, data, prepared, obj["text"], obj["meta_info"])
+        self._served(s, len(s.text_) + len(text))   # the interpreter appends the text next
+        return text, meta
 
     def _served(self, s, length: int) -> None:
         """Note that the server caches the first ``length`` characters of ``s``'s text: a request on
@@ -100,21 +130,23 @@ class SGLangEndpoint(RuntimeEndpoint):
         if self._aborts.covers(fields):
             yield aborted_answer(fields)
             return
-        data = self._generate_body(s, sampling_params, fields)
+        data = self.request_body(s, sampling_params, fields)
+        self.prepare_request(s, data, fields)
         data["stream"] = True
         start = len(s.text_)   # the interpreter appends each piece to the text as it comes
-        res = self._http("/generate", data, stream=True)
-        self._assert_success(res)
         pos = 0
-        for chunk in res.iter_lines(decode_unicode=False):
-            chunk = chunk.decode("utf-8")
-            if chunk and chunk.startswith("data:"):
-                if chunk == "data: [DONE]":
-                    break
-                obj = json.loads(chunk[5:].strip("\n"))
-                text = obj["text"][pos:]
-                pos += len(text)
-                yield text, obj["meta_info"]
+        with self.sending(data):
+            res = self._http("/generate", data, stream=True)
+            self._assert_success(res)
+            for chunk in res.iter_lines(decode_unicode=False):
+                chunk = chunk.decode("utf-8")
+                if chunk and chunk.startswith("data:"):
+                    if chunk == "data: [DONE]":
+                        break
+                    obj = json.loads(chunk[5:].strip("\n"))
+                    text = obj["text"][pos:]
+                    pos += len(text)
+                    yield text, obj["meta_info"]
         self._served(s, start + pos)
 
     def select(self, s, choices, temperature, choices_method=None):

@@ -28,14 +28,11 @@ depth by depth, so a trajectory that ends at depth d is done once every step up 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
-import sys
 import threading
 import textwrap
 import time
@@ -43,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgl_tts.backends.endpoint import SGLangEndpoint
-from sgl_tts.backends.request import aborted_answer, take_request_fields
 from sgl_tts.bench.trace import StepTrace
 from sgl_tts.frontend import end_stream_executors
 from sgl_tts.search import STEP_DELIMITER, SearchTag
@@ -206,10 +202,8 @@ class TraceEndpoint(MeteredEndpoint):
         self.logit_bias = {str(int(t)): -1e4 for t in banned_token_ids} or None
         super().__init__(base_url, tokenizer_path=tokenizer_path)
 
-    def generate(self, s, sampling_params):
-        fields = take_request_fields()
-        if self._aborts.covers(fields):
-            return aborted_answer(fields)
+    def prepare_request(self, s, data, fields):
+        """The step's length from the trace: exactly that many tokens, no stop strings, no EOS."""
         tag = SearchTag.from_custom_params(fields.custom_params)
         if tag is None:
             raise BenchError("the benchmark generator only serves tagged step requests "
@@ -229,12 +223,16 @@ class TraceEndpoint(MeteredEndpoint):
                                  f"length {self.context_tokens}")
             if tokens >= room - self.trace.min_tokens:   # the next step would not fit: end here
                 tokens, ends = min(tokens, room), True
-        data = self._generate_body(s, sampling_params, fields)
         data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
         if self.logit_bias:
             data["sampling_params"]["logit_bias"] = self.logit_bias
-        obj = self.post("/generate", data)
-        text, meta = obj["text"], dict(obj["meta_info"])
+        return tag, path, before, tokens, ends
+
+    def finish_answer(self, s, data, prepared, text, meta):
+        """The finish reason a real model would have given: the step delimiter, or EOS where the trace
+        ends the solution; a step cut short stops the benchmark (unless speculative)."""
+        tag, path, before, tokens, ends = prepared
+        meta = dict(meta)
         got = int(meta.get("completion_tokens", -1))
         if got < tokens and tag.cls == "speculative":
             # stopped by the scheduler (two-phase scheduling) or aborted after selection: the program

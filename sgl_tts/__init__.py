@@ -11,10 +11,10 @@ interpreter (tests/test_layering.py).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sgl_tts.frontend import guard_thread_bootstrap
+from sgl_tts.lazy import lazy_attributes
 
 # SGLang's frontend starts and drops a worker thread per fork: guard CPython's thread bookkeeping
 # against the finalizer deadlock those can hit (sgl_tts.frontend)
@@ -41,14 +41,4 @@ if TYPE_CHECKING:
     from sgl_tts.frontend import Waiter
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sgl_tts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value   # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

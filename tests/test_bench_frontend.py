@@ -251,6 +251,26 @@ def test_a_generator_metrics_prefix_with_no_files_names_the_flag(tmp_path):
         frontend.metrics_file_records(str(tmp_path / "gen.metrics"))
 
 
+def _burner(tmp_path):
+    """A script that waits for file ``go``, burns 0.5 s of CPU, touches ``done`` and sleeps on."""
+    go, done = tmp_path / "go", tmp_path / "done"
+    return go, done, ("import pathlib, time\n"
+                      f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+                      "t = time.process_time()\n"
+                      "while time.process_time() - t < 0.5: pass\n"
+                      f"pathlib.Path({str(done)!r}).touch()\n"
+                      "time.sleep(60)\n")
+
+
+def _wait_for(cond, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_process_tree_cpu_counts_a_servers_children(tmp_path):
     """A launcher whose child does the work (SGLang's scheduler is the launcher's child): the child's
     CPU is the launcher's tree's, and a process gone by the second reading is not an error."""
@@ -260,26 +280,14 @@ def test_process_tree_cpu_counts_a_servers_children(tmp_path):
 
     import psutil
 
-    go, done = tmp_path / "go", tmp_path / "done"
-    burn = ("import pathlib, time\n"
-            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
-            "t = time.process_time()\n"
-            "while time.process_time() - t < 0.5: pass\n"
-            f"pathlib.Path({str(done)!r}).touch()\n"
-            "time.sleep(60)\n")
+    go, done, burn = _burner(tmp_path)
     launcher = subprocess.Popen([sys.executable, "-c",
                                  f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"])
-
-    def wait_for(cond):
-        deadline = time.monotonic() + 60
-        while not cond():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
     try:
-        wait_for(lambda: psutil.Process(launcher.pid).children())
+        _wait_for(lambda: psutil.Process(launcher.pid).children())
         u0, s0 = frontend.process_tree_cpu([launcher.pid])
         go.touch()
-        wait_for(done.exists)
+        _wait_for(done.exists)
         u1, s1 = frontend.process_tree_cpu([launcher.pid])
         assert 0.45 < (u1 + s1) - (u0 + s0) < 1.0
     finally:
@@ -310,21 +318,12 @@ def test_the_cpu_meter_counts_engine_processes_as_the_engines_and_the_runs(tmp_p
     import sys
     import time
 
-    go, done = tmp_path / "go", tmp_path / "done"
-    burn = ("import pathlib, time\n"
-            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
-            "t = time.process_time()\n"
-            "while time.process_time() - t < 0.5: pass\n"
-            f"pathlib.Path({str(done)!r}).touch()\n"
-            "time.sleep(60)\n")
+    go, done, burn = _burner(tmp_path)
     engine = subprocess.Popen([sys.executable, "-c", burn])
     try:
         with frontend.CPUMeter(engine_pids=[engine.pid]) as cpu:
             go.touch()
-            deadline = time.monotonic() + 60
-            while not done.exists():
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            _wait_for(done.exists)
         assert 0.45 < cpu.engine_user + cpu.engine_system < 1.0
         assert cpu.user >= cpu.engine_user and cpu.system >= cpu.engine_system
         assert cpu.user + cpu.system - cpu.engine_user - cpu.engine_system < 0.3   # this process waited

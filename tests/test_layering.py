@@ -37,7 +37,8 @@ def test_the_plugin_loads_none_of_the_client():
 
 def test_the_protocol_imports_nothing_of_sgl_tts_or_sglang():
     loaded = _loaded_after("import sgl_tts.protocol")
-    assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.protocol"]
+    assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.lazy",
+                                                              "sgl_tts.protocol"]
     assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
 
 
@@ -49,6 +50,11 @@ def test_the_package_names_load_on_first_use():
     assert all(getattr(sgl_tts, name) is not None for name in sgl_tts.__all__)
     with pytest.raises(AttributeError, match="module 'sgl_tts' has no attribute 'Backend'"):
         sgl_tts.Backend  # noqa: B018
+    import sgl_tts.backends as backends
+
+    assert set(backends._LAZY) <= set(dir(backends)) and backends.Completion.__module__ == "sgl_tts.backends.semantics"
+    with pytest.raises(AttributeError, match="module 'sgl_tts.backends' has no attribute 'Engine'"):
+        backends.Engine  # noqa: B018
 
 
 def test_the_old_module_name_still_imports_with_a_warning():

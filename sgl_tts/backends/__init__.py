@@ -6,7 +6,6 @@ the CPU :class:`LocalBackend`. All of them accept :func:`sgl_tts.gen`'s per-requ
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,6 +18,8 @@ if TYPE_CHECKING:
     from sgl_tts.backends.local import LocalBackend
     from sgl_tts.backends.request import RequestFields, gen, take_request_fields
 
+from sgl_tts.lazy import lazy_attributes
+
 logger = logging.getLogger(__name__)
 
 # Imported on first use (PEP 562): an engine process (sgl_tts.backends.engine_process) needs torch
@@ -28,8 +29,8 @@ _LAZY = {
     "SGLangEndpoint": "sgl_tts.backends.endpoint",
     "apply_request_fields": "sgl_tts.backends.endpoint",
     "BatchEngine": "sgl_tts.backends.engine",
-    "Completion": "sgl_tts.backends.engine",
-    "UnsupportedFeatureError": "sgl_tts.backends.engine",
+    "Completion": "sgl_tts.backends.semantics",
+    "UnsupportedFeatureError": "sgl_tts.backends.semantics",
     "LocalBackend": "sgl_tts.backends.local",
     "RequestFields": "sgl_tts.backends.request",
     "gen": "sgl_tts.backends.request",
@@ -37,13 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sgl_tts.backends' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value   # later lookups skip this function
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 Runtime = Literal["auto", "server", "cuda", "cpu"]
 

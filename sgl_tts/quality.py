@@ -123,23 +123,28 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
             max_tokens: int = 256, step_tokens: int = 64, progress: bool = True) -> Comparison:
     """Run the TTS programs on ``problems`` with ``generator`` (an sgl backend) and ``prm`` (a
     :class:`~sgl_tts.prm.PRMScorer`); see the module docstring for what is measured."""
-    from programs.beam_search import beam_search
-    from programs.best_of_n import best_of_n
+    from sgl_tts.experiment import RunConfig, program_function
 
     if not problems:
         raise ValueError("no problems to evaluate")
     ns = check_ns(ns)
+
+    def arguments(program: str, n: int, scorer) -> list[dict[str, Any]]:
+        """The program's arguments per problem, as ``sgl-tts run`` gives them (the registry's)."""
+        cfg = RunConfig(program=program, n=n, beam_width=beam_width, temperature=temperature,
+                        aggregation=aggregation, seed=seed, max_tokens=max_tokens, step_tokens=[step_tokens],
+                        prm=None if scorer is not None else "none")
+        return [cfg.program_arguments(p.question, scorer) for p in problems]
+
     t_all = time.perf_counter()
     rows: list[MethodRow] = []
     details: dict[str, Any] = {}
     count = len(problems)
     largest = None
     for n in ns:
-        args = [dict(question=p.question, num_samples=n, prm=prm if n > 1 else None,
-                     aggregation=aggregation, max_tokens=max_tokens, sampling_temperature=temperature,
-                     seed=seed) for p in problems]
+        args = arguments("best_of_n", n, prm if n > 1 else None)
         t = time.perf_counter()
-        res = _results(best_of_n.run_batch(args, backend=generator, progress_bar=progress))
+        res = _results(program_function("best_of_n").run_batch(args, backend=generator, progress_bar=progress))
         secs = time.perf_counter() - t
         tokens = sum(r.tokens_generated for r in res) / count
         if n == 1:
@@ -156,11 +161,9 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
     for n in ns:
         if n < beam_width:
             continue
-        args = [dict(question=p.question, prm=prm, num_beams=n, beam_width=beam_width,
-                     step_tokens=step_tokens, sampling_temperature=temperature,
-                     aggregation=aggregation, seed=seed) for p in problems]
+        args = arguments("beam_search", n, prm)
         t = time.perf_counter()
-        res = _results(beam_search.run_batch(args, backend=generator, progress_bar=progress))
+        res = _results(program_function("beam_search").run_batch(args, backend=generator, progress_bar=progress))
         rows.append(MethodRow("PRM beam search", n, _accuracy(problems, [r.answer for r in res]),
                               sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
     if largest is not None:

@@ -34,6 +34,7 @@ from sgl_tts.backends.kv import (  # noqa: F401 - _Batch, _SlabLayer, _stack_row
     _sdpa_gqa_decode,
     _SlabLayer,
     _stack_rows,
+    kv_geometry,
     use_engine_attention,
 )
 from sgl_tts.backends.semantics import (  # noqa: F401 - re-exported: the names' home before the split
@@ -654,15 +655,10 @@ class BatchEngine:
 
     # --------------------------------------------------------------------------------- utils
     def _num_layers(self) -> int:
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
-        return int(cfg.num_hidden_layers)
+        return kv_geometry(self.model.config)[0]
 
     def _empty_kv(self, b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        _, heads, dim = kv_geometry(self.model.config)
         k = torch.zeros(b, heads, cap, dim, dtype=self.dtype, device=self.device)
         return k, torch.zeros_like(k)
 

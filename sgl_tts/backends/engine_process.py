@@ -130,8 +130,7 @@ def _child_main(conn, spec: EngineSpec) -> None:
         else:
             send(("error", key, _portable(exc)))
 
-    send(("ready", {"vocab_size": engine.vocab_size, "max_positions": engine.max_positions,
-                    "pid": os.getpid()}))
+    send(("ready", {"vocab_size": engine.vocab_size, "max_positions": engine.max_positions}))
     try:
         while True:
             try:

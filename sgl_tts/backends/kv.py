@@ -273,12 +273,18 @@ class PrefixCache:
         self.bytes = 0
 
 
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Bytes of K and V one token takes over all layers of a model with this (text) config."""
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model with this config (its text config for a multimodal one)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * dim * dtype_bytes
+    return int(cfg.num_hidden_layers), int(heads), int(dim)
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes of K and V one token takes over all layers of a model with this config."""
+    layers, heads, dim = kv_geometry(config)
+    return 2 * layers * heads * dim * dtype_bytes
 
 
 #: the longest row :func:`running_rows` plans for (a model's own limit when it is shorter)
@@ -296,5 +302,5 @@ def running_rows(config, dtype_bytes: int, kv_budget_bytes: int, cap: int = MAX_
     return int(min(cap, max(16, rows)))
 
 
-__all__ = ["ATTENTION", "MAX_RUNNING_ROWS", "PLANNED_ROW_TOKENS", "PrefixCache", "kv_bytes_per_token",
+__all__ = ["ATTENTION", "MAX_RUNNING_ROWS", "PLANNED_ROW_TOKENS", "PrefixCache", "kv_bytes_per_token", "kv_geometry",
            "running_rows", "use_engine_attention"]

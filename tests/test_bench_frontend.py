@@ -307,8 +307,10 @@ def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
         [1024, 1024, 256]
     thread = FrontendSettings(cpu_engine="thread")
     assert frontend.cpu_engine_for(thread, "mcts", 128).engine_in == "thread"
-    # records from before the setting existed ran on threads: they keep their key
-    assert thread.key() == "9516a6ebd41a" and s.key() != thread.key()
+    # each placement has its own key, and none reuses the records from before layouts existed (threads
+    # with 256 rows everywhere, key 9516a6ebd41a): "thread" now gives tree searches 1,024 rows
+    keys = {FrontendSettings(cpu_engine=e).key() for e in ("auto", "thread", "process")}
+    assert len(keys) == 3 and "9516a6ebd41a" not in keys
 
 
 def test_the_cpu_meter_counts_engine_processes_as_the_engines_and_the_runs(tmp_path):

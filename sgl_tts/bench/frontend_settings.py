@@ -99,8 +99,6 @@ class FrontendSettings:
     def key(self) -> str:
         """What a record must match to be reused (every setting that changes a block's result)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
-        if fields["cpu_engine"] == "thread":  # how runs went before the setting existed: their records match
-            del fields["cpu_engine"]
         fields["record_format"] = RECORD_FORMAT
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -40,6 +40,8 @@ class LiveServer:
         kv_bytes: the KV pool's memory (its ``--max-total-tokens`` follows).
         dtype: ``--dtype`` (``float32`` computes what :class:`sgl_tts.LocalBackend` computes).
         seeded_sampling: the plugin's ``--tts-seeded-sampling`` (needs a policy).
+        cpu_attention: the plugin's ``--tts-cpu-attention`` (``ragged`` needs a policy: the plugin
+            must be loaded; ``off`` is one).
         extra: further ``launch_server`` flags.
     """
 
@@ -49,6 +51,7 @@ class LiveServer:
     kv_bytes: int = 64 << 20
     dtype: str | None = "float32"
     seeded_sampling: bool = False
+    cpu_attention: str = "native"
     extra: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -56,6 +59,8 @@ class LiveServer:
             raise ValueError("scheduler metrics come from the sgl-tts plugin: give a policy")
         if self.seeded_sampling and self.policy is NO_PLUGIN:
             raise ValueError("seeded sampling comes from the sgl-tts plugin: give a policy")
+        if self.cpu_attention != "native" and self.policy is NO_PLUGIN:
+            raise ValueError("the ragged CPU attention comes from the sgl-tts plugin: give a policy ('off' will do)")
 
 
 def free_port(host: str = "127.0.0.1", *, low: int = 20000, high: int = 45000) -> int:
@@ -113,7 +118,8 @@ class LiveServers:
             env["SGLANG_PLUGINS"] = "none"
         else:
             plugin = TTSSettings(spec.policy, seeded_sampling=spec.seeded_sampling,
-                                 metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None)
+                                 metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None,
+                                 cpu_attention=spec.cpu_attention)
         cmd = launch_command(spec.model, host=self.host, port=port, python=self.python,
                              flags=cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args(),
                              plugin=plugin, extra=spec.extra)

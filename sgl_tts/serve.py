@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, Sequence
 
-from sgl_tts.plugin.settings import TTSSettings
+from sgl_tts.plugin.settings import CPU_ATTENTION, TTSSettings
 
 
 @dataclasses.dataclass
@@ -308,15 +308,16 @@ def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin: TTSSettings | None = None, python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
-                env: dict[str, str] | None = None) -> list[ServerSpec]:
-    """The two servers' command lines in start-up order (the plugin's settings go to the generator,
-    whose scheduler runs the search's requests); ``env`` is added to both servers' environment."""
+                env: dict[str, str] | None = None, prm_plugin: TTSSettings | None = None) -> list[ServerSpec]:
+    """The two servers' command lines in start-up order (``plugin``'s settings go to the generator,
+    whose scheduler runs the search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU
+    attention); ``env`` is added to both servers' environment."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
     specs = []
     for name in order:
         cmd = launch_command(models[name], host=host, port=ports[name], flags=flags[name].args(),
-                             plugin=plugin if name == "generator" else None,
+                             plugin=plugin if name == "generator" else prm_plugin,
                              extra=(extra or {}).get(name, ()), python=python)
         specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
     return specs
@@ -359,6 +360,11 @@ def build_parser():
     ap.add_argument("--prm-port", type=int, default=30001)
     ap.add_argument("--tts-policy", default="prefix-aware", choices=["off", "prefix-aware"])
     ap.add_argument("--tts-metrics-file", default=None)
+    ap.add_argument("--cpu-attention", default="ragged", choices=list(CPU_ATTENTION),
+                    help="with --device cpu: both servers' attention (the plugin's --tts-cpu-attention). "
+                         "ragged (default): decode rows batched by length, extends over their new tokens "
+                         "only; native: SGLang's torch_native (one call per sequence, every extend over "
+                         "its whole context). Equal to float rounding; ragged is several times faster")
     ap.add_argument("--replicas", type=int, default=1,
                     help="generator replicas behind SGLang's router (sglang-router), which listens on "
                          "--generator-port: clients keep one URL. cpu: the generator's KV share is split "
@@ -410,10 +416,13 @@ def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpe
     import shlex
 
     # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
-    plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu")
+    attention = args.cpu_attention if args.device == "cpu" else "native"
+    plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu",
+                         cpu_attention=attention)
+    prm_plugin = TTSSettings(cpu_attention=attention) if attention != "native" else None
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
-                        first=args.first, plugin=plugin, env=env)
+                        first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin)
     if args.replicas == 1:
         return specs
     ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports

@@ -86,7 +86,8 @@ def live(tmp_path_factory, tiny_model_path):
     """``LiveServers`` with: ``generator`` (plugin, --tts-policy prefix-aware, metrics, seeded
     sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
     SGLANG_PLUGINS=none), ``generator_4slots`` (plugin, prefix-aware, --max-running-requests 4),
-    ``prm`` (the step-tag PRM) and ``reward_head`` (``write_reward_head`` of
+    ``prm`` (the step-tag PRM), ``generator_ragged`` and ``prm_ragged`` (plugin, --tts-policy off,
+    --tts-cpu-attention ragged) and ``reward_head`` (``write_reward_head`` of
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
     right on the CPU, see sgl_tts.cpu_serving). A server that cannot start fails the test with its log."""
     from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
@@ -106,6 +107,9 @@ def live(tmp_path_factory, tiny_model_path):
         "generator_4slots": LiveServer(gen, policy="prefix-aware", kv_bytes=LIVE_KV_BYTES,
                                        extra=("--max-running-requests", "4")),
         "prm": LiveServer(prm, kv_bytes=LIVE_KV_BYTES),
+        # the plugin's ragged CPU attention (tests/test_live_cpu_attention.py; stopped after it)
+        "generator_ragged": LiveServer(gen, policy="off", kv_bytes=LIVE_KV_BYTES, cpu_attention="ragged"),
+        "prm_ragged": LiveServer(prm, policy="off", kv_bytes=LIVE_KV_BYTES, cpu_attention="ragged"),
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
     }
     servers = LiveServers(specs, work / "servers")

@@ -21,7 +21,7 @@ FIELDS = {
     "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
     "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at",
     "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine",
-    "cpu_running_cap"}
+    "cpu_running_cap", "server_attention"}
 # the server's records also have the limit at the searches' context (the plugin's records give it)
 CONTEXT_FIELDS = {"context_limit_prompt_tokens", "context_limit_tokens_per_s", "context_limit_fraction"}
 
@@ -64,6 +64,8 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
     assert r["cpu_user_s"] > 0 and 0 <= r["system_share"] <= 1 and 0 <= r["client_system_share"] <= r["system_share"]
     # servers given by URL (and the cpu backend) have no processes of the run's to measure
     assert (r["server_processes"], r["server_user_s"], r["server_system_s"]) == (0, 0, 0)
+    # ... nor an attention this run chose (only the servers it starts run --server-attention)
+    assert r["server_attention"] is None
     # the seconds are rounded to 1 ms each: the share lies within what those roundings allow
     own, system = r["client_user_s"] + r["client_system_s"], r["client_system_s"]
     low, high = max(0.0, system - 5e-4) / (own + 1e-3), (system + 5e-4) / max(1e-9, own - 1e-3)
@@ -311,6 +313,10 @@ def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
     # with 256 rows everywhere, key 9516a6ebd41a): "thread" now gives tree searches 1,024 rows
     keys = {FrontendSettings(cpu_engine=e).key() for e in ("auto", "thread", "process")}
     assert len(keys) == 3 and "9516a6ebd41a" not in keys
+    # the servers' attention is in the key too; a bad one is refused by name
+    assert FrontendSettings(server_attention="native").key() != FrontendSettings().key()
+    with pytest.raises(ValueError, match="--server-attention must be one of native, ragged, got 'flash'"):
+        FrontendSettings(server_attention="flash")
 
 
 def test_the_cpu_meter_counts_engine_processes_as_the_engines_and_the_runs(tmp_path):

@@ -243,6 +243,24 @@ def test_replicas_on_the_cpu_split_the_generators_kv_share(capsys):
     assert len(one) == 1 and len(two) == 2 and two[0] == two[1] == one[0] // 2
 
 
+def test_the_cpu_servers_run_the_ragged_attention_unless_asked_for_native(capsys):
+    from sgl_tts.cli import main
+
+    def commands(argv):
+        assert main(["serve", "--dry-run", *argv]) == 0
+        out = [x for x in capsys.readouterr().out.splitlines() if "launch_server" in x]
+        return {("generator" if "/generator " in x else "prm"): x for x in out}
+
+    cpu = commands(["--device", "cpu"])
+    assert all(x.endswith("--tts-cpu-attention ragged") for x in cpu.values()), cpu
+    native = commands(["--device", "cpu", "--cpu-attention", "native"])
+    assert not any("--tts-cpu-attention" in x for x in native.values())
+    assert "--tts-" not in native["prm"]   # the PRM has no plugin flag left at all
+    with pytest.raises(SystemExit):
+        main(["serve", "--device", "cpu", "--cpu-attention", "flash", "--dry-run"])
+    assert "--cpu-attention: invalid choice: 'flash'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--replicas", "0"], "--replicas must be at least 1, got 0"),
     (["--replicas", "2", "--replica-ports", "30100"], "need 2 distinct replica ports"),

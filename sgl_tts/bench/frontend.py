@@ -72,6 +72,7 @@ from sgl_tts.bench.frontend_settings import (  # noqa: F401
     cpu_engine_for,
     program_options,
 )
+from sgl_tts.plugin.settings import CPU_ATTENTION
 from sgl_tts.bench.load import flush_cache, read_records
 from sgl_tts.serve import sigterm_stops_servers
 
@@ -315,15 +316,17 @@ def open_server(s: FrontendSettings, generator_url: str, prm_url: str,
                   decode_meter, server_pids, lambda: gen.tokenizer)
 
 
-def start_servers(workdir: str | None = None):
-    """The tiny generator (plugin, prefix-aware, seeded sampling) and the tiny PRM as live CPU servers."""
-    from sgl_tts.live_servers import LiveServer, LiveServers
+def start_servers(workdir: str | None = None, cpu_attention: str = "ragged"):
+    """The tiny generator (plugin, prefix-aware, seeded sampling) and the tiny PRM as live CPU servers,
+    both with the plugin's ``--tts-cpu-attention`` ``cpu_attention`` (the PRM: plugin policy off)."""
+    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     return LiveServers({
         "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=GEN_KV_BYTES,
-                                metrics=True, seeded_sampling=True),
-        "prm": LiveServer(str(shipped_model("prm")), kv_bytes=PRM_KV_BYTES)},
+                                metrics=True, seeded_sampling=True, cpu_attention=cpu_attention),
+        "prm": LiveServer(str(shipped_model("prm")), kv_bytes=PRM_KV_BYTES, cpu_attention=cpu_attention,
+                          policy=NO_PLUGIN if cpu_attention == "native" else "off")},
         workdir or tempfile.mkdtemp(prefix="sgl-tts-bench-frontend-"))
 
 
@@ -422,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-engine", choices=("auto", "thread", "process"), default=None,
                    help=f"where the cpu backend's model engines run: a thread of this process, a child "
                         f"process each, or auto: as sgl-tts run decides per program and K (default {d.cpu_engine})")
+    p.add_argument("--server-attention", choices=CPU_ATTENTION, default=None,
+                   help=f"the attention of the servers started here (the plugin's --tts-cpu-attention; default "
+                        f"{d.server_attention}: decode rows batched by length, extends over their new tokens)")
     p.add_argument("--generator-url", default=None, help="a running generator for the server backend (default: "
                    "start the tiny generator with the plugin on the CPU)")
     p.add_argument("--generator-metrics", default=None, metavar="PREFIX",
@@ -476,7 +482,7 @@ class Targets:
         gen_url, prm_url, metrics = self.args.generator_url, self.args.prm_url, self.args.generator_metrics
         started: list[str] = []
         if gen_url is None or prm_url is None:
-            self.servers = self.servers or start_servers()
+            self.servers = self.servers or start_servers(cpu_attention=self.s.server_attention)
             if gen_url is None:
                 metrics = str(self.servers.metrics_prefix("generator"))
                 started.append("generator")
@@ -586,7 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
                     limits.add_to(rec, target, s.limit_batch(program, k, target.max_running), results)
                     layout = cpu_engine_for(s, program, k) if backend == "cpu" else None
+                    started_here = backend == "server" and args.generator_url is None
                     rec.update(key=key, cpu_engine=layout and layout.engine_in,
+                               server_attention=s.server_attention if started_here else None,
                                cpu_running_cap=layout and layout.running_cap,
                                max_running=target.max_running, options=program_options(s, program),
                                settings=settings, **provenance,

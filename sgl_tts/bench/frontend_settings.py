@@ -9,6 +9,8 @@ import json
 import typing
 from typing import Any, Sequence
 
+from sgl_tts.plugin.settings import CPU_ATTENTION
+
 BACKENDS = ("cpu", "server")
 PROGRAMS = ("beam_search", "best_of_n", "mcts")
 LIMIT_NEW_TOKENS = 64          # tokens of each plain generation of the limit measurement
@@ -54,6 +56,10 @@ class FrontendSettings:
         cpu_engine: where the ``cpu`` backend's engines run: ``thread`` (in this process),
             ``process`` (a child process each, :class:`~sgl_tts.backends.engine_process.EngineProcess`)
             or ``auto`` (per block, as ``sgl-tts run`` decides: :func:`cpu_engine_for`).
+        server_attention: the attention of the ``server`` backend's servers started here (the
+            plugin's ``--tts-cpu-attention``): ``ragged`` (the default, what ``sgl-tts serve
+            --device cpu`` runs) or ``native`` (SGLang's ``torch_native``). Servers given by URL run
+            what they were started with.
     """
 
     backends: tuple[str, ...] = BACKENDS
@@ -72,6 +78,7 @@ class FrontendSettings:
     temperature: float = 0.8
     seed: int = 0
     cpu_engine: str = "auto"
+    server_attention: str = "ragged"
 
     # --quick: K in {1, 4}, 4 searches, small budgets (a CI check, not a measurement)
     QUICK: typing.ClassVar[dict[str, Any]] = dict(ks=(1, 4), min_searches=4, beams=4, beam_width=2, samples=4,
@@ -84,6 +91,9 @@ class FrontendSettings:
         _names(",".join(self.programs), "--programs", PROGRAMS)
         if self.cpu_engine not in ("auto", "thread", "process"):
             raise ValueError(f"--cpu-engine must be auto, thread or process, got {self.cpu_engine!r}")
+        if self.server_attention not in CPU_ATTENTION:
+            raise ValueError(f"--server-attention must be one of {', '.join(CPU_ATTENTION)}, "
+                             f"got {self.server_attention!r}")
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"--ks: every K must be a positive integer, got {self.ks}")
         for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",

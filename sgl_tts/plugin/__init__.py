@@ -28,7 +28,10 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   ``multinomial_with_seed`` (around) draws seeded samples on the CPU, where SGLang's Triton hash
   cannot run;
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
-  live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged.
+  live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged;
+- ``ModelRunner._get_attention_backend_from_str`` (around), with ``--tts-cpu-attention ragged``:
+  ``torch_native`` attention becomes :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend
+  (registered in SGLang's attention registry); every other backend is SGLang's.
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
 out of it and none of this loads. SGLang's hook registry only logs a hook it could not apply; with
@@ -60,6 +63,7 @@ TARGETS = {
     "set_state_reply": "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.set_internal_state",
     "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
     "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
+    "attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend_from_str",
 }
 
 # Evictions are counted on every SGLang 0.5.15 tree cache that evicts by its own ``evict`` (a hook on
@@ -98,7 +102,7 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
 
 def hook_table() -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of every hook the plugin registers."""
-    from sgl_tts.plugin import abort, policy, preemption, seeding
+    from sgl_tts.plugin import abort, cpu_attention, policy, preemption, seeding
 
     return [
         (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
@@ -118,6 +122,7 @@ def hook_table() -> list[tuple[str, object, str]]:
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
+        (TARGETS["attention_backend"], cpu_attention.attention_backend_from_str, "AROUND"),
     ]
 
 

@@ -1,0 +1,230 @@
+"""Ragged attention for SGLang's CPU servers (``--tts-cpu-attention ragged``).
+
+SGLang 0.5.15 serves on the CPU with its ``torch_native`` attention backend, which runs one
+``scaled_dot_product_attention`` call per sequence and, in an extend, computes attention for *every*
+position of the sequence (cached prefix included) and throws the prefix's rows away. A tree search
+sends each beam step as a new request whose prompt is all cached but a token or two, so every step
+pays a full ``L x L`` attention per layer: about four decode rows' worth on the tiny generator
+(``docs/BENCHMARKS.md``, "The frontend").
+
+This backend is the same class with those two loops replaced:
+
+- **decode rows** (a decode batch, and every one-token extend) are sorted by context length and run
+  in buckets of similar length (longest at most :data:`BUCKET_RATIO` x the shortest, at most
+  :data:`MAX_GATHER_ELEMENTS` gathered key elements), one call per bucket, the shorter rows masked;
+- **longer extends** attend with their new tokens only, under a causal mask offset by the cached
+  prefix.
+
+What it computes is attention by its definition, as ``torch_native`` does; the results agree to float
+rounding (a different summation order), not bit for bit, so a server with it can sample a different
+token where two are within rounding of each other. It is off by default; sides that must sample
+exactly what stock SGLang samples (``sgl-tts bench``'s equivalence check) leave it off. Cross
+attention, encoder lengths and sliding windows go to ``torch_native``'s own code unchanged.
+
+The backend is registered in SGLang's attention registry as :data:`BACKEND_NAME`; the plugin's hook on
+``ModelRunner._get_attention_backend_from_str`` builds it where the server asked for ``torch_native``
+and the flag is on (``--attention-backend`` only accepts SGLang's own names).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "sgl_tts_ragged"
+
+# A bucket's longest row is at most this many times its shortest: the padding it computes is bounded
+# by 30% of the bucket's work, and a batch of similar lengths (a search's beams) is a handful of calls.
+BUCKET_RATIO = 1.3
+# Key elements gathered for one call (the values as many again): 16M float32 = 64 MiB each, whatever
+# the batch, the context or the model.
+MAX_GATHER_ELEMENTS = 1 << 24
+
+
+def scaled_dot_product_attention(*args, **kwargs):
+    """torch's, imported on first use: importing the plugin package loads no torch (the launcher
+    process needs none; ``tests/test_layering.py``)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    return sdpa(*args, **kwargs)
+
+
+def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` for a pool ``[tokens, heads, dim]`` and an index of any shape: one
+    ``index_select`` over flattened rows, several times faster on the CPU than advanced indexing
+    with a 2-D index (which goes through the general index kernel)."""
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, *cache.shape[1:])
+
+
+def decode_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                token_rows: torch.Tensor, lengths: torch.Tensor, *, scale: Optional[float] = None,
+                enable_gqa: bool = False) -> None:
+    """Attention of one query per row over that row's first ``lengths[i]`` cached tokens.
+
+    Args:
+        query: ``[rows, heads, head_dim]``; the row's query is the last position of its context.
+        out: ``[rows, heads, v_head_dim]``, written in place.
+        k_cache, v_cache: the layer's pools, ``[pool tokens, kv_heads, dim]``.
+        token_rows: ``[rows, >= max(lengths)]``: the pool index of each row's context tokens, in order.
+        lengths: ``[rows]``: each row's context length (at least 1).
+    """
+    import torch
+
+    rows = int(lengths.shape[0])
+    if rows == 0:
+        return
+    order = torch.argsort(lengths)
+    sorted_lengths = lengths[order].tolist()
+    per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+    start = 0
+    while start < rows:
+        shortest = sorted_lengths[start]
+        end = start + 1
+        while (end < rows and sorted_lengths[end] <= shortest * BUCKET_RATIO
+               and (end + 1 - start) * sorted_lengths[end] * per_token <= MAX_GATHER_ELEMENTS):
+            end += 1
+        chosen = order[start:end]
+        longest = sorted_lengths[end - 1]
+        index = token_rows[chosen, :longest]
+        keys = gather(k_cache, index).transpose(1, 2)          # [bucket, kv_heads, longest, dim]
+        values = gather(v_cache, index).transpose(1, 2)
+        q = query[chosen].unsqueeze(2)                 # [bucket, heads, 1, dim]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        mask = None
+        if shortest != longest:
+            visible = torch.arange(longest, device=lengths.device)[None, :] < lengths[chosen][:, None]
+            mask = visible[:, None, None, :]
+        out[chosen] = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                   enable_gqa=enable_gqa).squeeze(2)
+        start = end
+
+
+def extend(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+           extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, *,
+           scale: Optional[float] = None, enable_gqa: bool = False) -> None:
+    """Causal attention of each sequence's new tokens over its whole context (cached prefix + new).
+
+    ``query``/``out`` hold the sequences' new tokens one sequence after another
+    (``[sum(extend_seq_lens), heads, dim]``); sequence ``i`` has ``seq_lens[i]`` tokens in all, the
+    last ``extend_seq_lens[i]`` of them new, and its pool indices in ``req_to_token[req_pool_indices[i]]``.
+    """
+    import torch
+
+    new = extend_seq_lens.tolist()
+    starts = [0] * len(new)
+    for i in range(1, len(new)):
+        starts[i] = starts[i - 1] + new[i - 1]
+    single = [i for i, n in enumerate(new) if n == 1]
+    if single:
+        chosen = torch.tensor(single, dtype=torch.long)
+        positions = torch.tensor([starts[i] for i in single], dtype=torch.long)
+        rows_out = out.new_empty((len(single),) + tuple(out.shape[1:]))
+        decode_rows(query[positions], rows_out, k_cache, v_cache, req_to_token[req_pool_indices[chosen]],
+                    seq_lens[chosen], scale=scale, enable_gqa=enable_gqa)
+        out[positions] = rows_out
+    prefixes = extend_prefix_lens.tolist()
+    totals = seq_lens.tolist()
+    for i, n in enumerate(new):
+        if n <= 1:
+            continue
+        total, prefix = totals[i], prefixes[i]
+        index = req_to_token[req_pool_indices[i], :total]
+        keys = gather(k_cache, index).transpose(0, 1).unsqueeze(0)       # [1, kv_heads, total, dim]
+        values = gather(v_cache, index).transpose(0, 1).unsqueeze(0)
+        q = query[starts[i]:starts[i] + n].transpose(0, 1).unsqueeze(0)   # [1, heads, n, dim]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if prefix == 0:
+            result = scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                                  enable_gqa=enable_gqa)
+        else:
+            # new token j sits at position prefix + j and sees positions 0..prefix + j
+            mask = (torch.arange(total, device=q.device)[None, :]
+                    <= prefix + torch.arange(n, device=q.device)[:, None])
+            result = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                  enable_gqa=enable_gqa)
+        out[starts[i]:starts[i] + n] = result.squeeze(0).transpose(0, 1)
+
+
+def backend_class():
+    """:class:`RaggedAttnBackend`, built on first use (it subclasses SGLang's ``TorchNativeAttnBackend``,
+    so importing this module does not import SGLang)."""
+    global _BACKEND_CLASS
+    if _BACKEND_CLASS is None:
+        _BACKEND_CLASS = _make_backend_class()
+    return _BACKEND_CLASS
+
+
+_BACKEND_CLASS = None
+
+
+def _plain(encoder_lens, is_cross_attn, causal, sliding_window_size) -> bool:
+    """Whether a call is the plain causal self-attention this module batches."""
+    return (encoder_lens is None and not is_cross_attn and causal
+            and (sliding_window_size is None or sliding_window_size <= -1))
+
+
+def _make_backend_class():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class RaggedAttnBackend(TorchNativeAttnBackend):
+        """``torch_native`` with its per-sequence loops batched (:mod:`sgl_tts.plugin.cpu_attention`)."""
+
+        def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                     seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
+                                     scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                                     sliding_window_size=None):
+            if not _plain(encoder_lens, is_cross_attn, causal, sliding_window_size):
+                return super()._run_sdpa_forward_extend(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                    is_cross_attn, sliding_window_size)
+            extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                   extend_prefix_lens, extend_seq_lens, scale=scaling, enable_gqa=enable_gqa)
+            return output
+
+        def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                     seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                                     causal=False, is_cross_attn=False, sliding_window_size=None):
+            # SGLang passes causal=False for decode: one query at the end of its context sees it all
+            if not _plain(encoder_lens, is_cross_attn, True, sliding_window_size):
+                return super()._run_sdpa_forward_decode(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+            decode_rows(query, output, k_cache, v_cache, req_to_token[req_pool_indices], seq_lens,
+                        scale=scaling, enable_gqa=enable_gqa)
+            return output
+
+    return RaggedAttnBackend
+
+
+def register_backend() -> None:
+    """Register :data:`BACKEND_NAME` in SGLang's attention registry (idempotent)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(lambda runner: backend_class()(runner))
+
+
+def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
+    """AROUND hook on ``ModelRunner._get_attention_backend_from_str``: ``torch_native`` becomes the
+    ragged backend when ``--tts-cpu-attention ragged`` is on; every other choice is SGLang's."""
+    from sgl_tts.plugin.settings import TTSSettings
+
+    if backend_str == "torch_native" and TTSSettings.of(runner.server_args).cpu_attention == "ragged":
+        register_backend()
+        logger.info("sgl-tts: ragged CPU attention in place of torch_native (--tts-cpu-attention ragged)")
+        backend_str = BACKEND_NAME
+    return original(runner, backend_str, *args, **kwargs)
+
+
+__all__ = ["BACKEND_NAME", "BUCKET_RATIO", "MAX_GATHER_ELEMENTS", "attention_backend_from_str",
+           "backend_class", "decode_rows", "extend", "gather", "register_backend"]

@@ -2,7 +2,7 @@
 
 A real ``sgl-tts run`` of ``--problems`` problems with ``--in-flight`` of them in flight runs against
 live CPU SGLang servers (the shipped tiny generator with the sgl-tts plugin, and the tiny PRM), started
-here with :class:`sgl_tts.live_servers.LiveServers`. The generator is SIGKILLed (its whole process
+here with :class:`sgl_tts.launch.live_servers.LiveServers`. The generator is SIGKILLed (its whole process
 group, :meth:`LiveServers.kill`) ``--kills`` times at seeded random points — once the output file
 holds a randomly drawn number of finished lines — and restarted on the same port; after each kill
 the same ``sgl-tts run`` command is run again, until a run completes. Then it checks:
@@ -101,7 +101,7 @@ def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems:
     server ``generator`` is killed and restarted) and the PRM at ``prm_url``; return the raw facts
     (runs, output lines, checks). Raises nothing for a failed check: the caller judges the report."""
     from sgl_tts import task
-    from sgl_tts.live_servers import settled_loads
+    from sgl_tts.launch.live_servers import settled_loads
 
     workdir.mkdir(parents=True, exist_ok=True)
     problems_path = workdir / "problems.jsonl"
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--report", default="/tmp/fault_resume.json")
     args = ap.parse_args(argv)
 
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model
 

@@ -108,15 +108,15 @@ def _delegated(command: str):
     elif command == "run":
         from sgl_tts.experiment import main as delegate
     elif command == "plan":
-        from sgl_tts.memory import main as delegate
+        from sgl_tts.launch.memory import main as delegate
     elif command == "serve":
-        from sgl_tts.serve import main as delegate
+        from sgl_tts.launch.serve import main as delegate
     elif command == "bench":
         from sgl_tts.bench.command import main as delegate
     elif command == "load":
         from sgl_tts.bench.load import main as delegate
     elif command == "serve-search":
-        from sgl_tts.search_server import main as delegate
+        from sgl_tts.serving.server import main as delegate
     elif command == "scale-out":
         from sgl_tts.bench.scaleout import main as delegate
     elif command == "bench-frontend":

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
 from sgl_tts.plugin.settings import TTSSettings
-from sgl_tts.serve import launch_command
+from sgl_tts.launch.serve import launch_command
 
 
 def server_command(model: str, port: int, metrics: str, mem_fraction: float, server_args: str,
@@ -52,14 +52,14 @@ def smoke_specs(args: argparse.Namespace, gen: Path, prm_path: Path, metrics: st
     """The servers: on the CPU the tiny generator (plugin on) and PRM as ``sgl-tts serve --device cpu``
     starts them; on CUDA the tiny generator alone (the PRM runs in this process)."""
     if args.device == "cpu":
-        from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
-        from sgl_tts.serve import build_specs
+        from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags
+        from sgl_tts.launch.serve import build_specs
 
         return build_specs(str(gen), str(prm_path), cpu_pair_flags(gen, prm_path, "256MiB"), host="127.0.0.1",
                            ports={"generator": args.port, "prm": args.prm_port}, first="generator",
                            plugin=TTSSettings("prefix-aware", metrics_file=metrics, seeded_sampling=True),
                            env=dict(CPU_ENV))
-    from sgl_tts.serve import ServerSpec
+    from sgl_tts.launch.serve import ServerSpec
 
     return [ServerSpec("generator", server_command(str(gen), args.port, metrics, args.mem_fraction,
                                                    args.server_args, max_batch=args.beams),
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     metrics = str(Path(tempfile.mkdtemp(prefix="sgl-tts-smoke-")) / "plugin-metrics.jsonl")
     specs = smoke_specs(args, gen, prm_path, metrics)
-    from sgl_tts.serve import ServerFailed, print_commands, run_servers
+    from sgl_tts.launch.serve import ServerFailed, print_commands, run_servers
 
     if args.dry_run:
         print_commands(specs)

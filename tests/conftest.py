@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny Qwen2 model built on the fly, a LocalBackend on it, and ``live``: real
-SGLang servers on this CPU (``sgl_tts.live_servers``), each started the first time a test asks for
+SGLang servers on this CPU (``sgl_tts.launch.live_servers``), each started the first time a test asks for
 it and kept until the run ends."""
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def live(tmp_path_factory, tiny_model_path):
     ``prm`` (the step-tag PRM), ``generator_ragged`` and ``prm_ragged`` (plugin, --tts-policy off,
     --tts-cpu-attention ragged) and ``reward_head`` (``write_reward_head`` of
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
-    right on the CPU, see sgl_tts.cpu_serving). A server that cannot start fails the test with its log."""
-    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    right on the CPU, see sgl_tts.launch.cpu_serving). A server that cannot start fails the test with its log."""
+    from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.models import shipped_model
     from sgl_tts.models.reward_head import write_reward_head
 

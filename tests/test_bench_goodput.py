@@ -14,7 +14,7 @@ from sgl_tts.bench.command import main as bench_main
 from sgl_tts.bench.dummy_models import write_word_tokenizer
 from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
                                    measure_limit, read_records, run_side, summarize)
-from sgl_tts.cpu_serving import CPU_ENV
+from sgl_tts.launch.cpu_serving import CPU_ENV
 from sgl_tts.search import SearchTag
 
 from test_endpoint import ModelServer

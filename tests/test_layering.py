@@ -68,6 +68,42 @@ def test_the_old_module_name_still_imports_with_a_warning():
     assert old.SearchTag is SearchTag and old.new_group is not None
 
 
+MOVED = {"sgl_tts.serve": "sgl_tts.launch.serve", "sgl_tts.cpu_serving": "sgl_tts.launch.cpu_serving",
+         "sgl_tts.memory": "sgl_tts.launch.memory", "sgl_tts.live_servers": "sgl_tts.launch.live_servers",
+         "sgl_tts.search_api": "sgl_tts.serving.api", "sgl_tts.search_service": "sgl_tts.serving.service",
+         "sgl_tts.search_server": "sgl_tts.serving.server"}
+
+
+def test_the_moved_modules_old_names_are_the_modules_themselves_with_a_warning():
+    code = ("import importlib, warnings\nwarnings.simplefilter('error')\n"
+            f"for old in {sorted(MOVED)!r}:\n"
+            "    try:\n        importlib.import_module(old)\n    except DeprecationWarning as w:\n"
+            "        print('warned:', w)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines() == [f"warned: {old} is deprecated; import {MOVED[old]}" for old in sorted(MOVED)]
+    import importlib
+
+    for old, new in MOVED.items():
+        with pytest.warns(DeprecationWarning):
+            sys.modules.pop(old, None)
+            module = importlib.import_module(old)
+        # the same module object: private names and monkeypatches reach the code that runs
+        assert module is importlib.import_module(new), old
+    from sgl_tts.launch.serve import launch_command
+    from sgl_tts.serve import launch_command as old_name
+
+    assert old_name is launch_command
+
+
+def test_launching_loads_none_of_the_client_nor_the_applications():
+    loaded = _loaded_after("import sgl_tts.launch.serve, sgl_tts.launch.cpu_serving, sgl_tts.launch.memory, "
+                           "sgl_tts.launch.live_servers")
+    assert "sgl_tts.launch.live_servers" in loaded
+    above = [m for m in loaded if any(m == c or m.startswith(c + ".") for c in
+                                      (*CLIENT_SIDE, "sgl_tts.serving", "sgl_tts.bench", "sgl_tts.quality"))]
+    assert above == []
+
+
 def test_the_rid_scheme():
     # the scheme, written out: tts/<group>/<depth>/<place>/..., a tag after #tag=
     assert GROUP_PREFIX == "tts/"
@@ -104,7 +140,8 @@ def _parse_plugin_flags(argv):
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     a = ap.parse_args(argv)
-    return TTSSettings(a.tts_policy, a.tts_dedup_tokens, a.tts_metrics_file, a.tts_seeded_sampling, a.tts_max_wait)
+    return TTSSettings(a.tts_policy, a.tts_dedup_tokens, a.tts_metrics_file, a.tts_seeded_sampling, a.tts_max_wait,
+                       a.tts_cpu_attention)
 
 
 @pytest.mark.parametrize("settings", [
@@ -112,12 +149,13 @@ def _parse_plugin_flags(argv):
     dict(policy="prefix-aware"),
     dict(policy="prefix-aware", dedup_tokens=7, metrics_file="/tmp/m.jsonl", seeded_sampling=True, max_wait=None),
     dict(policy="off", metrics_file="/tmp/m", max_wait=2.5),
+    dict(cpu_attention="ragged"),
 ])
 def test_the_plugin_settings_render_their_own_flags(settings, monkeypatch):
     from sgl_tts.plugin.settings import TTSSettings
 
     for var in ("SGLANG_TTS_POLICY", "SGLANG_TTS_DEDUP_TOKENS", "SGLANG_TTS_METRICS_FILE", "SGLANG_TTS_SEEDED_SAMPLING",
-                "SGLANG_TTS_MAX_WAIT"):   # the parser's defaults come from these
+                "SGLANG_TTS_MAX_WAIT", "SGLANG_TTS_CPU_ATTENTION"):   # the parser's defaults come from these
         monkeypatch.delenv(var, raising=False)
     s = TTSSettings(**settings)
     assert _parse_plugin_flags(s.args()) == s
@@ -127,10 +165,10 @@ def test_the_plugin_settings_render_their_own_flags(settings, monkeypatch):
 
 
 def test_every_server_command_comes_from_one_builder(tmp_path):
-    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.models import shipped_model
     from sgl_tts.plugin.settings import TTSSettings
-    from sgl_tts.serve import launch_command
+    from sgl_tts.launch.serve import launch_command
     from sgl_tts.smoke import server_command
 
     gen = str(shipped_model("generator"))

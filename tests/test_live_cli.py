@@ -13,10 +13,10 @@ import urllib.request
 
 import pytest
 
-from sgl_tts.cpu_serving import CPUServerFlags, cpu_pair_flags, cpu_server_flags, needs_transformers_impl
-from sgl_tts.live_servers import free_port
+from sgl_tts.launch.cpu_serving import CPUServerFlags, cpu_pair_flags, cpu_server_flags, needs_transformers_impl
+from sgl_tts.launch.live_servers import free_port
 from sgl_tts.models import shipped_model
-from sgl_tts.serve import _group_alive
+from sgl_tts.launch.serve import _group_alive
 
 GEN, PRM = shipped_model("generator"), shipped_model("prm")
 
@@ -52,7 +52,7 @@ def test_transformers_impl_only_where_sglangs_qwen2_layer_missizes_heads():
 
 def test_each_cpu_server_gets_half_the_cores_unless_the_caller_chose(monkeypatch):
     """Two CPU servers busy at once must not oversubscribe the cores with OpenMP workers."""
-    from sgl_tts.cpu_serving import _threads_per_server
+    from sgl_tts.launch.cpu_serving import _threads_per_server
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
@@ -143,7 +143,7 @@ def test_smoke_cpu_runs_a_search_through_both_servers(live_stopped):
 def test_a_stopped_servers_metrics_are_moved_aside_so_a_restart_reads_only_its_own(tmp_path):
     """A server stopped and started again (tests that need the memory stop idle ones) must not show its
     predecessor's records: test_live_plugin counts a scheduler's start records and slices by index."""
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
 
     servers = LiveServers({"gen": LiveServer(str(shipped_model("generator")), policy="prefix-aware")}, tmp_path)
     prefix = servers.metrics_prefix("gen")

@@ -37,7 +37,7 @@ def _driver():
 def fault_servers(live, tmp_path):
     """A generator of this test's own (plugin, prefix-aware, seeded sampling), killed and restarted
     by the test, and the session's PRM; the session's other servers are stopped to make room."""
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     live.stop(*(set(live.running()) - {"prm"}))

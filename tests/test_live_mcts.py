@@ -10,7 +10,7 @@ import pytest
 from programs.mcts import mcts
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
-from sgl_tts.live_servers import loads, settled_loads
+from sgl_tts.launch.live_servers import loads, settled_loads
 from sgl_tts.prm import StepTagPRM
 
 pytestmark = pytest.mark.server

@@ -14,7 +14,7 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
-from sgl_tts.live_servers import loads, settled_loads
+from sgl_tts.launch.live_servers import loads, settled_loads
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.protocol import SearchTag

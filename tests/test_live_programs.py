@@ -124,7 +124,7 @@ def test_reward_head_prm_on_live_classify_scores_as_the_step_tag_prm(live, tiny_
 
 
 def test_cpu_serving_refuses_the_tiny_prms_classifier_form(tmp_path):
-    from sgl_tts.cpu_serving import cpu_server_flags
+    from sgl_tts.launch.cpu_serving import cpu_server_flags
     from sgl_tts.models.reward_head import write_reward_head
 
     head = write_reward_head(shipped_model("prm"), tmp_path / "head")

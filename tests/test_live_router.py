@@ -16,10 +16,10 @@ from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.bench.load import flush_cache
-from sgl_tts.live_servers import in_flight, loads, settled_loads
+from sgl_tts.launch.live_servers import in_flight, loads, settled_loads
 from sgl_tts.prm import StepTagPRM
-from sgl_tts.search_server import BackgroundSearchServer
-from sgl_tts.search_service import SearchService
+from sgl_tts.serving.server import BackgroundSearchServer
+from sgl_tts.serving.service import SearchService
 from sgl_tts.protocol import SearchTag
 
 pytestmark = pytest.mark.server
@@ -33,7 +33,7 @@ LONG = {"model": "beam_search:32x4", "messages": [{"role": "user", "content": ta
 def fleet(tmp_path_factory, live):
     """Two generator replicas (plugin, metrics, seeded sampling) and a router in front of them;
     the PRM is the session's, whose other servers are stopped to make room (about 2 GB each)."""
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     gen = str(shipped_model("generator"))

@@ -16,10 +16,10 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
-from sgl_tts.live_servers import loads
-from sgl_tts.search_api import parse_request
-from sgl_tts.search_server import BackgroundSearchServer
-from sgl_tts.search_service import SearchService
+from sgl_tts.launch.live_servers import loads
+from sgl_tts.serving.api import parse_request
+from sgl_tts.serving.server import BackgroundSearchServer
+from sgl_tts.serving.service import SearchService
 
 pytestmark = pytest.mark.server
 

@@ -1,4 +1,4 @@
-"""The memory planner (sgl_tts.memory): sizes from real config.json files, the roofline-guided split
+"""The memory planner (sgl_tts.launch.memory): sizes from real config.json files, the roofline-guided split
 against brute force, the boundary property, SGLang flags in start-up order, refusals."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.memory import (HARDWARE, GiB, Hardware, ModelShape, Workload, brute_force, offload_plan,
+from sgl_tts.launch.memory import (HARDWARE, GiB, Hardware, ModelShape, Workload, brute_force, offload_plan,
                             parse_bytes, plan_pair, server_flags, solve, static_split_flags)
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -204,7 +204,7 @@ def test_ceilings_can_be_given_and_measuring_needs_a_gpu(capsys):
 
 @pytest.mark.gpu
 def test_measured_ceilings_are_near_the_profile():
-    from sgl_tts.memory import measure_ceilings
+    from sgl_tts.launch.memory import measure_ceilings
 
     tflops, gbs = measure_ceilings()
     assert 100 < tflops < 1200 and 500 < gbs < 6000

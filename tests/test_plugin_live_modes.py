@@ -311,7 +311,7 @@ LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 409
 def mixed(tmp_path_factory, live):
     """A real CPU server with --enable-mixed-chunk --enable-streaming-session and a 1024-token pool
     (plugin loaded, --tts-policy off, metrics on); the session's idle servers stopped to make room."""
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     spec = LiveServer(str(shipped_model("generator")), policy="off", metrics=True, kv_bytes=LIVE_KV_TOKENS * 4096,

@@ -1,12 +1,12 @@
-"""serve-search's request reading (sgl_tts.search_api) and choice ranking, without a server."""
+"""serve-search's request reading (sgl_tts.serving.api) and choice ranking, without a server."""
 
 from __future__ import annotations
 
 import pytest
 
 from sgl_tts.search import SearchResult, Trajectory
-from sgl_tts.search_api import APIError, Defaults, Limits, parse_request, question_of
-from sgl_tts.search_service import rank_choices
+from sgl_tts.serving.api import APIError, Defaults, Limits, parse_request, question_of
+from sgl_tts.serving.service import rank_choices
 
 Q = [{"role": "user", "content": "Compute ((12+7)*3)-5."}]
 

@@ -16,9 +16,9 @@ import pytest
 
 from http_lookalike import SGLangLookalikeHandler
 from sgl_tts.models import shipped_model
-from sgl_tts.search_api import parse_request
-from sgl_tts.search_server import BackgroundSearchServer
-from sgl_tts.search_service import CancelEvent, SearchCancelled, SearchService
+from sgl_tts.serving.api import parse_request
+from sgl_tts.serving.server import BackgroundSearchServer
+from sgl_tts.serving.service import CancelEvent, SearchCancelled, SearchService
 
 HOLD_S = 10.0   # the look-alike answers a held request after this long (it "ran to its end")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.serve import ServerFailed, ServerSpec, _answers, run_servers
+from sgl_tts.launch.serve import ServerFailed, ServerSpec, _answers, run_servers
 
 STAND_IN = r'''
 import http.server, os, subprocess, sys, threading, time
@@ -116,7 +116,7 @@ def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
 def test_a_sigterm_that_lands_just_after_a_server_started_still_stops_it(stand_in, monkeypatch):
     """The signal comes right after the child was spawned, before run_servers has registered it (the
     wrapper below places it there every time): the server must still be stopped on the way out."""
-    from sgl_tts import serve
+    from sgl_tts.launch import serve
 
     spawned = []
     real_init = serve.ManagedServer.__init__
@@ -222,7 +222,7 @@ def test_replicas_dry_run_starts_k_generators_then_the_router_on_the_generator_p
 def test_a_router_binds_the_prometheus_port_it_is_given():
     """Two routers on one host on the default exporter port (29000): the second exits at start-up
     (seen in CI), so LiveServers gives each its own."""
-    from sgl_tts.serve import router_spec
+    from sgl_tts.launch.serve import router_spec
 
     default = router_spec(["http://h:1"], host="h", port=2).command
     assert "--prometheus-port" not in default
@@ -293,7 +293,7 @@ def test_status_lines_and_streamed_server_logs_never_share_a_line():
     (2026-11-26) once read ``[prm] ... "GET /health HTTP/1.1" 200 OKsgl-tts serve: generator ...``:
     print writes a line and its newline in two calls, and another thread's line fell between them.
     Every line is now one write under one lock."""
-    from sgl_tts.serve import ManagedServer, say
+    from sgl_tts.launch.serve import ManagedServer, say
 
     out = _YieldingOutput()
     server = ManagedServer(ServerSpec("gen", [sys.executable, "-c", "for i in range(300): print('log', i)"],

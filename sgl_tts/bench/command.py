@@ -3,7 +3,7 @@ records (resumable JSONL), the report (Markdown + JSON) and the plot. See :mod:`
 for what is measured.
 
 ``--device cuda`` (the default) runs both sides on one GPU, the sgl-tts side with the memory planner's
-split. ``--device cpu`` runs real SGLang servers on this machine's CPU (:mod:`sgl_tts.cpu_serving`):
+split. ``--device cpu`` runs real SGLang servers on this machine's CPU (:mod:`sgl_tts.launch.cpu_serving`):
 small random-weight Qwen2 models (:data:`CPU_MODELS`), a shorter trace of the same log-normal shape
 (:data:`CPU_TRACE`), and no memory planning (the roofline planner models a GPU): both sides get the
 same split of ``--kv-memory``; the sides differ only in the plugin."""
@@ -43,7 +43,7 @@ CPU_PROBLEMS = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sgl_tts.memory import add_plan_arguments
+    from sgl_tts.launch.memory import add_plan_arguments
 
     ap = argparse.ArgumentParser(
         prog="sgl-tts bench",
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "limit. --generator/--prm take a model folder, a config.json or a shipped config name "
                     "(qwen2.5-math-1.5b, qwen2.5-7b, math-shepherd-mistral-7b, skywork-prm-1.5b), served "
                     "with random weights.")
-    from sgl_tts.cpu_serving import DEFAULT_KV_MEMORY
+    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
 
     add_plan_arguments(ap, models_required=False)
     # the planner's workload follows the trace unless given: a request in the middle of a solution;
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
     s.add_argument("--server-args", default=None,
                    help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r}; --device cpu: none, "
-                        f"the CPU flags come from sgl_tts.cpu_serving)")
+                        f"the CPU flags come from sgl_tts.launch.cpu_serving)")
     s.add_argument("--models-dir", default=str(MODEL_CACHE), help="where config names become model folders")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--generator-port", type=int, default=30000)
@@ -224,8 +224,8 @@ class BenchSetup:
 def prepare(args) -> BenchSetup:
     """Resolve the models, the trace and each side's flags (FileNotFoundError / ValueError on bad input)."""
     from sgl_tts.bench.dummy_models import WORD_SPECIALS, tokenizer_dir
-    from sgl_tts.cpu_serving import CPU_ENV, cpu_pair_flags
-    from sgl_tts.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
+    from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags
+    from sgl_tts.launch.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
 
     models_dir = Path(args.models_dir).expanduser()
     gen_dir, prm_dir = model_folder(args.generator, models_dir), model_folder(args.prm, models_dir)
@@ -275,7 +275,7 @@ def prepare(args) -> BenchSetup:
 def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
     """Each side's servers: stock SGLang without the plugin, or the sgl-tts servers (plugin on)."""
     from sgl_tts.plugin.settings import TTSSettings
-    from sgl_tts.serve import build_specs
+    from sgl_tts.launch.serve import build_specs
 
     extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
     extra_by = {name: extra + (["--tokenizer-path", str(setup.tokenizers[name])]
@@ -319,7 +319,7 @@ class SideRunner:
 
     def run(self, side: str) -> None:
         """Raises ServerFailed / BenchError / OSError (connection errors) when the side fails."""
-        from sgl_tts.serve import run_servers
+        from sgl_tts.launch.serve import run_servers
 
         settings, writer = self.setup.settings, self.writer
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
@@ -359,7 +359,7 @@ class SideRunner:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
-    from sgl_tts.serve import ServerFailed, print_commands, sigterm_stops_servers
+    from sgl_tts.launch.serve import ServerFailed, print_commands, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()

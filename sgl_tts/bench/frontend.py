@@ -74,7 +74,7 @@ from sgl_tts.bench.frontend_settings import (  # noqa: F401
 )
 from sgl_tts.plugin.settings import CPU_ATTENTION
 from sgl_tts.bench.load import flush_cache, read_records
-from sgl_tts.serve import sigterm_stops_servers
+from sgl_tts.launch.serve import sigterm_stops_servers
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def open_server(s: FrontendSettings, generator_url: str, prm_url: str,
 def start_servers(workdir: str | None = None, cpu_attention: str = "ragged"):
     """The tiny generator (plugin, prefix-aware, seeded sampling) and the tiny PRM as live CPU servers,
     both with the plugin's ``--tts-cpu-attention`` ``cpu_attention`` (the PRM: plugin policy off)."""
-    from sgl_tts.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     return LiveServers({

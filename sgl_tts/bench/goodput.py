@@ -1,6 +1,6 @@
 """``sgl-tts bench``: stock SGLang against SGLang with sgl-tts, the same TTS programs side by side.
 
-Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.serve` on one GPU:
+Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.launch.serve` on one GPU:
 
 - ``stock``: SGLang as it comes (the sgl-tts plugin is not loaded), a static split of the memory
   budget (``--stock-split``, the generator's share; 0.5 by default), SGLang's own batch limits;

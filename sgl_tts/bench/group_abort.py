@@ -1,7 +1,7 @@
 """Group abort on a live server: how long aborting search groups takes, the plugin's two paths.
 
 Queues ``N`` requests in ``G`` search groups on a real SGLang CPU server (with the sgl-tts plugin,
-``sgl_tts.live_servers``), one HTTP ``/generate`` per request, all in flight at once; once every
+``sgl_tts.launch.live_servers``), one HTTP ``/generate`` per request, all in flight at once; once every
 request is inside the scheduler (running or waiting) it aborts the groups one after another with
 ``/abort_request {"rid": "tts/<group>/"}`` and times, per group, the abort call and the time from the
 call until every request of the group has answered, while py-spy samples how long the scheduler
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from sgl_tts.live_servers import in_flight, loads
+from sgl_tts.launch.live_servers import in_flight, loads
 from sgl_tts.machine import cpu_model
 from sgl_tts.plugin.abort import MODE_ENV
 from sgl_tts.protocol import SearchTag, group_prefix
@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if p not in PATHS:
             ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
 
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S")

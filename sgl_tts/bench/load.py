@@ -313,7 +313,7 @@ def flush_cache(url: str, settle_s: float = 30.0) -> None:
     import urllib.error
     import urllib.request
 
-    from sgl_tts.live_servers import settled_loads
+    from sgl_tts.launch.live_servers import settled_loads
 
     try:
         ld = settled_loads(url, timeout=settle_s)
@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gen_url is None or prm_url is None:
             import tempfile
 
-            from sgl_tts.live_servers import LiveServer, LiveServers
+            from sgl_tts.launch.live_servers import LiveServer, LiveServers
             from sgl_tts.models import shipped_model
             servers = LiveServers({
                 "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware",

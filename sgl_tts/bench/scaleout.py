@@ -95,8 +95,8 @@ def routing_row(servers, router: str, policy: str, prm, s: ScaleOutSettings) -> 
 
 def serve_search_row(router: str, prm_url: str, replicas: int, s: ScaleOutSettings) -> dict:
     from sgl_tts import task
-    from sgl_tts.search_server import BackgroundSearchServer
-    from sgl_tts.search_service import SearchService
+    from sgl_tts.serving.server import BackgroundSearchServer
+    from sgl_tts.serving.service import SearchService
 
     problems = task.test_split()[:s.requests]
     with BackgroundSearchServer(SearchService(router, prm_url, max_concurrent=s.clients)) as server:
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("sgl-tts scale-out: error: every count must be at least 1", file=sys.stderr)
         return 2
     from sgl_tts.backends import SGLangEndpoint
-    from sgl_tts.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 

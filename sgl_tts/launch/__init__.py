@@ -1,0 +1,14 @@
+"""Launching SGLang: the layer beside the server, under the applications.
+
+- :mod:`sgl_tts.launch.serve`: the one builder of SGLang's command line (``launch_command``),
+  process supervision (``ManagedServer``, ``run_servers``), replicas behind SGLang's router, and
+  ``sgl-tts serve``;
+- :mod:`sgl_tts.launch.cpu_serving`: what a real SGLang server needs on the CPU (flags, environment);
+- :mod:`sgl_tts.launch.memory`: the memory planner for a co-located generator and PRM (``sgl-tts plan``);
+- :mod:`sgl_tts.launch.live_servers`: named CPU servers started on first use (the test bed's fleet).
+
+These import the plugin's settings type (to render its flags) and the shipped models' paths, never
+the client backends, the programs or the experiments. The old flat names (``sgl_tts.serve``,
+``sgl_tts.cpu_serving``, ``sgl_tts.memory``, ``sgl_tts.live_servers``) are deprecated aliases of
+these modules.
+"""

@@ -1,0 +1,129 @@
+"""SGLang servers on the CPU: the flags and environment a real ``sglang.launch_server`` needs there.
+
+SGLang 0.5.15 serves on a CPU with ``--device cpu`` when ``SGLANG_USE_CPU_ENGINE=1`` is set (without
+it the scheduler dies importing vLLM's rotary kernel). What else the CPU needs, and why:
+
+- ``--max-total-tokens``: without it the KV pool takes 75% of free RAM and a second server does not
+  fit. :func:`cpu_pair_flags` derives each server's pool from a stated KV memory budget.
+- ``--grammar-backend none``: with the default xgrammar, a regex request kills the scheduler
+  (``Unsupported device: cpu``); with none it gets a clean error and the server stays up.
+- ``--sleep-on-idle``: an idle scheduler otherwise busy-polls a whole core.
+- ``OMP_NUM_THREADS`` (:data:`CPU_ENV`): half the cores per server (at least 1), unless the caller set
+  it. Each scheduler's torch otherwise takes every core, and a generator and a PRM busy at once (what
+  several searches in flight make them) oversubscribe the cores with spinning OpenMP workers: 8 beam
+  searches at once on the 2-core CPU ran at 0.25-0.41 searches/s against 0.72 for one at a time; with
+  one thread per server 0.99-1.12 (docs/BENCHMARKS.md, "Many searches at once").
+- ``--model-impl transformers`` for a Qwen2 model whose ``head_dim`` is not ``hidden_size /
+  num_attention_heads`` (the tiny PRM: hidden 288 = 256 + 32 side dimensions, 4 heads of 64).
+  On the CPU, ``adjust_config_with_unaligned_cpu_tp`` (``sglang/srt/configs/update_config.py``)
+  always sets ``original_num_attention_heads`` on the config, and SGLang's own Qwen2 layer
+  (``sglang/srt/models/qwen2.py``) then takes ``head_dim = hidden_size // original_num_attention_heads``
+  (72), ignoring the config's 64: weights still load, the first request fails with a shape
+  mismatch. SGLang's transformers implementation reads ``head_dim`` from the config. The choice is
+  made here, per model, from its ``config.json``, because this is the one place that builds a CPU
+  server's command line: both benchmark sides, ``serve``, ``smoke`` and the tests get it alike, and
+  a model whose shapes agree keeps SGLang's native implementation. (A patch of SGLang's Qwen2 layer
+  in the plugin would reach only servers that load the plugin, not stock ones.) A *classifier* with
+  such shapes (``write_reward_head`` of the tiny PRM) is refused: SGLang 0.5.15's transformers
+  implementation serves ``*ForSequenceClassification`` as an embedding model (``/classify`` returns
+  the normalised last hidden state, not the score head's logits), so neither implementation gives
+  right scores; :func:`cpu_server_flags` says so instead of letting a server answer wrongly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+def _threads_per_server() -> str:
+    """OpenMP threads for each CPU server: the caller's ``OMP_NUM_THREADS``, else half this process's
+    cores (a generator and a PRM share the machine), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 2
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // 2))
+
+
+CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": _threads_per_server()}
+DEFAULT_KV_MEMORY = "1GiB"
+_NATIVE_QWEN2 = ("qwen2",)   # model types served by sglang/srt/models/qwen2.py's decoder layer
+
+
+def _config(model: str | os.PathLike) -> dict:
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}; pass a model folder")
+    return json.loads(path.read_text())
+
+
+def needs_transformers_impl(config: Mapping) -> bool:
+    """Whether SGLang's native implementation would get this model's head size wrong on the CPU
+    (see the module docstring): a Qwen2 config whose ``head_dim`` x heads differs from its hidden size."""
+    cfg = {**config.get("text_config", {}), **config}
+    head_dim, heads, hidden = cfg.get("head_dim"), cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    return (cfg.get("model_type") in _NATIVE_QWEN2 and bool(head_dim and heads and hidden)
+            and int(head_dim) * int(heads) != int(hidden))
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUServerFlags:
+    """SGLang flags of one server on the CPU (the environment is :data:`CPU_ENV`)."""
+
+    max_total_tokens: int
+    model_impl: str | None = None   # "transformers" where the native layer would mis-size heads
+    dtype: str | None = None        # None: the checkpoint's (``--dtype`` otherwise)
+
+    def args(self) -> list[str]:
+        out = ["--device", "cpu", "--max-total-tokens", str(self.max_total_tokens),
+               "--grammar-backend", "none", "--sleep-on-idle"]
+        if self.model_impl:
+            out += ["--model-impl", self.model_impl]
+        if self.dtype:
+            out += ["--dtype", self.dtype]
+        return out
+
+
+def cpu_server_flags(model: str | os.PathLike, kv_bytes: int, *, dtype: str | None = None) -> CPUServerFlags:
+    """Flags for ``model`` with a KV pool of ``kv_bytes`` (at least one full-context request);
+    ``dtype`` (e.g. ``float32``, what :class:`sgl_tts.LocalBackend` computes in) overrides the
+    checkpoint's, and sizes the KV cache too."""
+    from sgl_tts.launch.memory import ModelShape, context_tokens
+
+    shape = ModelShape.from_config(model, kv_dtype=dtype)
+    tokens = int(kv_bytes // shape.kv_bytes_per_token)
+    longest = context_tokens(model)
+    if tokens < max(1, longest):
+        raise ValueError(f"a KV budget of {kv_bytes / 2 ** 20:.1f} MiB holds {tokens} tokens of {shape.name} "
+                         f"({shape.kv_bytes_per_token} bytes each), less than its context length ({longest}); "
+                         f"give more memory")
+    config = _config(model)
+    impl = "transformers" if needs_transformers_impl(config) else None
+    arch = (config.get("architectures") or [""])[0]
+    if impl and arch.endswith(("ForSequenceClassification", "ForRewardModel")):
+        raise ValueError(f"{model}: SGLang 0.5.15 cannot serve this classifier right on the CPU: its Qwen2 layer "
+                         f"takes head_dim = hidden_size / heads there (not the config's {config.get('head_dim')}), "
+                         f"and its transformers implementation returns the last hidden state instead of the "
+                         f"head's scores; use a model whose hidden_size equals heads x head_dim, or a GPU")
+    return CPUServerFlags(tokens, impl, dtype)
+
+
+def cpu_pair_flags(generator: str | os.PathLike, prm: str | os.PathLike, kv_memory: str | int = DEFAULT_KV_MEMORY,
+                   generator_share: float = 0.5, dtype: str | None = None) -> dict[str, CPUServerFlags]:
+    """Both servers' CPU flags: ``kv_memory`` (bytes, or a size such as ``1GiB``) is the KV memory
+    the two pools may take together, ``generator_share`` of it the generator's."""
+    from sgl_tts.launch.memory import parse_bytes
+
+    if not 0 < generator_share < 1:
+        raise ValueError(f"the generator's share must be in (0, 1), got {generator_share}")
+    budget = parse_bytes(kv_memory) if isinstance(kv_memory, str) else int(kv_memory)
+    return {"generator": cpu_server_flags(generator, int(budget * generator_share), dtype=dtype),
+            "prm": cpu_server_flags(prm, int(budget * (1 - generator_share)), dtype=dtype)}
+
+
+__all__ = ["CPU_ENV", "CPUServerFlags", "DEFAULT_KV_MEMORY", "cpu_pair_flags", "cpu_server_flags",
+           "needs_transformers_impl"]

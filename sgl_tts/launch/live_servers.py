@@ -1,0 +1,309 @@
+"""Real SGLang servers on this machine's CPU, started on demand and kept for a whole session.
+
+The test bed of every server-side claim (``tests/conftest.py``'s ``live`` fixture) and usable from a
+notebook: a :class:`LiveServers` set knows how to start each named server (a :class:`LiveServer`
+spec: model, plugin policy or no plugin, metrics file, extra flags), starts one the first time its
+URL is asked for, waits until it is healthy, and stops them all at the end. Each runs
+``python -m sglang.launch_server`` with :mod:`sgl_tts.launch.cpu_serving`'s flags in its own process group
+(:class:`sgl_tts.launch.serve.ManagedServer`), on a free loopback port, its log written to a file. A server
+that exits or never becomes healthy raises :class:`sgl_tts.launch.serve.ServerFailed` with its last log lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_server_flags
+from sgl_tts.plugin.settings import TTSSettings
+from sgl_tts.launch.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
+
+NO_PLUGIN = None   # LiveServer.policy: the sgl-tts plugin is not loaded (SGLANG_PLUGINS=none)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveServer:
+    """How to start one server.
+
+    Attributes:
+        model: model folder.
+        policy: the plugin's ``--tts-policy`` (``off`` / ``prefix-aware``), or ``None``: the plugin is
+            not loaded at all (``SGLANG_PLUGINS=none``), stock SGLang.
+        metrics: write the plugin's scheduler metrics (``--tts-metrics-file``; needs a policy).
+        kv_bytes: the KV pool's memory (its ``--max-total-tokens`` follows).
+        dtype: ``--dtype`` (``float32`` computes what :class:`sgl_tts.LocalBackend` computes).
+        seeded_sampling: the plugin's ``--tts-seeded-sampling`` (needs a policy).
+        cpu_attention: the plugin's ``--tts-cpu-attention`` (``ragged`` needs a policy: the plugin
+            must be loaded; ``off`` is one).
+        extra: further ``launch_server`` flags.
+    """
+
+    model: str
+    policy: str | None = NO_PLUGIN
+    metrics: bool = False
+    kv_bytes: int = 64 << 20
+    dtype: str | None = "float32"
+    seeded_sampling: bool = False
+    cpu_attention: str = "native"
+    extra: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.metrics and self.policy is NO_PLUGIN:
+            raise ValueError("scheduler metrics come from the sgl-tts plugin: give a policy")
+        if self.seeded_sampling and self.policy is NO_PLUGIN:
+            raise ValueError("seeded sampling comes from the sgl-tts plugin: give a policy")
+        if self.cpu_attention != "native" and self.policy is NO_PLUGIN:
+            raise ValueError("the ragged CPU attention comes from the sgl-tts plugin: give a policy ('off' will do)")
+
+
+def free_port(host: str = "127.0.0.1", *, low: int = 20000, high: int = 45000) -> int:
+    """A port free on ``host`` in [low, high), as is the port 10,000 above it (SGLang 0.5.15 derives
+    its gRPC port as port + 10000 and refuses one above 65535, so OS-chosen ephemeral ports fail)."""
+    import random
+
+    def free(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+                return True
+            except OSError:
+                return False
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if free(port) and free(port + 10000):
+            return port
+    raise RuntimeError(f"no free port pair on {host} in [{low}, {high})")
+
+
+class LiveServers:
+    """Named CPU SGLang servers, each started the first time it is used (:meth:`url`), all stopped by
+    :meth:`stop_all` (or on leaving a ``with`` block)."""
+
+    def __init__(self, specs: Mapping[str, LiveServer], workdir: str | os.PathLike, *,
+                 health_timeout: float = 600.0, host: str = "127.0.0.1", python: str = sys.executable):
+        self.specs = dict(specs)
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.health_timeout = health_timeout
+        self.host = host
+        self.python = python
+        self._ports: dict[str, int] = {}
+        self._running: dict[str, ManagedServer] = {}
+        self._logs: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ paths and commands
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def metrics_prefix(self, name: str) -> Path:
+        """``--tts-metrics-file`` of ``name``: the plugin writes ``<prefix>.<scheduler pid>``."""
+        return self.workdir / f"{name}.metrics.jsonl"
+
+    def command(self, name: str) -> ServerSpec:
+        spec = self._spec(name)
+        port = self._ports.setdefault(name, free_port(self.host))
+        env = dict(CPU_ENV)
+        plugin = None
+        if spec.policy is NO_PLUGIN:
+            env["SGLANG_PLUGINS"] = "none"
+        else:
+            plugin = TTSSettings(spec.policy, seeded_sampling=spec.seeded_sampling,
+                                 metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None,
+                                 cpu_attention=spec.cpu_attention)
+        cmd = launch_command(spec.model, host=self.host, port=port, python=self.python,
+                             flags=cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args(),
+                             plugin=plugin, extra=spec.extra)
+        return ServerSpec(name, cmd, f"http://{self.host}:{port}/health", env)
+
+    def _spec(self, name: str) -> LiveServer:
+        try:
+            return self.specs[name]
+        except KeyError:
+            raise KeyError(f"no live server named {name!r}; known: {', '.join(sorted(self.specs))}") from None
+
+    # ------------------------------------------------------------------ life cycle
+    def url(self, name: str) -> str:
+        """The base URL of ``name``, started (and waited for) if it is not running."""
+        with self._lock:
+            server = self._running.get(name)
+            if server is None or not server.alive():
+                if server is not None:   # died since: report it rather than silently restarting
+                    raise server.failure(f"exited with code {server.proc.returncode}")
+                self._start(name)
+            return f"http://{self.host}:{self._ports[name]}"
+
+    def start(self, name: str) -> str:
+        """(Re)start ``name`` on its port (after :meth:`kill`), wait until healthy, return its URL."""
+        with self._lock:
+            old = self._running.pop(name, None)
+            if old is not None:
+                old.stop(grace=5)
+            self._start(name)
+            return f"http://{self.host}:{self._ports[name]}"
+
+    def _start(self, name: str, spec: ServerSpec | None = None) -> None:
+        """Start ``name`` (its :meth:`command`, or ``spec``) and wait until it answers its health URL."""
+        spec = spec or self.command(name)
+        log = open(self.log_path(name), "a", buffering=1)
+        self._logs[name] = log
+        server = ManagedServer(spec, out=log, tail_lines=40, env=spec.env)
+        self._running[name] = server
+        deadline = time.monotonic() + self.health_timeout
+        while not server.healthy():
+            if not server.alive():
+                raise server.failure(f"exited with code {server.proc.returncode} before it was healthy "
+                                     f"(log: {self.log_path(name)})")
+            if time.monotonic() > deadline:
+                server.stop(grace=5)
+                raise server.failure(f"did not answer {spec.health_url} within {self.health_timeout:.0f} s "
+                                     f"(log: {self.log_path(name)})")
+            time.sleep(0.5)
+
+    def start_router(self, name: str, workers: Sequence[str], policy: str = "cache_aware") -> str:
+        """(Re)start SGLang's router ``name`` in front of the named servers (each started if need be)
+        with ``policy``; return its URL."""
+        from sgl_tts.launch.serve import router_spec, wait_router_workers
+
+        urls = [self.url(w) for w in workers]
+        with self._lock:
+            old = self._running.pop(name, None)
+            if old is not None:
+                old.stop(grace=5)
+            port = self._ports.setdefault(name, free_port(self.host))
+            metrics_port = self._ports.setdefault(f"{name}/prometheus", free_port(self.host))
+            # healthy = /readiness: once the router has registered its workers. Each router gets
+            # its own Prometheus port: two on the default one and the second exits at start-up
+            self._start(name, router_spec(urls, host=self.host, port=port, policy=policy, python=self.python,
+                                          name=name, prometheus_port=metrics_port))
+        url = f"http://{self.host}:{port}"
+        wait_router_workers(url, len(urls), timeout=self.health_timeout)
+        return url
+
+    def pid(self, name: str) -> int | None:
+        """The process id of running server ``name`` (its launcher; SGLang's scheduler and detokenizer
+        are its children), or ``None`` when it is not running."""
+        server = self._running.get(name)
+        return server.proc.pid if server is not None and server.alive() else None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name``'s whole process group at once (a crash, not a clean stop); a later
+        :meth:`start` brings it back on the same port."""
+        import signal
+
+        with self._lock:
+            server = self._running.pop(name, None)
+        if server is not None:
+            try:
+                os.killpg(server.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.stop(grace=5)
+
+    def stop(self, *names: str) -> None:
+        """Stop the named servers cleanly; each starts again on its next :meth:`url`. A test that
+        starts servers of its own stops the idle ones first: a CPU server takes about 2 GB, and the
+        machine has 24 GiB."""
+        with self._lock:
+            stopped = [(n, self._running.pop(n)) for n in names if n in self._running]
+        for name, server in stopped:
+            server.stop(grace=10)
+            self._retire_metrics(name)
+
+    def _retire_metrics(self, name: str) -> None:
+        """Move a stopped server's metrics files to ``<workdir>/stopped-<k>/``: what
+        :meth:`metrics_records` reads is then the running scheduler's alone (a restarted server's
+        records would otherwise follow its predecessor's, in file-name order)."""
+        from sgl_tts.plugin.metrics import scheduler_files
+
+        files = scheduler_files(self.metrics_prefix(name))
+        if not files:
+            return
+        k = 0
+        while (self.workdir / f"stopped-{k}").exists():
+            k += 1
+        target = self.workdir / f"stopped-{k}"
+        target.mkdir()
+        for f in files:
+            f.rename(target / f.name)
+
+    def running(self) -> list[str]:
+        return [name for name, server in self._running.items() if server.alive()]
+
+    def stop_all(self) -> None:
+        with self._lock:
+            servers, self._running = self._running, {}
+        for server in servers.values():
+            server.stop(grace=10)
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> "LiveServers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    # ------------------------------------------------------------------ what the servers wrote
+    def metrics_records(self, name: str) -> list[dict]:
+        """Every record the plugin's scheduler metrics wrote for ``name`` since it last started (all
+        its scheduler processes; a stopped server's records are moved aside by :meth:`stop`). The
+        plugin buffers; it writes at least at every prefill batch."""
+        from sgl_tts.plugin.metrics import read_records, scheduler_files
+
+        return read_records(scheduler_files(self.metrics_prefix(name)))
+
+    def log_text(self, name: str) -> str:
+        path = self.log_path(name)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def loads(url: str) -> dict:
+    """The (first) scheduler's entry of ``GET /v1/loads``: running and waiting requests, used KV
+    tokens, queues. A snapshot: SGLang 0.5.15's scheduler publishes it at each prefill, every 15th
+    decode step (``--load-snapshot-publish-interval``) and when it goes idle."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/loads", timeout=60) as res:
+        return json.loads(res.read())["loads"][0]
+
+
+def in_flight(url: str) -> int:
+    """Requests running or waiting on ``url``, as its :func:`loads` snapshot shows them."""
+    ld = loads(url)
+    return int(ld["num_running_reqs"]) + int(ld["num_waiting_reqs"])
+
+
+def settled_loads(url: str, timeout: float = 5.0) -> dict:
+    """:func:`loads` once it shows no request running or waiting, or the last one read when
+    ``timeout`` seconds have passed: for checking that a server was left empty. The answer to a
+    request's last step can reach its client before the scheduler publishes its idle snapshot, so a
+    read right after the last answer may still count requests that are gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ld = loads(url)
+        if (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0) or time.monotonic() > deadline:
+            return ld
+        time.sleep(0.05)
+
+
+def server_info(url: str) -> dict:
+    """``GET /server_info`` of a running SGLang server (its args and each scheduler's internal state)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/server_info", timeout=30) as res:
+        return json.loads(res.read())
+
+
+__all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "ServerFailed", "free_port", "in_flight", "loads",
+           "server_info", "settled_loads"]

@@ -1,0 +1,586 @@
+"""Memory planner for a generator and a PRM on one GPU (seed 000 §3.2.3, §4.3; seed 001 ch. 5).
+
+The generator decodes (memory-bandwidth bound, hungry for KV); the PRM prefills (compute bound, it
+saturates with little KV). Given both models' ``config.json``, a GPU and a workload, the planner
+splits the KV budget between them with the seed's roofline-guided search:
+
+    T_tot = ceil(N / B_pre) T_pre(B_pre, S) + ceil(N / B_dec) S_dec T_dec(B_dec, S_cache)
+    subject to  B_pre KV_prm(S) + B_dec KV_gen(S_gen) <= M
+
+with ``T = max(FLOPs / P, bytes / BW)`` per batch. A stage given room for B requests may run smaller
+batches, so its time is the best over batch sizes up to B (:meth:`Roofline.stage_times`): more memory
+never hurts, the optimum lies on the memory boundary, and the search over B_pre with B_dec on the
+boundary (Eq. 1; ties to the larger B_dec) is exact (tests compare it with brute force). The offload
+alternative keeps only the active model's KV on the GPU and pays the idle one's transfer.
+
+This module is pure arithmetic (no torch, no GPU); ``sgl-tts plan`` prints its result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+
+
+# ------------------------------------------------------------------------------------ model shapes
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a model's ``config.json``.
+
+    Attributes:
+        kv_bytes_per_token: KV-cache bytes one token takes in every layer (K and V; for MLA the
+            compressed latent plus the rope key, as SGLang stores it).
+        weight_bytes: bytes of the weights (from the checkpoint files when known, else estimated from
+            the config).
+        flops_per_token: 2 x the parameters a token passes through (active experts only for MoE),
+            embeddings excluded.
+        attn_width: query heads x head dim (attention FLOPs per cached token are ~4 x layers x this).
+    """
+
+    name: str
+    layers: int
+    kv_bytes_per_token: int
+    weight_bytes: int
+    flops_per_token: int
+    attn_width: int
+    params: int
+
+    @classmethod
+    def from_config(cls, config: str | os.PathLike | Mapping[str, Any], *, name: str | None = None,
+                    kv_dtype: str | None = None) -> "ModelShape":
+        """From a ``config.json`` path, a model folder or a parsed dict. Weights are the
+        checkpoint's ``*.safetensors`` sizes when a folder has them."""
+        folder: Path | None = None
+        if isinstance(config, Mapping):
+            cfg = dict(config)
+        else:
+            path = Path(config)
+            if path.is_dir():
+                folder, path = path, path / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no config.json at {path}; pass a model folder or its config.json")
+            cfg = json.loads(path.read_text())
+            folder = folder or path.parent
+            name = name or (folder.name if path.name == "config.json" else path.stem)
+        cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
+        try:
+            layers = int(cfg["num_hidden_layers"])
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as exc:
+            raise ValueError(f"config of {name or 'the model'} lacks {exc.args[0]!r}: not a decoder "
+                             f"config.json this planner knows") from None
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        wbytes = DTYPE_BYTES.get(dtype, 2)
+        kbytes = DTYPE_BYTES.get(kv_dtype or dtype, wbytes)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        inter = int(cfg.get("intermediate_size", 4 * hidden))
+        if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): one compressed latent + rope key per layer
+            rank, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim", 64))
+            nope, vdim = int(cfg.get("qk_nope_head_dim", head_dim)), int(cfg.get("v_head_dim", head_dim))
+            kv_per_token = layers * (rank + rope) * kbytes
+            q_lora = cfg.get("q_lora_rank")
+            q = hidden * heads * (nope + rope) if not q_lora else hidden * q_lora + q_lora * heads * (nope + rope)
+            attn = q + hidden * (rank + rope) + rank * heads * (nope + vdim) + heads * vdim * hidden
+            attn_width = heads * (nope + rope)
+        else:
+            kv_per_token = 2 * layers * kv_heads * head_dim * kbytes
+            attn = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim
+            if cfg.get("model_type") == "qwen2" or cfg.get("attention_bias"):
+                attn += heads * head_dim + 2 * kv_heads * head_dim
+            attn_width = heads * head_dim
+        experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts:
+            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+            shared = int(cfg.get("n_shared_experts") or 0)
+            top_k = int(cfg.get("num_experts_per_tok") or 1)
+            dense_layers = int(cfg.get("first_k_dense_replace") or 0)
+            moe_layers = layers - dense_layers
+            mlp_total = dense_layers * 3 * hidden * inter + moe_layers * (
+                (experts + shared) * 3 * hidden * moe_inter + hidden * experts)
+            mlp_active = dense_layers * 3 * hidden * inter + moe_layers * (top_k + shared) * 3 * hidden * moe_inter
+        else:
+            mlp_total = mlp_active = layers * 3 * hidden * inter
+        embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+        body_total = layers * (attn + 2 * hidden) + mlp_total + hidden
+        body_active = layers * (attn + 2 * hidden) + mlp_active + hidden
+        params = embed + body_total
+        weights = _checkpoint_bytes(folder) or params * wbytes
+        # per token: the body, plus the LM head (one vocab x hidden product)
+        flops = 2 * (body_active + vocab * hidden)
+        return cls(name or str(cfg.get("model_type", "model")), layers, kv_per_token, weights, flops,
+                   attn_width, params)
+
+
+def _checkpoint_bytes(folder: Path | None) -> int:
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------- hardware
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Peak dense bf16 tensor throughput, memory bandwidth, memory and host link of a GPU (vendor
+    specification sheets, no sparsity); ``--measure`` replaces the two ceilings with measured ones."""
+
+    name: str
+    tflops: float
+    bandwidth_gbs: float
+    memory_gib: float
+    host_link_gbs: float = 25.0
+
+
+HARDWARE = {h.name: h for h in (
+    Hardware("H100", 989.0, 3350.0, 80.0, 50.0),
+    Hardware("H200", 989.0, 4800.0, 141.0, 50.0),
+    Hardware("A100-80G", 312.0, 2039.0, 80.0, 25.0),
+    Hardware("L40S", 362.0, 864.0, 48.0, 25.0),
+    Hardware("RTX4090", 165.2, 1008.0, 24.0, 25.0),
+    Hardware("RTX3090", 71.0, 936.0, 24.0, 25.0),
+)}
+
+
+def measure_ceilings(device: str = "cuda", *, size: int = 8192, repeats: int = 20) -> tuple[float, float]:
+    """Measured (TFLOP/s, GB/s) of the local GPU: a bf16 matmul of ``size``^3 and a device-to-device
+    copy of 1 GiB, best of ``repeats``. Needs CUDA."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--measure needs a CUDA GPU on this machine; pass --ceilings TFLOPS GBS instead")
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    src = torch.empty(GiB // 2, device=device, dtype=torch.float16)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    tflops = 2 * size ** 3 / best(lambda: a @ b) / 1e12
+    gbs = 2 * src.numel() * src.element_size() / best(lambda: dst.copy_(src)) / 1e9   # read + write
+    del a, b, src, dst
+    torch.cuda.empty_cache()   # the servers started next count this memory as free
+    return tflops, gbs
+
+
+# ----------------------------------------------------------------------------------------- roofline
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One search iteration: ``requests`` beams, each verified on ``verify_tokens`` tokens (prompt and
+    path so far) and extended by ``step_tokens`` generated tokens on a ``prompt_tokens`` context."""
+
+    requests: int
+    prompt_tokens: int
+    step_tokens: int
+    verify_tokens: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+class Roofline:
+    """Per-batch latency of a model on a GPU: ``max(FLOPs / peak, bytes / bandwidth)``."""
+
+    def __init__(self, model: ModelShape, hw: Hardware):
+        self.model, self.hw = model, hw
+
+    def prefill(self, batch: int, tokens: int) -> float:
+        m = self.model
+        flops = batch * tokens * m.flops_per_token + 2 * m.layers * m.attn_width * batch * tokens * tokens
+        traffic = m.weight_bytes + batch * tokens * m.kv_bytes_per_token
+        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9))
+
+    def decode_step(self, batch: int, cached: float) -> float:
+        m = self.model
+        flops = batch * m.flops_per_token + 4 * m.layers * m.attn_width * batch * cached
+        traffic = m.weight_bytes + batch * cached * m.kv_bytes_per_token
+        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9))
+
+    def stage_times(self, n: int, cost) -> tuple[list[float], list[int]]:
+        """For room ``b = 1..n``: the best total time ``min over k <= b of ceil(n / k) cost(k)`` and
+        the batch size achieving it (the larger one on ties)."""
+        best, arg = [math.inf], [0]
+        for k in range(1, n + 1):
+            t = math.ceil(n / k) * cost(k)
+            if t <= best[-1]:
+                best.append(t)
+                arg.append(k)
+            else:
+                best.append(best[-1])
+                arg.append(arg[-1])
+        return best, arg
+
+
+# -------------------------------------------------------------------------------------------- plan
+@dataclasses.dataclass
+class Plan:
+    """The split and what it predicts (times per search iteration, seconds)."""
+
+    strategy: str                 # "shared" (both KV pools on the GPU) or "offload"
+    kv_budget_bytes: int
+    prm_room: int                 # requests the PRM's KV pool holds (B_pre on the boundary)
+    gen_room: int                 # requests the generator's KV pool holds (B_dec)
+    prm_batch: int                # the batch size that achieves the predicted time (<= room)
+    gen_batch: int
+    prm_kv_bytes: int
+    gen_kv_bytes: int
+    prm_seconds: float
+    gen_seconds: float
+    offload_seconds: float = 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prm_seconds + self.gen_seconds + self.offload_seconds
+
+
+def solve(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int) -> Plan:
+    """The seed's search: every feasible B_pre, B_dec on the memory boundary (Eq. 1); the minimum
+    total time, ties to the larger B_dec."""
+    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
+    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    if kv_budget < kv_pre + kv_dec:
+        raise ValueError(f"the KV budget ({kv_budget / GiB:.2f} GiB) cannot hold one verifier request "
+                         f"({kv_pre / GiB:.3f} GiB) and one generator request ({kv_dec / GiB:.3f} GiB)")
+    n = work.requests
+    pre_t, pre_b, dec_t, dec_b = _stage_tables(gen, prm, hw, work)
+    best: tuple | None = None
+    for b_pre in range(1, kv_budget // kv_pre + 1):
+        b_dec = (kv_budget - b_pre * kv_pre) // kv_dec
+        if b_dec < 1:
+            break
+        t = pre_t[min(b_pre, n)] + dec_t[min(b_dec, n)]
+        key = (t, -b_dec, b_pre)
+        if best is None or key < best[0]:
+            best = (key, b_pre, b_dec)
+    assert best is not None
+    _, b_pre, b_dec = best
+    return Plan("shared", kv_budget, b_pre, b_dec, pre_b[min(b_pre, n)], dec_b[min(b_dec, n)],
+                b_pre * kv_pre, b_dec * kv_dec, pre_t[min(b_pre, n)], dec_t[min(b_dec, n)])
+
+
+def brute_force(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int
+                ) -> tuple[float, int, int]:
+    """The minimum over *every* feasible (B_pre, B_dec) pair (tests check :func:`solve` against it)."""
+    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
+    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    n = work.requests
+    pre_t, _, dec_t, _ = _stage_tables(gen, prm, hw, work)
+    best = None
+    for b_pre in range(1, kv_budget // kv_pre + 1):
+        for b_dec in range(1, (kv_budget - b_pre * kv_pre) // kv_dec + 1):
+            key = (pre_t[min(b_pre, n)] + dec_t[min(b_dec, n)], -b_dec, b_pre)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    return best[0], best[2], -best[1]
+
+
+def offload_plan(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int) -> Plan:
+    """Seed 000 §4.3.2: only the active model's KV on the GPU (each may use the whole budget), the
+    idle one's moved to host memory and back each iteration over the host link."""
+    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
+    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    n = work.requests
+    pre_t, pre_b, dec_t, dec_b = _stage_tables(gen, prm, hw, work)
+    b_pre = max(1, min(n, kv_budget // kv_pre))
+    b_dec = max(1, min(n, kv_budget // kv_dec))
+    moved = 2 * (pre_b[b_pre] * kv_pre + dec_b[b_dec] * kv_dec)   # out and back, both pools
+    return Plan("offload", kv_budget, b_pre, b_dec, pre_b[b_pre], dec_b[b_dec], b_pre * kv_pre,
+                b_dec * kv_dec, pre_t[b_pre], dec_t[b_dec], moved / (hw.host_link_gbs * 1e9))
+
+
+def _stage_tables(gen, prm, hw, work):
+    pre = Roofline(prm, hw)
+    dec = Roofline(gen, hw)
+    cached = work.prompt_tokens + work.step_tokens / 2
+    pre_t, pre_b = pre.stage_times(work.requests, lambda b: pre.prefill(b, work.verify_tokens))
+    dec_t, dec_b = dec.stage_times(work.requests, lambda b: work.step_tokens * dec.decode_step(b, cached))
+    return pre_t, pre_b, dec_t, dec_b
+
+
+# ---------------------------------------------------------------------------------- SGLang flags
+@dataclasses.dataclass
+class ServerFlags:
+    """SGLang flags of one server (``--mem-fraction-static`` is of the memory free when it starts)."""
+
+    mem_fraction_static: float
+    max_total_tokens: int
+    max_running_requests: int | None           # None: SGLang derives it
+    chunked_prefill_size: int | None = None
+    hicache_size_gb: int | None = None     # host-memory KV tier (HiCache) for an offload plan
+
+    def args(self) -> list[str]:
+        out = ["--mem-fraction-static", f"{self.mem_fraction_static:.4f}",
+               "--max-total-tokens", str(self.max_total_tokens)]
+        if self.max_running_requests is not None:
+            out += ["--max-running-requests", str(self.max_running_requests)]
+        if self.chunked_prefill_size:
+            out += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.hicache_size_gb:
+            out += ["--enable-hierarchical-cache", "--hicache-size", str(self.hicache_size_gb)]
+        return out
+
+
+def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, gpu_bytes: int,
+                 reserve_bytes: int, first: str = "generator", offload: Plan | None = None,
+                 min_pool_tokens: Mapping[str, int] | None = None) -> dict[str, ServerFlags]:
+    """Flags for both servers in start-up order: each server's static pool (weights + its KV) is a
+    fraction of the memory free when it starts, which for the second is what the first left (seed 001
+    ch. 5: a fraction of the total would over-commit). With an ``offload`` plan (two SGLang servers
+    cannot swap a whole pool out), each server keeps ``plan``'s GPU pool and gets a HiCache host tier
+    as large as the offload plan's pool, so its evicted KV is reloaded from host memory instead of
+    recomputed."""
+    if first not in ("generator", "prm"):
+        raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
+    kv = {"generator": plan.gen_kv_bytes, "prm": plan.prm_kv_bytes}
+    per = {"generator": gen.kv_bytes_per_token, "prm": prm.kv_bytes_per_token}
+    # SGLang refuses a request longer than its server's pool: each pool holds at least one request
+    # of ``min_pool_tokens`` (e.g. the context length), the bytes taken from the other pool.
+    for name, other in (("prm", "generator"), ("generator", "prm")):
+        floor = int((min_pool_tokens or {}).get(name, 0))
+        short = floor * per[name] - kv[name]
+        if short > 0:
+            kv[name] += short
+            kv[other] -= short
+    for name in kv:
+        floor = int((min_pool_tokens or {}).get(name, 0))
+        if kv[name] // per[name] < max(1, floor):
+            raise ValueError(f"the KV budget cannot give each server a pool of its longest request "
+                             f"({dict(min_pool_tokens or {})} tokens)")
+    pools = {"generator": (gen.weight_bytes + kv["generator"], kv["generator"] // gen.kv_bytes_per_token,
+                           plan.gen_batch, None),
+             "prm": (prm.weight_bytes + kv["prm"], kv["prm"] // prm.kv_bytes_per_token,
+                     plan.prm_batch, plan.prm_batch * work.verify_tokens)}
+    host = {} if offload is None else {"generator": offload.gen_kv_bytes, "prm": offload.prm_kv_bytes}
+    order = [first, "prm" if first == "generator" else "generator"]
+    free = gpu_bytes
+    out = {}
+    for name in order:
+        static, tokens, batch, chunk = pools[name]
+        tier = host.get(name)
+        out[name] = ServerFlags(static / free, int(tokens), int(batch), chunk,
+                                max(1, math.ceil(tier / 1e9)) if tier else None)
+        free -= static + reserve_bytes // 2   # its pools plus its share of the runtime reserve
+    return out
+
+
+def static_split_flags(gen: ModelShape, prm: ModelShape, gpu_bytes: int, reserve_bytes: int,
+                       generator_share: float = 0.5, first: str = "generator",
+                       min_pool_tokens: Mapping[str, int] | None = None) -> dict[str, ServerFlags]:
+    """Flags of the unplanned baseline: the generator gets ``generator_share`` of the budget and the
+    PRM the rest (each pool is its share less half the reserve; its KV is what the weights leave),
+    SGLang's own batch limits. Fractions are of the memory free at each start, as in
+    :func:`server_flags`; ``--max-total-tokens`` caps each KV pool, which is what emulates a smaller
+    card on a larger one."""
+    if not 0 < generator_share < 1:
+        raise ValueError(f"the generator's share must be in (0, 1), got {generator_share}")
+    if first not in ("generator", "prm"):
+        raise ValueError(f"first must be 'generator' or 'prm', got {first!r}")
+    floors = {k: int(v) for k, v in (min_pool_tokens or {}).items()}
+    need = {name: (model.weight_bytes + reserve_bytes / 2 + floors.get(name, 0) * model.kv_bytes_per_token)
+            / gpu_bytes for name, model in (("generator", gen), ("prm", prm))}
+    lo, hi = need["generator"], 1 - need["prm"]
+    hint = (f"; choose a generator share between {math.ceil(lo * 100) / 100:.2f} and "
+            f"{math.floor(hi * 100) / 100:.2f}" if lo < hi else "; no share fits both: a larger budget is needed")
+    shares = {"generator": (gen, generator_share), "prm": (prm, 1 - generator_share)}
+    free = gpu_bytes
+    out = {}
+    for name in (first, "prm" if first == "generator" else "generator"):
+        model, share = shares[name]
+        static = share * gpu_bytes - reserve_bytes / 2
+        kv = static - model.weight_bytes
+        if kv <= 0:
+            raise ValueError(f"a {share:.0%} share ({share * gpu_bytes / GiB:.2f} GiB less half the reserve) "
+                             f"does not hold the {name}'s weights ({model.weight_bytes / GiB:.2f} GiB){hint}")
+        floor = floors.get(name, 0)
+        if kv // model.kv_bytes_per_token < floor:
+            raise ValueError(f"a {share:.0%} share leaves the {name} a pool of {int(kv // model.kv_bytes_per_token)} "
+                             f"tokens, less than its longest request ({floor}){hint}")
+        out[name] = ServerFlags(static / free, int(kv // model.kv_bytes_per_token), None)
+        free -= static + reserve_bytes // 2
+    return out
+
+
+def plan_pair(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, gpu_bytes: int, *,
+              reserve_bytes: int | None = None) -> tuple[Plan, Plan | None]:
+    """The best shared split and the offload alternative for a GPU budget of ``gpu_bytes``. The
+    reserve (activations, CUDA graphs, allocator slack of two runtimes) defaults to 8% of the budget,
+    at least 1 GiB."""
+    reserve = reserve_bytes if reserve_bytes is not None else max(GiB, int(0.08 * gpu_bytes))
+    kv_budget = gpu_bytes - gen.weight_bytes - prm.weight_bytes - reserve
+    if kv_budget <= 0:
+        raise ValueError(
+            f"the weights alone do not fit: generator {gen.weight_bytes / GiB:.2f} GiB + PRM "
+            f"{prm.weight_bytes / GiB:.2f} GiB + reserve {reserve / GiB:.2f} GiB > budget "
+            f"{gpu_bytes / GiB:.2f} GiB")
+    shared = solve(gen, prm, hw, work, kv_budget)
+    try:
+        off = offload_plan(gen, prm, hw, work, kv_budget)
+    except ValueError:
+        off = None
+    return shared, off
+
+
+def parse_bytes(text: str) -> int:
+    """``24GiB``, ``24GB``, ``0.4*24GiB`` style sizes (GiB/MiB binary, GB/MB decimal)."""
+    s = text.strip().replace(" ", "")
+    factor = 1.0
+    if "*" in s:
+        head, s = s.split("*", 1)
+        factor = float(head)
+    units = {"gib": GiB, "mib": 1 << 20, "gb": 10 ** 9, "mb": 10 ** 6, "b": 1}
+    for unit, mult in units.items():
+        if s.lower().endswith(unit):
+            return int(factor * float(s[:-len(unit)]) * mult)
+    raise ValueError(f"cannot read a size from {text!r}; write e.g. 24GiB or 0.4*24GiB")
+
+
+@dataclasses.dataclass
+class PairPlan:
+    """Everything ``sgl-tts plan`` / ``sgl-tts serve`` decide for a generator + PRM pair."""
+
+    hw: Hardware
+    budget: int
+    reserve: int
+    gen: ModelShape
+    prm: ModelShape
+    work: Workload
+    shared: Plan
+    offload: Plan | None
+    flags: dict[str, ServerFlags]
+
+    @property
+    def choice(self) -> str:
+        return "offload" if self.offload is not None and self.offload.total_seconds < self.shared.total_seconds \
+            else "shared"
+
+
+def add_plan_arguments(ap, *, models_required: bool = True) -> None:
+    """The planning flags ``sgl-tts plan`` and ``sgl-tts serve`` share (``serve --device cpu`` has
+    default models, so it asks for them itself)."""
+    ap.add_argument("--generator", required=models_required, help="generator model folder or config.json")
+    ap.add_argument("--prm", required=models_required, help="PRM model folder or config.json")
+    ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE), help="GPU profile")
+    ap.add_argument("--gpu-memory", default=None,
+                    help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
+    ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
+    ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")
+    ap.add_argument("--longest-request", type=int, default=None,
+                    help="tokens of the longest request a server must hold (SGLang refuses a request "
+                         "longer than its KV pool; default: each model's context length)")
+    ap.add_argument("--reserve", default=None, help="runtime reserve (default 8%% of the budget, >= 1GiB)")
+    ap.add_argument("--first", choices=["generator", "prm"], default="generator",
+                    help="which server starts first (its fraction is of the whole budget)")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure peak bf16 TFLOP/s and GB/s on this machine's GPU instead of the profile's")
+    ap.add_argument("--ceilings", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
+                    help="use these peak TFLOP/s and GB/s instead of the profile's")
+
+
+def context_tokens(config: str | os.PathLike) -> int:
+    """A model's context length (``max_position_embeddings``; 0 when its config does not say)."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return int(json.loads(path.read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def plan_from_args(args) -> PairPlan:
+    """The plan the shared flags ask for (``ValueError`` / ``FileNotFoundError`` on bad input)."""
+    hw = HARDWARE[args.gpu]
+    if args.ceilings:
+        hw = dataclasses.replace(hw, tflops=args.ceilings[0], bandwidth_gbs=args.ceilings[1])
+    elif args.measure:
+        tflops, gbs = measure_ceilings()
+        hw = dataclasses.replace(hw, tflops=tflops, bandwidth_gbs=gbs)
+    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
+    reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
+    gen, prm = ModelShape.from_config(args.generator), ModelShape.from_config(args.prm)
+    work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
+    shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
+    use_offload = off is not None and off.total_seconds < shared.total_seconds
+    longest = getattr(args, "longest_request", None)
+    floors = {name: min(ctx, longest) if longest and ctx else (longest or ctx)
+              for name, ctx in (("generator", context_tokens(args.generator)), ("prm", context_tokens(args.prm)))}
+    flags = server_flags(shared, gen, prm, work, budget, reserve, first=args.first,
+                         offload=off if use_offload else None, min_pool_tokens=floors)
+    return PairPlan(hw, budget, reserve, gen, prm, work, shared, off, flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts plan``: the KV split and both servers' SGLang flags for a generator + PRM pair."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="sgl-tts plan", description=main.__doc__)
+    add_plan_arguments(ap)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        p = plan_from_args(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"sgl-tts plan: error: {exc}", file=sys.stderr)
+        return 1
+    hw, budget, reserve, gen, prm, work = p.hw, p.budget, p.reserve, p.gen, p.prm, p.work
+    shared, off, flags = p.shared, p.offload, p.flags
+    result = {"gpu": dataclasses.asdict(hw), "budget_bytes": budget, "reserve_bytes": reserve,
+              "workload": dataclasses.asdict(work),
+              "generator": dataclasses.asdict(gen), "prm": dataclasses.asdict(prm),
+              "plan": {**dataclasses.asdict(shared), "total_seconds": shared.total_seconds},
+              "offload": None if off is None else {**dataclasses.asdict(off), "total_seconds": off.total_seconds},
+              "choice": p.choice,
+              "flags": {k: v.args() for k, v in flags.items()}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+    print(f"{gen.name} (generator) + {prm.name} (PRM) on {hw.name}, budget {g(budget)} "
+          f"(reserve {g(reserve)}); {work.requests} requests, prompt {work.prompt_tokens}, step "
+          f"{work.step_tokens}, verify {work.verify_tokens} tokens")
+    print("| | generator | PRM |")
+    print("| --- | ---: | ---: |")
+    print(f"| weights | {g(gen.weight_bytes)} | {g(prm.weight_bytes)} |")
+    print(f"| KV per token | {gen.kv_bytes_per_token / 1024:.1f} KiB | {prm.kv_bytes_per_token / 1024:.1f} KiB |")
+    print(f"| KV pool | {g(shared.gen_kv_bytes)} ({shared.gen_room} requests) | "
+          f"{g(shared.prm_kv_bytes)} ({shared.prm_room} requests) |")
+    print(f"| batch | {shared.gen_batch} | {shared.prm_batch} |")
+    total = shared.total_seconds
+    print(f"| predicted time per iteration | {shared.gen_seconds * 1e3:.1f} ms ({100 * shared.gen_seconds / total:.0f}%) "
+          f"| {shared.prm_seconds * 1e3:.1f} ms ({100 * shared.prm_seconds / total:.0f}%) |")
+    if off is not None:
+        print(f"offload alternative: {off.total_seconds * 1e3:.1f} ms per iteration (transfers "
+              f"{off.offload_seconds * 1e3:.1f} ms) vs shared {total * 1e3:.1f} ms -> {result['choice']}")
+    for name in (args.first, "prm" if args.first == "generator" else "generator"):
+        print(f"{name} flags: {' '.join(flags[name].args())}")
+    return 0
+
+
+__all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
+           "PairPlan", "add_plan_arguments", "brute_force", "main", "plan_from_args", "measure_ceilings",
+           "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve", "static_split_flags"]

@@ -1,0 +1,476 @@
+"""``sgl-tts serve``: the generator and the PRM as two SGLang servers, on one GPU (planned) or on the
+CPU (``--device cpu``, :mod:`sgl_tts.launch.cpu_serving`), supervised.
+
+The memory planner (:mod:`sgl_tts.launch.memory`) gives both servers' flags in start-up order; the servers
+start one after the other (the second sizes its pools from the memory the first left), each must
+answer ``/health`` before the next starts, and their logs stream with a ``[generator]`` / ``[prm]``
+prefix. Ctrl-C, or either server dying, stops both: every child runs in its own process group, which
+gets SIGTERM, then SIGKILL after a grace period, so nothing is left running. A server that dies or
+never becomes healthy ends ``serve`` with a non-zero exit and that server's last log lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Sequence
+
+from sgl_tts.plugin.settings import CPU_ATTENTION, TTSSettings
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    """One server to start: its name (log prefix), command line, health URL and extra environment."""
+
+    name: str
+    command: list[str]
+    health_url: str
+    env: dict[str, str] | None = None
+
+
+_OUTPUT = threading.Lock()
+
+
+def say(text: str, file=None) -> None:
+    """Write one whole line while servers' logs stream to the same output: ``print`` writes the text
+    and its newline in two calls, so a log line could land between them (a test reading the
+    ready line found it glued to a server's log line)."""
+    out = file or sys.stdout
+    with _OUTPUT:
+        out.write(text + "\n")
+        out.flush()
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or never became healthy; the message names it and quotes its last lines."""
+
+
+class ManagedServer:
+    """A child process in its own process group, its output streamed with a prefix and its last
+    lines kept for error messages."""
+
+    def __init__(self, spec: ServerSpec, *, out=None, tail_lines: int = 30, env: dict | None = None):
+        self.spec = spec
+        self.out = out or sys.stdout
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=self._pump, name=f"log-{spec.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            say(f"[{self.spec.name}] {line}", self.out)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.spec.health_url, timeout=2) as res:
+                return res.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def failure(self, what: str) -> ServerFailed:
+        self._reader.join(timeout=1)
+        last = "\n".join(f"  {line}" for line in self.tail) or "  (no output)"
+        return ServerFailed(f"the {self.spec.name} server {what}; its last log lines:\n{last}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to the whole process group, SIGKILL after ``grace`` seconds. The group is
+        signalled even when the server itself has exited: a crashed server's children (SGLang's
+        scheduler and detokenizer processes) must not outlive it."""
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + grace
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._reader.join(timeout=2)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True    # an error status is still an answer
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in the group (Linux /proc; elsewhere killpg 0)."""
+    proc = "/proc"
+    if not os.path.isdir(proc):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":   # state, ppid, pgrp
+            return True
+    return False
+
+
+def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, poll: float = 0.5,
+                on_ready: Callable[[list[ManagedServer]], None] | None = None,
+                stop_event: threading.Event | None = None, out=None, grace: float = 10.0) -> None:
+    """Start ``specs`` in order, each healthy before the next; call ``on_ready``; supervise until
+    ``stop_event`` is set (Ctrl-C sets nothing: it raises KeyboardInterrupt, which also stops both)
+    or a server exits (:class:`ServerFailed`). Every started server is stopped on the way out."""
+    started: list[ManagedServer] = []
+    try:
+        for spec in specs:
+            if _answers(spec.health_url):   # e.g. a server left running by a killed earlier run
+                raise ServerFailed(f"something already answers at {spec.health_url}; stop it (or pick another "
+                                   f"port) before starting the {spec.name} server")
+            with signals_held():   # a server that was started is always in ``started``, so stopped
+                server = ManagedServer(spec, out=out, env=spec.env)
+                started.append(server)
+            deadline = time.monotonic() + health_timeout
+            while not server.healthy():
+                if not server.alive():
+                    raise server.failure(f"exited with code {server.proc.returncode} before it was healthy")
+                if time.monotonic() > deadline:
+                    raise server.failure(f"did not answer {spec.health_url} within {health_timeout:.0f} s")
+                time.sleep(poll)
+        if on_ready is not None:
+            on_ready(started)
+        while stop_event is None or not stop_event.is_set():
+            for server in started:
+                if not server.alive():
+                    raise server.failure(f"exited with code {server.proc.returncode}")
+            time.sleep(poll)
+    finally:
+        for server in reversed(started):
+            server.stop(grace)
+
+
+@contextlib.contextmanager
+def signals_held(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)):
+    """Within it, Ctrl-C and SIGTERM wait: they are delivered on the way out, to the handlers in place
+    before, so a step such as "start a server, then register it for clean-up" is never cut in two (a
+    server started but not registered would outlive the command: it runs in its own process group).
+    Blocking the signals instead would be inherited by the children. Main thread only; elsewhere a
+    no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(got):
+            signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def sigterm_stops_servers():
+    """Within it, SIGTERM (``timeout``, a job runner, ``kill``) raises KeyboardInterrupt as Ctrl-C does,
+    so the servers are stopped on the way out: they run in their own process groups and would outlive
+    this process otherwise. Main thread only; the previous handler comes back on exit."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second one must not cut the clean-up short
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+def replicate(specs: Sequence[ServerSpec], replicas: int, *, host: str, router_port: int, replica_ports: Sequence[int],
+              router_policy: str = "cache_aware", gpu_ids: Sequence[int] | None = None,
+              python: str = sys.executable, router_args: Sequence[str] = ()) -> list[ServerSpec]:
+    """``specs`` (from :func:`build_specs`) with the generator started ``replicas`` times on
+    ``replica_ports`` (``generator-0``, ``generator-1``, ...; on GPU ``gpu_ids[i]`` via
+    ``--base-gpu-id``) and SGLang's router (``sglang_router.launch_router``) last, on ``router_port``,
+    in front of them with ``router_policy``: clients keep talking to one generator URL. The
+    replicas and the PRM keep their start-up order (the memory planner's)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if len(replica_ports) != replicas or len(set(replica_ports)) != replicas or router_port in replica_ports:
+        raise ValueError(f"need {replicas} distinct replica ports apart from the router's {router_port}, "
+                         f"got {list(replica_ports)}")
+    out: list[ServerSpec] = []
+    urls = []
+    for spec in specs:
+        if spec.name != "generator":
+            out.append(spec)
+            continue
+        cmd = list(spec.command)
+        at = cmd.index("--port")
+        for i, port in enumerate(replica_ports):
+            c = cmd[:at + 1] + [str(port)] + cmd[at + 2:]
+            if gpu_ids is not None:
+                c += ["--base-gpu-id", str(gpu_ids[i])]
+            if "--tts-metrics-file" in c:   # one metrics file (prefix) per replica
+                m = c.index("--tts-metrics-file") + 1
+                c[m] = f"{c[m]}.replica{i}"
+            out.append(ServerSpec(f"generator-{i}", c, f"http://{host}:{port}/health", spec.env))
+            urls.append(f"http://{host}:{port}")
+    out.append(router_spec(urls, host=host, port=router_port, policy=router_policy, python=python,
+                           extra=router_args))
+    return out
+
+
+def router_spec(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
+                python: str = sys.executable, extra: Sequence[str] = (), name: str = "router",
+                prometheus_port: int | None = None) -> ServerSpec:
+    """SGLang's router (``python -m sglang_router.launch_router``, package sglang-router) in front of
+    ``worker_urls``, routing by ``policy``. Its Prometheus exporter binds ``prometheus_port``
+    (``None``: the router's default, 29000): a second router on the same host needs another one, or it
+    exits at start-up ("Address already in use")."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+           "--host", host, "--port", str(port), "--log-level", "warn"]
+    if prometheus_port is not None:
+        cmd += ["--prometheus-port", str(prometheus_port)]
+    cmd += list(extra)
+    return ServerSpec(name, cmd, f"http://{host}:{port}/readiness")   # /health answers before workers join
+
+
+def wait_router_workers(url: str, count: int, timeout: float = 120.0) -> list[str]:
+    """Wait until the router at ``url`` lists ``count`` healthy workers (it registers them in the
+    background after it starts answering); return their URLs."""
+    import json
+
+    deadline = time.monotonic() + timeout
+    listed: list = []
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/workers", timeout=5) as res:
+                listed = json.loads(res.read()).get("workers") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            listed = []
+        healthy = [w["url"] for w in listed if isinstance(w, dict) and w.get("is_healthy")]
+        if len(healthy) >= count:
+            return healthy
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"the router at {url} lists {len(healthy)} healthy workers of {count} after "
+                               f"{timeout:.0f} s: {listed}")
+        time.sleep(0.2)
+
+
+def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (),
+                   plugin: TTSSettings | None = None, extra: Sequence[str] = (),
+                   python: str = sys.executable) -> list[str]:
+    """The one builder of SGLang's command line: ``python -m sglang.launch_server`` for ``model`` on
+    ``host:port`` with the server's ``flags`` (a memory plan's, the CPU's), the plugin's settings
+    rendered by the plugin's own type (:meth:`TTSSettings.args`, only what is on) and ``extra``
+    flags last (they win over earlier ones)."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
+            *flags, *(plugin.args() if plugin is not None else ()), *extra]
+
+
+def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
+                first: str, plugin: TTSSettings | None = None, python: str = sys.executable,
+                extra: dict[str, Sequence[str]] | None = None,
+                env: dict[str, str] | None = None, prm_plugin: TTSSettings | None = None) -> list[ServerSpec]:
+    """The two servers' command lines in start-up order (``plugin``'s settings go to the generator,
+    whose scheduler runs the search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU
+    attention); ``env`` is added to both servers' environment."""
+    models = {"generator": generator, "prm": prm}
+    order = [first, "prm" if first == "generator" else "generator"]
+    specs = []
+    for name in order:
+        cmd = launch_command(models[name], host=host, port=ports[name], flags=flags[name].args(),
+                             plugin=plugin if name == "generator" else prm_plugin,
+                             extra=(extra or {}).get(name, ()), python=python)
+        specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
+    return specs
+
+
+def print_commands(specs: Sequence[ServerSpec], label: str = "", health: bool = True) -> None:
+    """A dry run: each server's command line, environment first, under a comment naming it (and
+    where it answers when healthy)."""
+    import shlex
+
+    for spec in specs:
+        print(f"# {label + ' ' if label else ''}{spec.name}" + (f": healthy at {spec.health_url}" if health else ""))
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (spec.env or {}).items())
+        print((prefix + " " if prefix else "") + shlex.join(spec.command))
+
+
+def build_parser():
+    """``sgl-tts serve``'s flags: the memory plan's (GPU) and the CPU, replica and router ones."""
+    import argparse
+
+    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
+    from sgl_tts.launch.memory import add_plan_arguments
+
+    ap = argparse.ArgumentParser(prog="sgl-tts serve", description=__doc__.splitlines()[0])
+    add_plan_arguments(ap, models_required=False)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: the planned split on one GPU. cpu: both servers on this machine's CPU "
+                         "(SGLANG_USE_CPU_ENGINE=1; default models: the shipped tiny generator and PRM; "
+                         "pools from --kv-memory; the GPU planning flags are ignored)")
+    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+                    help=f"with --device cpu: RAM the two KV pools may take together "
+                         f"(default {DEFAULT_KV_MEMORY}; each server also needs ~3 GB for itself)")
+    ap.add_argument("--generator-share", type=float, default=0.5,
+                    help="with --device cpu: the generator's share of --kv-memory (default 0.5)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --device cpu: compute and KV dtype (default: the checkpoint's; float32 "
+                         "computes exactly what sgl_tts.LocalBackend computes)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--generator-port", type=int, default=30000)
+    ap.add_argument("--prm-port", type=int, default=30001)
+    ap.add_argument("--tts-policy", default="prefix-aware", choices=["off", "prefix-aware"])
+    ap.add_argument("--tts-metrics-file", default=None)
+    ap.add_argument("--cpu-attention", default="ragged", choices=list(CPU_ATTENTION),
+                    help="with --device cpu: both servers' attention (the plugin's --tts-cpu-attention). "
+                         "ragged (default): decode rows batched by length, extends over their new tokens "
+                         "only; native: SGLang's torch_native (one call per sequence, every extend over "
+                         "its whole context). Equal to float rounding; ragged is several times faster")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="generator replicas behind SGLang's router (sglang-router), which listens on "
+                         "--generator-port: clients keep one URL. cpu: the generator's KV share is split "
+                         "between them; cuda: replica i runs on GPU i with the planned flags (default 1: "
+                         "no router)")
+    ap.add_argument("--router-policy", default="cache_aware", choices=list(ROUTER_POLICIES),
+                    help="how the router picks a replica (cache_aware: the one whose prefix tree matches "
+                         "the request best, unless the load is unbalanced)")
+    ap.add_argument("--router-args", default="",
+                    help="more flags for sglang_router.launch_router, one quoted string (e.g. "
+                         "\"--cache-threshold 0.5 --balance-abs-threshold 32\")")
+    ap.add_argument("--replica-ports", default=None,
+                    help="comma-separated ports of the replicas (default: --generator-port + 100, + 101, ...)")
+    ap.add_argument("--health-timeout", type=float, default=600.0)
+    ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
+    return ap
+
+
+def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
+    """The generator's and the PRM's server flags and their environment: on the CPU the shipped tiny
+    models by default, --kv-memory split by --generator-share (the generator's share split again
+    between its replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
+    input."""
+    from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags, cpu_server_flags
+    from sgl_tts.launch.memory import parse_bytes, plan_from_args
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.device != "cpu":
+        if not (args.generator and args.prm):
+            raise ValueError("--generator and --prm are required with --device cuda")
+        return plan_from_args(args).flags, None
+    from sgl_tts.models import shipped_model
+
+    args.generator = args.generator or str(shipped_model("generator") or "")
+    args.prm = args.prm or str(shipped_model("prm") or "")
+    if not (args.generator and args.prm):
+        raise ValueError("this install ships no tiny models: pass --generator and --prm")
+    flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
+    if args.replicas > 1:
+        share = parse_bytes(args.kv_memory) * args.generator_share / args.replicas
+        flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
+    return flags, dict(CPU_ENV)
+
+
+def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpec]:
+    """The servers to start, in start-up order: the pair, or K generator replicas, the PRM and the
+    router on the generator's port."""
+    import shlex
+
+    # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
+    attention = args.cpu_attention if args.device == "cpu" else "native"
+    plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu",
+                         cpu_attention=attention)
+    prm_plugin = TTSSettings(cpu_attention=attention) if attention != "native" else None
+    specs = build_specs(args.generator, args.prm, flags, host=args.host,
+                        ports={"generator": args.generator_port, "prm": args.prm_port},
+                        first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin)
+    if args.replicas == 1:
+        return specs
+    ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
+             else [args.generator_port + 100 + i for i in range(args.replicas)])
+    return replicate(specs, args.replicas, host=args.host, router_port=args.generator_port,
+                     replica_ports=ports, router_policy=args.router_policy,
+                     router_args=shlex.split(args.router_args),
+                     gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts serve``."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        flags, env = pair_flags(args)
+        specs = serve_specs(args, flags, env)
+    except (FileNotFoundError, ValueError) as exc:
+        if args.device == "cuda" and not (args.generator and args.prm):
+            ap.error(str(exc))
+        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print_commands(specs)
+        return 0
+
+    def ready(servers):
+        urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
+        if "router" in urls:
+            wait_router_workers(urls["router"], args.replicas)
+            reps = ", ".join(u for n, u in urls.items() if n.startswith("generator-"))
+            say(f"sgl-tts serve: generator {urls['router']} (SGLang router, {args.router_policy}, "
+                f"{args.replicas} replicas: {reps}), PRM {urls['prm']} (Ctrl-C stops all)")
+        else:
+            say(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)")
+
+    try:
+        with sigterm_stops_servers():
+            run_servers(specs, health_timeout=args.health_timeout, on_ready=ready)
+    except ServerFailed as exc:
+        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sgl-tts serve: stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+__all__ = ["ManagedServer", "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_parser", "build_specs", "main",
+           "pair_flags", "print_commands", "replicate", "serve_specs",
+           "router_spec", "run_servers", "wait_router_workers", "sigterm_stops_servers"]

@@ -67,7 +67,7 @@ def test_decode_rows_is_attention_by_its_definition(lengths):
     pool = Pool(lengths, shared=2)
     q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(1))
     out = torch.full_like(q, float("nan"))
-    decode_rows(q, out, pool.k, pool.v, pool.req_to_token[pool.pool_indices], pool.lengths, scale=0.3,
+    decode_rows(q, out, pool.k, pool.v, pool.req_to_token, pool.pool_indices, pool.lengths, scale=0.3,
                 enable_gqa=True)
     for i, n in enumerate(lengths):
         keys, values = pool.sequence(i)
@@ -87,14 +87,14 @@ def test_decode_rows_splits_buckets_by_length_and_gather_size(monkeypatch):
 
     monkeypatch.setattr(cpu_attention, "scaled_dot_product_attention", counting)
     out = torch.empty_like(q)
-    decode_rows(q, out, pool.k, pool.v, pool.req_to_token[pool.pool_indices], pool.lengths, enable_gqa=True)
+    decode_rows(q, out, pool.k, pool.v, pool.req_to_token, pool.pool_indices, pool.lengths, enable_gqa=True)
     # buckets whose longest row is at most 1.3x the shortest: {2} {3} {30, 31, 39} {40} {200, 255}
     assert calls == [(1, 2), (1, 3), (3, 39), (1, 40), (2, 255)]
     calls.clear()
     # a cap of two 31-token rows' key elements per call splits the buckets further
     monkeypatch.setattr(cpu_attention, "MAX_GATHER_ELEMENTS", 31 * KV_HEADS * DIM * 2)
     out2 = torch.empty_like(q)
-    decode_rows(q, out2, pool.k, pool.v, pool.req_to_token[pool.pool_indices], pool.lengths, enable_gqa=True)
+    decode_rows(q, out2, pool.k, pool.v, pool.req_to_token, pool.pool_indices, pool.lengths, enable_gqa=True)
     assert calls == [(1, 2), (1, 3), (2, 31), (1, 39), (1, 40), (1, 200), (1, 255)]
     assert torch.allclose(out, out2, atol=1e-6)
 
@@ -210,3 +210,35 @@ def test_the_hook_swaps_torch_native_only_when_asked():
     assert seen == [cpu_attention.BACKEND_NAME, "triton", "torch_native"]
     assert isinstance(ATTENTION_BACKENDS[cpu_attention.BACKEND_NAME](
         SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=None)), backend_class())
+
+
+def test_one_plan_per_forward_pass_and_a_new_one_after_any_in_place_step(monkeypatch):
+    native, ragged = native_and_ragged()
+    made = []
+    real = cpu_attention.plan_rows
+
+    def counting(*args):
+        made.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_attention, "plan_rows", counting)
+    pool = Pool([30, 31, 45, 8], seed=12)
+    lengths = pool.lengths.clone()
+    for step in range(3):
+        q = torch.randn(4, HEADS, DIM, generator=torch.Generator().manual_seed(20 + step))
+        args = (pool.k, pool.v, pool.req_to_token, pool.pool_indices, lengths)
+        for _layer in range(4):   # every layer of one forward pass: one plan
+            want, got = torch.empty_like(q), torch.empty_like(q)
+            native._run_sdpa_forward_decode(q, want, *args, enable_gqa=True)
+            ragged._run_sdpa_forward_decode(q, got, *args, enable_gqa=True)
+            assert torch.allclose(got, want, atol=2e-6), (step, _layer)
+        assert len(made) == step + 1
+        # the next decode step as SGLang makes it: each row's new token gets a slot written into the
+        # table and the lengths grow, both in place
+        for i in range(4):
+            pool.req_to_token[pool.pool_indices[i], int(lengths[i])] = 4000 + 4 * step + i
+        lengths.add_(1)
+    # a table write alone (same lengths) makes a new plan too
+    pool.req_to_token[pool.pool_indices[0], 0] = 3999
+    ragged._run_sdpa_forward_decode(q, torch.empty_like(q), *args, enable_gqa=True)
+    assert len(made) == 4

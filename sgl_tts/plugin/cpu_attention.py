@@ -29,7 +29,7 @@ and the flag is on (``--attention-backend`` only accepts SGLang's own names).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -62,26 +62,27 @@ def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.view(*index.shape, *cache.shape[1:])
 
 
-def decode_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                token_rows: torch.Tensor, lengths: torch.Tensor, *, scale: Optional[float] = None,
-                enable_gqa: bool = False) -> None:
-    """Attention of one query per row over that row's first ``lengths[i]`` cached tokens.
+class Bucket(NamedTuple):
+    """Rows of similar context length that attend in one call: their places in the batch, the pool
+    slots of their contexts (``[rows, longest]``) and the mask of the shorter ones (``None``: all as
+    long as the longest)."""
 
-    Args:
-        query: ``[rows, heads, head_dim]``; the row's query is the last position of its context.
-        out: ``[rows, heads, v_head_dim]``, written in place.
-        k_cache, v_cache: the layer's pools, ``[pool tokens, kv_heads, dim]``.
-        token_rows: ``[rows, >= max(lengths)]``: the pool index of each row's context tokens, in order.
-        lengths: ``[rows]``: each row's context length (at least 1).
-    """
+    rows: "torch.Tensor"
+    index: "torch.Tensor"
+    mask: "Optional[torch.Tensor]"
+
+
+def plan_rows(req_to_token: torch.Tensor, row_pool_indices: torch.Tensor, lengths: torch.Tensor,
+              per_token: int) -> list[Bucket]:
+    """The buckets of :func:`decode_rows`: rows sorted by context length, each bucket's longest row at
+    most :data:`BUCKET_RATIO` times its shortest and its keys at most :data:`MAX_GATHER_ELEMENTS`
+    elements (``per_token``: kv heads x head dim)."""
     import torch
 
     rows = int(lengths.shape[0])
-    if rows == 0:
-        return
     order = torch.argsort(lengths)
     sorted_lengths = lengths[order].tolist()
-    per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+    buckets: list[Bucket] = []
     start = 0
     while start < rows:
         shortest = sorted_lengths[start]
@@ -91,31 +92,63 @@ def decode_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
             end += 1
         chosen = order[start:end]
         longest = sorted_lengths[end - 1]
-        index = token_rows[chosen, :longest]
-        keys = gather(k_cache, index).transpose(1, 2)          # [bucket, kv_heads, longest, dim]
-        values = gather(v_cache, index).transpose(1, 2)
-        q = query[chosen].unsqueeze(2)                 # [bucket, heads, 1, dim]
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
         mask = None
         if shortest != longest:
             visible = torch.arange(longest, device=lengths.device)[None, :] < lengths[chosen][:, None]
             mask = visible[:, None, None, :]
-        out[chosen] = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                                   enable_gqa=enable_gqa).squeeze(2)
+        # only the rows' first `longest` slots: a table row is as long as the model's context
+        buckets.append(Bucket(chosen, req_to_token[row_pool_indices[chosen], :longest], mask))
         start = end
+    return buckets
 
 
-def extend(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-           extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, *,
-           scale: Optional[float] = None, enable_gqa: bool = False) -> None:
-    """Causal attention of each sequence's new tokens over its whole context (cached prefix + new).
+def attend_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                buckets: list[Bucket], *, scale: Optional[float] = None, enable_gqa: bool = False) -> None:
+    """One ``scaled_dot_product_attention`` per bucket (see :func:`decode_rows`)."""
+    for bucket in buckets:
+        keys = gather(k_cache, bucket.index).transpose(1, 2)      # [rows, kv_heads, longest, dim]
+        values = gather(v_cache, bucket.index).transpose(1, 2)
+        q = query[bucket.rows].unsqueeze(2)                        # [rows, heads, 1, dim]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out[bucket.rows] = scaled_dot_product_attention(q, keys, values, attn_mask=bucket.mask, scale=scale,
+                                                        enable_gqa=enable_gqa).squeeze(2)
 
-    ``query``/``out`` hold the sequences' new tokens one sequence after another
-    (``[sum(extend_seq_lens), heads, dim]``); sequence ``i`` has ``seq_lens[i]`` tokens in all, the
-    last ``extend_seq_lens[i]`` of them new, and its pool indices in ``req_to_token[req_pool_indices[i]]``.
+
+def decode_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                req_to_token: torch.Tensor, row_pool_indices: torch.Tensor, lengths: torch.Tensor, *,
+                scale: Optional[float] = None, enable_gqa: bool = False,
+                buckets: Optional[list[Bucket]] = None) -> None:
+    """Attention of one query per row over that row's first ``lengths[i]`` cached tokens.
+
+    Args:
+        query: ``[rows, heads, head_dim]``; the row's query is the last position of its context.
+        out: ``[rows, heads, v_head_dim]``, written in place.
+        k_cache, v_cache: the layer's pools, ``[pool tokens, kv_heads, dim]``.
+        req_to_token, row_pool_indices: row i's context tokens sit at pool slots
+            ``req_to_token[row_pool_indices[i], :lengths[i]]``, in order.
+        lengths: ``[rows]``: each row's context length (at least 1).
+        buckets: :func:`plan_rows` of these rows, if the caller has it (every layer of one forward
+            pass has the same).
     """
+    if int(lengths.shape[0]) == 0:
+        return
+    if buckets is None:
+        buckets = plan_rows(req_to_token, row_pool_indices, lengths, int(k_cache.shape[1]) * int(k_cache.shape[2]))
+    attend_rows(query, out, k_cache, v_cache, buckets, scale=scale, enable_gqa=enable_gqa)
+
+
+class ExtendPlan(NamedTuple):
+    """:func:`extend`'s work: where the one-token extends' queries sit and their buckets, and per
+    longer extend (query start, new tokens, its pool slots, its mask or ``None`` for plain causal)."""
+
+    single_positions: "Optional[torch.Tensor]"
+    single_buckets: list
+    longer: list
+
+
+def plan_extend(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, per_token: int) -> ExtendPlan:
     import torch
 
     new = extend_seq_lens.tolist()
@@ -123,35 +156,74 @@ def extend(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cach
     for i in range(1, len(new)):
         starts[i] = starts[i - 1] + new[i - 1]
     single = [i for i, n in enumerate(new) if n == 1]
+    positions, buckets = None, []
     if single:
         chosen = torch.tensor(single, dtype=torch.long)
         positions = torch.tensor([starts[i] for i in single], dtype=torch.long)
-        rows_out = out.new_empty((len(single),) + tuple(out.shape[1:]))
-        decode_rows(query[positions], rows_out, k_cache, v_cache, req_to_token[req_pool_indices[chosen]],
-                    seq_lens[chosen], scale=scale, enable_gqa=enable_gqa)
-        out[positions] = rows_out
-    prefixes = extend_prefix_lens.tolist()
-    totals = seq_lens.tolist()
+        buckets = plan_rows(req_to_token, req_pool_indices[chosen], seq_lens[chosen], per_token)
+    prefixes, totals = extend_prefix_lens.tolist(), seq_lens.tolist()
+    longer = []
     for i, n in enumerate(new):
         if n <= 1:
             continue
         total, prefix = totals[i], prefixes[i]
-        index = req_to_token[req_pool_indices[i], :total]
+        mask = None
+        if prefix:
+            # new token j sits at position prefix + j and sees positions 0..prefix + j
+            mask = (torch.arange(total, device=seq_lens.device)[None, :]
+                    <= prefix + torch.arange(n, device=seq_lens.device)[:, None])
+        longer.append((starts[i], n, req_to_token[req_pool_indices[i], :total], mask))
+    return ExtendPlan(positions, buckets, longer)
+
+
+def extend(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+           extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, *,
+           scale: Optional[float] = None, enable_gqa: bool = False, plan: Optional[ExtendPlan] = None) -> None:
+    """Causal attention of each sequence's new tokens over its whole context (cached prefix + new).
+
+    ``query``/``out`` hold the sequences' new tokens one sequence after another
+    (``[sum(extend_seq_lens), heads, dim]``); sequence ``i`` has ``seq_lens[i]`` tokens in all, the
+    last ``extend_seq_lens[i]`` of them new, and its pool indices in ``req_to_token[req_pool_indices[i]]``.
+    ``plan``: :func:`plan_extend` of these arguments, if the caller has it.
+    """
+    if plan is None:
+        plan = plan_extend(req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+                           int(k_cache.shape[1]) * int(k_cache.shape[2]))
+    if plan.single_positions is not None:
+        rows_out = out.new_empty((len(plan.single_positions),) + tuple(out.shape[1:]))
+        attend_rows(query[plan.single_positions], rows_out, k_cache, v_cache, plan.single_buckets, scale=scale,
+                    enable_gqa=enable_gqa)
+        out[plan.single_positions] = rows_out
+    for start, n, index, mask in plan.longer:
         keys = gather(k_cache, index).transpose(0, 1).unsqueeze(0)       # [1, kv_heads, total, dim]
         values = gather(v_cache, index).transpose(0, 1).unsqueeze(0)
-        q = query[starts[i]:starts[i] + n].transpose(0, 1).unsqueeze(0)   # [1, heads, n, dim]
+        q = query[start:start + n].transpose(0, 1).unsqueeze(0)           # [1, heads, n, dim]
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if prefix == 0:
-            result = scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                                  enable_gqa=enable_gqa)
-        else:
-            # new token j sits at position prefix + j and sees positions 0..prefix + j
-            mask = (torch.arange(total, device=q.device)[None, :]
-                    <= prefix + torch.arange(n, device=q.device)[:, None])
-            result = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                                  enable_gqa=enable_gqa)
-        out[starts[i]:starts[i] + n] = result.squeeze(0).transpose(0, 1)
+        result = scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=enable_gqa)
+        out[start:start + n] = result.squeeze(0).transpose(0, 1)
+
+
+class PlanCache:
+    """The plan of the forward pass under way, made at its first layer and used by the others.
+
+    Keyed by the batch tensors themselves and their version counters (every in-place write bumps
+    one): a decode step that grows ``seq_lens`` in place, or writes a new slot into
+    ``req_to_token``, makes a new plan. The cache holds the tensors it is keyed by, so their ids
+    cannot be reused by other tensors while it does."""
+
+    def __init__(self):
+        self.key = None
+        self.held = None
+        self.plan = None
+
+    def get(self, tensors: tuple, extra: tuple, make):
+        key = tuple((id(t), t._version) for t in tensors) + extra
+        if key != self.key:
+            self.plan, self.key, self.held = make(), key, tensors
+        return self.plan
 
 
 def backend_class():
@@ -187,8 +259,13 @@ def _make_backend_class():
                     query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                     is_cross_attn, sliding_window_size)
+            per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+            plan = self._plan_cache("extend").get(
+                (req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens), (per_token,),
+                lambda: plan_extend(req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+                                    per_token))
             extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                   extend_prefix_lens, extend_seq_lens, scale=scaling, enable_gqa=enable_gqa)
+                   extend_prefix_lens, extend_seq_lens, scale=scaling, enable_gqa=enable_gqa, plan=plan)
             return output
 
         def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
@@ -199,9 +276,17 @@ def _make_backend_class():
                 return super()._run_sdpa_forward_decode(
                     query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
-            decode_rows(query, output, k_cache, v_cache, req_to_token[req_pool_indices], seq_lens,
-                        scale=scaling, enable_gqa=enable_gqa)
+            per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+            buckets = self._plan_cache("decode").get(
+                (req_to_token, req_pool_indices, seq_lens), (per_token,),
+                lambda: plan_rows(req_to_token, req_pool_indices, seq_lens, per_token))
+            decode_rows(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        scale=scaling, enable_gqa=enable_gqa, buckets=buckets)
             return output
+
+        def _plan_cache(self, mode: str) -> PlanCache:
+            caches = self.__dict__.setdefault("_sgl_tts_plans", {})
+            return caches.setdefault(mode, PlanCache())
 
     return RaggedAttnBackend
 
@@ -226,5 +311,6 @@ def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
     return original(runner, backend_str, *args, **kwargs)
 
 
-__all__ = ["BACKEND_NAME", "BUCKET_RATIO", "MAX_GATHER_ELEMENTS", "attention_backend_from_str",
-           "backend_class", "decode_rows", "extend", "gather", "register_backend"]
+__all__ = ["BACKEND_NAME", "BUCKET_RATIO", "MAX_GATHER_ELEMENTS", "Bucket", "ExtendPlan", "PlanCache",
+           "attend_rows", "attention_backend_from_str", "backend_class", "decode_rows", "extend", "gather",
+           "plan_extend", "plan_rows", "register_backend"]

@@ -5,36 +5,21 @@ fresh prompts and for the one- and few-token extends of cached prefixes that a s
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
 
 from sgl_tts import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.prm import StepTagPRM
+from live_http import flush_cache, post_all
 
 pytestmark = pytest.mark.server
-
-
-async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
-    import aiohttp
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(body):
-            async with session.post(url + "/generate", json=body) as res:
-                return await res.json()
-        return await asyncio.gather(*(one(b) for b in bodies))
-
-
-def _flush(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60).read()
 
 
 def _greedy(url: str, texts: list[str], tokens: int) -> list[dict]:
     body = {"text": texts, "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0},
             "return_logprob": True}
-    return asyncio.run(_post_all(url, [body]))[0]
+    return asyncio.run(post_all(url, [body]))[0]
 
 
 def _same_answers(a: list[dict], b: list[dict]) -> None:
@@ -63,7 +48,7 @@ def test_the_generator_answers_as_torch_native_for_prompts_and_cached_extends(ra
     new, stock = ragged.url("generator_ragged"), ragged.url("generator_stock")
     questions = [p.question + "\n\n" for p in task.test_split()[:16]]
     for url in (new, stock):
-        _flush(url)
+        flush_cache(url)
     first_new, first_stock = _greedy(new, questions, 48), _greedy(stock, questions, 48)
     _same_answers(first_new, first_stock)
     # a search's next requests: the cached prompt + output + a delimiter (a one- or few-token extend),

@@ -18,6 +18,7 @@ from sgl_tts.launch.live_servers import loads, settled_loads
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.protocol import SearchTag
+from live_http import flush_cache, post_all as _post_all
 
 pytestmark = pytest.mark.server
 
@@ -100,18 +101,6 @@ def test_prefix_aware_order_raises_the_cached_share_and_keeps_the_same_beams(liv
     assert shares["generator"] > shares["generator_off"], shares
 
 
-async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
-    import aiohttp
-
-    # no connection limit (aiohttp's default is 100): every request is in flight at once
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(body):
-            async with session.post(url + "/generate", json=body) as res:
-                return await res.json()
-        return await asyncio.gather(*(one(b) for b in bodies))
-
-
 def _tagged_bodies(group: str, n: int, tokens: int) -> list[dict]:
     q = task.test_split()[0].question + "\n\n"
     bodies = []
@@ -188,7 +177,7 @@ def test_plugin_loaded_with_flags_off_answers_byte_for_byte_as_stock(live):
     for payload in (body, tagged):
         # the same cache state on both (earlier tests used them differently): the same computation
         for url in (off, stock):
-            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60).read()
+            flush_cache(url)
         a = asyncio.run(_post_all(off, [payload]))[0]
         b = asyncio.run(_post_all(stock, [payload]))[0]
         assert [r["text"] for r in a] == [r["text"] for r in b]

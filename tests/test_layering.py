@@ -71,7 +71,8 @@ def test_the_old_module_name_still_imports_with_a_warning():
 MOVED = {"sgl_tts.serve": "sgl_tts.launch.serve", "sgl_tts.cpu_serving": "sgl_tts.launch.cpu_serving",
          "sgl_tts.memory": "sgl_tts.launch.memory", "sgl_tts.live_servers": "sgl_tts.launch.live_servers",
          "sgl_tts.search_api": "sgl_tts.serving.api", "sgl_tts.search_service": "sgl_tts.serving.service",
-         "sgl_tts.search_server": "sgl_tts.serving.server"}
+         "sgl_tts.search_server": "sgl_tts.serving.server", "sgl_tts.mcts_jobs": "sgl_tts.mcts.jobs",
+         "sgl_tts.mcts_plot": "sgl_tts.mcts.plot"}
 
 
 def test_the_moved_modules_old_names_are_the_modules_themselves_with_a_warning():

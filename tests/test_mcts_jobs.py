@@ -12,7 +12,7 @@ import pytest
 
 from programs.mcts import mcts
 from sgl_tts.mcts import MCTSConfig, MCTSTree, Sample
-from sgl_tts.mcts_jobs import BoostPolicy, JobScheduler, JobView, allocate, parallelism_score
+from sgl_tts.mcts.jobs import BoostPolicy, JobScheduler, JobView, allocate, parallelism_score
 from sgl_tts.search import Step
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
 

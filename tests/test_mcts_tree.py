@@ -270,7 +270,7 @@ def test_a_leaf_at_the_threshold_is_viable_and_an_unexpanded_root_is_never_futil
 def test_the_drawing_places_every_node_under_its_parent_and_names_the_exit():
     import matplotlib
     matplotlib.use("Agg")
-    from sgl_tts.mcts_plot import draw_tree, layout
+    from sgl_tts.mcts.plot import draw_tree, layout
 
     tree = MCTSTree(MCTSConfig(expansion_width=2, threshold=0.9, aggregation="last"))
     r = tree.launch()

@@ -7,7 +7,7 @@ same arrival times against the same generator and PRM servers, one side and rate
 - ``mcts``: vanilla MCTS, one rollout at a time per job, no early exit, at most M jobs at once;
 - ``mcts+pe``: + positive early exit;
 - ``mcts+pe+ne``: + negative early exit;
-- ``mcts+pe+ne+boost``: + parallelism-degree control and boosting (:mod:`sgl_tts.mcts_jobs`):
+- ``mcts+pe+ne+boost``: + parallelism-degree control and boosting (:mod:`sgl_tts.mcts.jobs`):
   at most M rollouts over all jobs, split by Algorithm 1; boosted jobs' requests go in the plugin's
   ``boosted`` class.
 
@@ -128,7 +128,7 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
               on_done: Callable[[dict], None] | None = None) -> list[dict]:
     """Serve ``problems`` arriving at ``rate`` on one side; one record per problem."""
     from sgl_tts.backends import SGLangEndpoint
-    from sgl_tts.mcts_jobs import BoostPolicy, JobScheduler
+    from sgl_tts.mcts.jobs import BoostPolicy, JobScheduler
 
     program, opts, boosting = side_program(side, s)
     gen = SGLangEndpoint(generator_url)

@@ -22,7 +22,7 @@ from pathlib import Path
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
 from sgl_tts.machine import describe
-from sgl_tts.training import sample_solutions
+from sgl_tts.tiny.training import sample_solutions
 
 
 def run(problems: int, samples: int, max_running: int, threads) -> dict:

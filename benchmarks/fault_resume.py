@@ -100,7 +100,7 @@ def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems:
     """Run the fault scenario (module docstring) against ``servers`` (a :class:`LiveServers` whose
     server ``generator`` is killed and restarted) and the PRM at ``prm_url``; return the raw facts
     (runs, output lines, checks). Raises nothing for a failed check: the caller judges the report."""
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.launch.live_servers import settled_loads
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import sys
 
 from sgl_tts import LocalBackend, task
 from sgl_tts.search import vote
-from sgl_tts.training import sample_solutions
+from sgl_tts.tiny.training import sample_solutions
 
 probs = task.test_split()[:int(sys.argv[2]) if len(sys.argv) > 2 else 100]
 be = LocalBackend(sys.argv[1], max_running=512, seed=0)

@@ -40,7 +40,7 @@ from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM, tag_positions
 from sgl_tts.quality import auc
 from sgl_tts.search import aggregate, vote
-from sgl_tts.training import sample_solutions
+from sgl_tts.tiny.training import sample_solutions
 
 
 def running(values: list[float], how: str) -> list[float]:

@@ -27,7 +27,7 @@ the first depth at which a finished trajectory's aggregated score reaches ``t`` 
 Every step request's sampling seed is keyed by (depth, parent candidate, child ordinal), so the same
 seed gives the same samples however the search is scheduled. ``speculative=True`` (speculative beam
 extension with LookAhead verification) and ``overlap_verification=True`` hide generation and
-verification latency without changing a kept beam (:mod:`sgl_tts.pipeline`); ``speculative="truncate"``
+verification latency without changing a kept beam (:mod:`sgl_tts.search.pipeline`); ``speculative="truncate"``
 is FlashTTS's approximate R mode.
 
 ``semantics="search-and-learn"`` reproduces huggingface/search-and-learn's ``beam_search``
@@ -61,7 +61,7 @@ from typing import Any, Sequence
 import numpy as np
 import sglang as sgl
 
-from sgl_tts.pipeline import Beam, Candidate, Speculation, StepPipeline
+from sgl_tts.search.pipeline import Beam, Candidate, Speculation, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
                             derive_seed, expand, expand_proportional, extract_answer, gen_step, new_group,
                             step_limit, top_k, vote)

@@ -10,7 +10,7 @@ is finished (an answer, or EOS); one still open at ``max_depth`` ends with its l
 whole with what continues it: :func:`sgl_tts.search.advance`). Unlike
 beam search no subtree can take over another's budget, which keeps the N/M final answers diverse.
 The pick is the best aggregated score among the subtrees' results (finished ones first).
-``speculative`` and ``overlap_verification`` work as in beam search (:mod:`sgl_tts.pipeline`): a
+``speculative`` and ``overlap_verification`` work as in beam search (:mod:`sgl_tts.search.pipeline`): a
 candidate whose step ended speculates the next steps of its subtree; they are kept only if it is the
 subtree's pick.
 """
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.pipeline import Beam, Speculation, StepPipeline
+from sgl_tts.search.pipeline import Beam, Speculation, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
                             new_group, step_limit, top_k, vote)
 

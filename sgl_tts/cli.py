@@ -16,7 +16,8 @@ logger = logging.getLogger("sgl_tts")
 def cmd_demo(args: argparse.Namespace) -> int:
     """Compare single sample, majority vote, PRM best-of-N and PRM beam search on test problems."""
     import sgl_tts
-    from sgl_tts import quality, task
+    from sgl_tts import quality
+    from sgl_tts.tiny import task
     from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
@@ -104,7 +105,7 @@ def cmd_scheduler_stats(args: argparse.Namespace) -> int:
 def _delegated(command: str):
     """Subcommands with their own argument parsers (listed in ``--help``, dispatched in ``main``)."""
     if command == "train-tiny":
-        from sgl_tts.training import main as delegate
+        from sgl_tts.tiny.training import main as delegate
     elif command == "run":
         from sgl_tts.experiment import main as delegate
     elif command == "plan":

@@ -1,6 +1,6 @@
 """How much test-time scaling buys on the project's task: the TTS programs run side by side.
 
-:func:`compare` runs, on held-out problems of :mod:`sgl_tts.task` and one generator backend plus a PRM
+:func:`compare` runs, on held-out problems of :mod:`sgl_tts.tiny.task` and one generator backend plus a PRM
 scorer, the programs in ``programs/``: a single sample, self-consistency (majority vote) and PRM
 best-of-N (one ``best_of_n`` run per N: both read the same samples), and PRM-guided step beam search
 (one run per N). Every row carries accuracy, generated tokens per problem and wall seconds of its run.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.machine import describe
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
 

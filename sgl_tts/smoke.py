@@ -70,7 +70,7 @@ def run_searches(args: argparse.Namespace, prm_path: Path, timings: dict[str, fl
     """Beam search on ``--problems`` test problems against the running generator (group ``smoke-<i>``),
     timing the first and the mean search; returns how many were right and the tokens generated."""
     from programs.beam_search import beam_search
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.backends import LocalBackend, SGLangEndpoint
     from sgl_tts.prm import StepTagPRM
 

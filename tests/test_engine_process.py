@@ -19,8 +19,8 @@ from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_F
 from sgl_tts.experiment import RunConfig, RunError, program_function
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
-from sgl_tts.runner import run_continuously
-from sgl_tts import task
+from sgl_tts.search.runner import run_continuously
+from sgl_tts.tiny import task
 
 PROMPT = "Question: compute ((3+4)*5)-6.\n\n"
 

@@ -398,7 +398,7 @@ def test_summary_numbers_from_records():
 @pytest.mark.parametrize("program", ["best_of_n", "self_consistency", "beam_search", "dvts"])
 def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, capsys):
     problems = tmp_path / "problems.jsonl"
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     task.write_jsonl(task.test_split()[:3], problems)
     out = tmp_path / "out.jsonl"
     plot = tmp_path / "plot.png"
@@ -429,7 +429,7 @@ def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectorie
     generator and PRM: the same seeds give the same samples, so exact speculation with LookAhead and
     overlapped verification returns every trajectory of the plain run, and reports its tokens."""
     problems = tmp_path / "problems.jsonl"
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     task.write_jsonl(task.test_split()[:2], problems)
     runs = {}
     for name, extra in (("plain", []), ("spec", ["--speculative", "exact", "--overlap-verification"])):
@@ -481,7 +481,7 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     """A real `sgl-tts run` process on the tiny models is killed (SIGKILL) once some problems are
     written; the same command then finishes the rest: every problem exactly once, each line the
     same as an uninterrupted run's."""
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     problems = tmp_path / "problems.jsonl"
     task.write_jsonl(task.test_split()[:10], problems)
     out = tmp_path / "out.jsonl"
@@ -515,7 +515,7 @@ def test_mcts_runs_on_the_tiny_models_deterministically_and_reports_its_exits(tm
     """`sgl-tts run --program mcts` on the embedded tiny models (LocalBackend): serial MCTS with both
     early exits; every problem records why its search stopped, the summary counts them, and a second
     run of the same settings writes the same trees' trajectories (position-keyed seeds)."""
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     problems = tmp_path / "problems.jsonl"
     task.write_jsonl(task.test_split()[:3], problems)
     runs = []

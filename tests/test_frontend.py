@@ -21,7 +21,7 @@ from programs.beam_search import beam_search
 from programs.dvts import dvts
 from programs.mcts import mcts
 from sgl_tts.frontend import Waiter, end_stream_executors, ended, live_stream_executors
-from sgl_tts.runner import run_continuously
+from sgl_tts.search.runner import run_continuously
 from sgl_tts.search import derive_seed
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
 

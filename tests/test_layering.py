@@ -15,7 +15,7 @@ from sgl_tts.protocol import (GROUP_PREFIX, SearchTag, check_group, group_prefix
 
 # what the plugin must never pull in: the client's backends and CPU engine, SGLang's frontend
 # interpreter, the programs and experiments, and the heavy libraries behind them
-CLIENT_SIDE = ("sgl_tts.backends", "sgl_tts.pipeline", "sgl_tts.search", "sgl_tts.experiment", "sgl_tts.runner",
+CLIENT_SIDE = ("sgl_tts.backends", "sgl_tts.search.pipeline", "sgl_tts.search", "sgl_tts.experiment", "sgl_tts.search.runner",
                "sgl_tts.prm", "sgl_tts.mcts", "programs", "sglang.lang", "transformers", "torch")
 
 
@@ -72,7 +72,9 @@ MOVED = {"sgl_tts.serve": "sgl_tts.launch.serve", "sgl_tts.cpu_serving": "sgl_tt
          "sgl_tts.memory": "sgl_tts.launch.memory", "sgl_tts.live_servers": "sgl_tts.launch.live_servers",
          "sgl_tts.search_api": "sgl_tts.serving.api", "sgl_tts.search_service": "sgl_tts.serving.service",
          "sgl_tts.search_server": "sgl_tts.serving.server", "sgl_tts.mcts_jobs": "sgl_tts.mcts.jobs",
-         "sgl_tts.mcts_plot": "sgl_tts.mcts.plot"}
+         "sgl_tts.mcts_plot": "sgl_tts.mcts.plot", "sgl_tts.pipeline": "sgl_tts.search.pipeline",
+         "sgl_tts.runner": "sgl_tts.search.runner", "sgl_tts.task": "sgl_tts.tiny.task",
+         "sgl_tts.training": "sgl_tts.tiny.training"}
 
 
 def test_the_moved_modules_old_names_are_the_modules_themselves_with_a_warning():

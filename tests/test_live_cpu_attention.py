@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.prm import StepTagPRM
 from live_http import flush_cache, post_all

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from programs.beam_search import beam_search
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
 from sgl_tts.backends.endpoint import ServerError, ServerUnavailable
 from sgl_tts.models import shipped_model

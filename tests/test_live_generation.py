@@ -11,7 +11,7 @@ import pytest
 import sglang as sgl
 
 import sgl_tts
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
 from sgl_tts.models import shipped_model
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from programs.mcts import mcts
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.launch.live_servers import loads, settled_loads
 from sgl_tts.prm import StepTagPRM

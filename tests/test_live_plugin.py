@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from programs.beam_search import beam_search
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
 from sgl_tts.launch.live_servers import loads, settled_loads
 from sgl_tts.models import shipped_model
@@ -226,7 +226,7 @@ def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothi
     generator with the plugin: speculative requests reach its scheduler as such (tagged with their
     parent), every kept trajectory is the plain search's (seeded sampling: the same samples), and
     once the search returns nothing of it is left running or waiting (pruned branches aborted)."""
-    from sgl_tts.pipeline import Speculation
+    from sgl_tts.search.pipeline import Speculation
 
     url = live.url("generator")
     backend = SGLangEndpoint(url)

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
 from sgl_tts.experiment import RunConfig, run
 from sgl_tts.models import shipped_model

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from programs.beam_search import beam_search
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.bench.load import flush_cache
 from sgl_tts.launch.live_servers import in_flight, loads, settled_loads

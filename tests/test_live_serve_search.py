@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from programs.beam_search import beam_search
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.launch.live_servers import loads
 from sgl_tts.serving.api import parse_request

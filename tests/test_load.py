@@ -75,7 +75,7 @@ def test_each_side_runs_its_program_with_its_exits():
 
 @pytest.mark.server
 def test_a_block_per_side_on_the_live_servers_answers_every_problem_and_leaves_nothing_running(live):
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.launch.live_servers import settled_loads
     from sgl_tts.prm import StepTagPRM

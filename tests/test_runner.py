@@ -11,7 +11,7 @@ import pytest
 from sgl_tts import LocalBackend, task
 from sgl_tts.models import shipped_model
 from sgl_tts.frontend import YOUNG_GC_ALLOCATIONS
-from sgl_tts.runner import run_continuously
+from sgl_tts.search.runner import run_continuously
 
 from programs.best_of_n import best_of_n
 

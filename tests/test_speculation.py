@@ -1,4 +1,4 @@
-"""Speculative beam extension, LookAhead verification and overlapped verification (sgl_tts.pipeline)
+"""Speculative beam extension, LookAhead verification and overlapped verification (sgl_tts.search.pipeline)
 never change what a search keeps: checked against the plain search on scripted programs whose step
 lengths are heavy-tailed and whose generation takes time per token (ScriptedBackend pacing), so
 beams really finish while stragglers run, branches really are stopped and aborted mid-step."""
@@ -17,7 +17,7 @@ from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.backends.local import admission_priority
 from sgl_tts.backends.request import RequestFields
-from sgl_tts.pipeline import Speculation, StepPipeline, speculative_potential
+from sgl_tts.search.pipeline import Speculation, StepPipeline, speculative_potential
 from sgl_tts.search import aggregate, derive_seed, expand, top_k
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
 

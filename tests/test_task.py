@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sgl_tts import task
-from sgl_tts.task import Problem, grade
+from sgl_tts.tiny import task
+from sgl_tts.tiny.task import Problem, grade
 
 P = Problem(12, (("+", 7), ("*", 3), ("-", 5)), level=2)
 

@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sgl_tts
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.models import default_model_path, shipped_model
-from sgl_tts.training import sample_solutions
+from sgl_tts.tiny.training import sample_solutions
 
 
 @pytest.fixture(scope="module")

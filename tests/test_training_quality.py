@@ -8,9 +8,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from sgl_tts import task
+from sgl_tts.tiny import task
 from sgl_tts.quality import auc
-from sgl_tts.training import (
+from sgl_tts.tiny.training import (
     corrupt,
     readout_examples,
     slipped_steps,
@@ -116,7 +116,7 @@ def test_train_tiny_runs_every_stage_and_resumes(tmp_path):
 
     from transformers import AutoConfig
 
-    from sgl_tts.training import TinyRecipe, train_tiny
+    from sgl_tts.tiny.training import TinyRecipe, train_tiny
 
     recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, readout_examples=30,
                         pool_problems=2, pool_samples=1)

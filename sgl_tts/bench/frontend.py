@@ -4,7 +4,7 @@ For each backend (``cpu``: the tiny generator and PRM in this process on :class:
 ``server``: live CPU SGLang servers, the generator with the sgl-tts plugin), each program
 (``beam_search``, ``best_of_n`` with the PRM, ``mcts``) and each K, it runs max(K, ``--min-searches``)
 problems of the arithmetic task's test split with K in flight through the project's own runner
-(:func:`sgl_tts.runner.run_continuously`, the path ``sgl-tts run`` takes, with ``sgl-tts run``'s
+(:func:`sgl_tts.search.runner.run_continuously`, the path ``sgl-tts run`` takes, with ``sgl-tts run``'s
 program arguments and a fixed seed), both prefix caches flushed first, and records per block:
 
 - searches, wall seconds, searches/s, generated tokens (the programs' own ``tokens_generated``) and
@@ -341,7 +341,7 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
     from tqdm.auto import tqdm
 
     from sgl_tts.experiment import program_function
-    from sgl_tts.runner import run_continuously
+    from sgl_tts.search.runner import run_continuously
 
     cfg = s.run_config(program)
     fn = program_function(program)
@@ -562,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sgl-tts bench-frontend: error: {exc}", file=sys.stderr)
         return 2
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.machine import describe
 
     out = Path(args.out)

@@ -102,7 +102,7 @@ class FrontendSettings:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
-        from sgl_tts.task import TEST_SIZE
+        from sgl_tts.tiny.task import TEST_SIZE
         if self.searches(max(self.ks)) > TEST_SIZE:
             raise ValueError(f"--ks: {max(self.ks)} searches exceed the {TEST_SIZE} test problems")
 

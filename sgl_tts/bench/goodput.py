@@ -62,7 +62,7 @@ ALL_SIDES = tuple(SIDE_OPTIONS)
 
 def program_options(side: str) -> dict[str, Any]:
     """The keyword arguments ``side`` passes to beam search and DVTS."""
-    from sgl_tts.pipeline import Speculation
+    from sgl_tts.search.pipeline import Speculation
 
     opts = dict(SIDE_OPTIONS[side])
     if opts.get("speculative") == "exact-no-lookahead":

@@ -376,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.prm import StepTagPRM
 

@@ -61,9 +61,9 @@ def prefill_by_group(records: Sequence[dict]) -> dict[str, tuple[int, int]]:
 
 def routing_row(servers, router: str, policy: str, prm, s: ScaleOutSettings) -> dict:
     from programs.beam_search import beam_search
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.backends import SGLangEndpoint
-    from sgl_tts.runner import run_continuously
+    from sgl_tts.search.runner import run_continuously
 
     problems = task.test_split()[:s.problems]
     before = {n: len(servers.metrics_records(n)) for n in REPLICAS}
@@ -94,7 +94,7 @@ def routing_row(servers, router: str, policy: str, prm, s: ScaleOutSettings) -> 
 
 
 def serve_search_row(router: str, prm_url: str, replicas: int, s: ScaleOutSettings) -> dict:
-    from sgl_tts import task
+    from sgl_tts.tiny import task
     from sgl_tts.serving.server import BackgroundSearchServer
     from sgl_tts.serving.service import SearchService
 

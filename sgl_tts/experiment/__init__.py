@@ -4,7 +4,7 @@ One :class:`RunConfig` holds every setting; it loads from YAML (``--config run.y
 is overridden from the command line (``--beam-width 8``), search-and-learn style: defaults < YAML <
 flags. Problems are JSONL lines ``{"question": str, "answer": optional, "id": optional}``; without
 ``--problems`` the embedded tiny task's test split is used. Problems run with ``in_flight`` of them in
-flight at once (:func:`sgl_tts.runner.run_continuously`), and each finished problem is appended to
+flight at once (:func:`sgl_tts.search.runner.run_continuously`), and each finished problem is appended to
 the output JSONL as one line the moment it finishes (flushed and synced), so a killed run loses at
 most the problems in flight: run the same command again and it skips every problem already written.
 

@@ -61,7 +61,7 @@ class RunConfig:
         sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
         speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
-            with LookAhead verification (see :mod:`sgl_tts.pipeline`).
+            with LookAhead verification (see :mod:`sgl_tts.search.pipeline`).
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
         c_puct: MCTS exploration weight.

@@ -72,7 +72,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
     ``generator``/``prm`` may be given (e.g. a :class:`sgl_tts.testing.ScriptedBackend`); otherwise
     they are opened from the config and closed at the end.
     """
-    from sgl_tts.runner import run_continuously
+    from sgl_tts.search.runner import run_continuously
 
     problems = read_problems(cfg.problems, cfg.limit)
     out_path = Path(cfg.output)

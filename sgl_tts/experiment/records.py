@@ -28,7 +28,7 @@ class ProblemRecord:
 def read_problems(path: str | os.PathLike | None, limit: int | None = None) -> list[ProblemRecord]:
     """The dataset's problems, every line checked before any is run."""
     if path is None:
-        from sgl_tts import task
+        from sgl_tts.tiny import task
         problems = task.test_split()
         records = [ProblemRecord(i, f"arith-test-{i}", p.question, str(p.answer))
                    for i, p in enumerate(problems)]

@@ -75,8 +75,11 @@ def test_serve_cpu_dry_run_prints_both_commands():
         assert cmd.startswith("SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=") and "-m sglang.launch_server" in cmd
         assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
     assert f"--model-path {GEN} " in gen_cmd and "--max-total-tokens 262144" in gen_cmd
-    assert "--tts-policy prefix-aware --tts-seeded-sampling" in gen_cmd and "--model-impl" not in gen_cmd
-    assert f"--model-path {PRM} " in prm_cmd and "--model-impl transformers" in prm_cmd and "--tts-" not in prm_cmd
+    assert gen_cmd.endswith("--tts-policy prefix-aware --tts-seeded-sampling --tts-cpu-attention ragged")
+    assert "--model-impl" not in gen_cmd
+    # the PRM gets the plugin for its attention only: no policy, metrics or seeds
+    assert f"--model-path {PRM} " in prm_cmd and "--model-impl transformers" in prm_cmd
+    assert prm_cmd.endswith("--tts-cpu-attention ragged") and prm_cmd.count("--tts-") == 1
 
 
 def _post(url: str, body: dict) -> dict:

@@ -192,6 +192,10 @@ def test_every_server_command_comes_from_one_builder(tmp_path):
     assert not any(x.startswith("--tts-") for x in b.command) and b.env["SGLANG_PLUGINS"] == "none"
     with pytest.raises(ValueError, match="seeded sampling comes from the sgl-tts plugin: give a policy"):
         LiveServer(gen, policy=NO_PLUGIN, seeded_sampling=True)
+    ragged = LiveServers({"c": LiveServer(gen, policy="off", cpu_attention="ragged")}, tmp_path).command("c")
+    assert ragged.command[-2:] == ["--tts-cpu-attention", "ragged"] and "SGLANG_PLUGINS" not in ragged.env
+    with pytest.raises(ValueError, match=r"the ragged CPU attention comes from the sgl-tts plugin: give a policy \('off' will do\)"):
+        LiveServer(gen, policy=NO_PLUGIN, cpu_attention="ragged")
 
 
 def test_an_engine_process_loads_no_sglang():

@@ -165,8 +165,10 @@ def test_sliding_windows_and_cross_attention_stay_torch_natives(monkeypatch):
 
 def test_the_flag_parses_renders_and_reaches_the_environment(monkeypatch):
     import argparse
+    import os
 
-    monkeypatch.delenv("SGLANG_TTS_CPU_ATTENTION", raising=False)
+    # apply() writes SGLANG_TTS_* into the environment: on a copy, so no later test inherits them
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TTS_")})
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).tts_cpu_attention == "native"

@@ -23,7 +23,8 @@ import time
 import psutil
 
 from programs.beam_search import beam_search
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
 

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.models import shipped_model
 from sgl_tts.machine import describe
 from sgl_tts.tiny.training import sample_solutions

@@ -7,7 +7,8 @@ majority@8, pass@8, greedy, and T=0.8 accuracy by level.
 import collections
 import sys
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.search import vote
 from sgl_tts.tiny.training import sample_solutions
 

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.machine import describe
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM, tag_positions

@@ -1,9 +1,5 @@
 """Deprecated: moved to :mod:`sgl_tts.launch.memory` (this name is kept for old imports and is that module)."""
 
-import sys
-import warnings
+from sgl_tts.lazy import moved_module
 
-import sgl_tts.launch.memory as _moved
-
-warnings.warn("sgl_tts.memory is deprecated; import sgl_tts.launch.memory", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+moved_module(__name__, "sgl_tts.launch.memory")

@@ -1,9 +1,5 @@
 """Deprecated: moved to :mod:`sgl_tts.search.pipeline` (this name is kept for old imports and is that module)."""
 
-import sys
-import warnings
+from sgl_tts.lazy import moved_module
 
-import sgl_tts.search.pipeline as _moved
-
-warnings.warn("sgl_tts.pipeline is deprecated; import sgl_tts.search.pipeline", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+moved_module(__name__, "sgl_tts.search.pipeline")

@@ -78,7 +78,8 @@ def check_record(r: dict, s: FrontendSettings, engine_threads: int) -> None:
 
 
 def test_quick_cpu_run_records_what_the_programs_returned_and_skips_it_on_rerun(tmp_path, capsys, monkeypatch):
-    from sgl_tts import LocalBackend, task
+    from sgl_tts import LocalBackend
+    from sgl_tts.tiny import task
     from sgl_tts.experiment import program_function
     from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model

@@ -282,7 +282,8 @@ class LogprobServer(ModelServer):
 
 
 def test_step_tag_prm_reads_the_same_scores_through_an_sglang_endpoint():
-    from sgl_tts import LocalBackend, task
+    from sgl_tts import LocalBackend
+    from sgl_tts.tiny import task
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM, tag_positions
 

@@ -35,7 +35,8 @@ def test_connect_starts_an_in_process_sglang_runtime(tiny_model_path):
 def test_token_check_prm_scores_the_same_on_a_real_sglang_server():
     """The shipped PRM served by SGLang (bf16, GPU kernels) and read through the endpoint's logprob
     layout gives the CPU backend's step scores: checks that layout and the PRM's bf16 construction."""
-    from sgl_tts import LocalBackend, task
+    from sgl_tts import LocalBackend
+    from sgl_tts.tiny import task
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 

@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import PRMScorer, StepTagPRM
 from sgl_tts.search import aggregate, derive_seed, expand, expand_proportional, top_k, vote

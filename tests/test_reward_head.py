@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from sgl_tts import LocalBackend, SGLangEndpoint, task
+from sgl_tts import LocalBackend, SGLangEndpoint
+from sgl_tts.tiny import task
 from sgl_tts.backends.classifier import LocalClassifier
 from sgl_tts.models import shipped_model
 from sgl_tts.models.reward_head import write_reward_head

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.models import shipped_model
 from sgl_tts.frontend import YOUNG_GC_ALLOCATIONS
 from sgl_tts.search.runner import run_continuously

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sgl_tts import LocalBackend, task
+from sgl_tts import LocalBackend
+from sgl_tts.tiny import task
 from sgl_tts.models import shipped_model
 from sgl_tts.models.token_check_prm import (
     CHECKED_DIGITS,

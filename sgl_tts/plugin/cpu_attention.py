@@ -72,6 +72,11 @@ class Bucket(NamedTuple):
     mask: "Optional[torch.Tensor]"
 
 
+def per_token_elements(cache: torch.Tensor) -> int:
+    """Elements one token takes in a pool ``[tokens, heads, dim]`` (the gather cap counts these)."""
+    return int(cache.shape[1]) * int(cache.shape[2])
+
+
 def plan_rows(req_to_token: torch.Tensor, row_pool_indices: torch.Tensor, lengths: torch.Tensor,
               per_token: int) -> list[Bucket]:
     """The buckets of :func:`decode_rows`: rows sorted by context length, each bucket's longest row at
@@ -134,7 +139,7 @@ def decode_rows(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
     if int(lengths.shape[0]) == 0:
         return
     if buckets is None:
-        buckets = plan_rows(req_to_token, row_pool_indices, lengths, int(k_cache.shape[1]) * int(k_cache.shape[2]))
+        buckets = plan_rows(req_to_token, row_pool_indices, lengths, per_token_elements(k_cache))
     attend_rows(query, out, k_cache, v_cache, buckets, scale=scale, enable_gqa=enable_gqa)
 
 
@@ -189,7 +194,7 @@ def extend(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     if plan is None:
         plan = plan_extend(req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
-                           int(k_cache.shape[1]) * int(k_cache.shape[2]))
+                           per_token_elements(k_cache))
     if plan.single_positions is not None:
         rows_out = out.new_empty((len(plan.single_positions),) + tuple(out.shape[1:]))
         attend_rows(query[plan.single_positions], rows_out, k_cache, v_cache, plan.single_buckets, scale=scale,
@@ -259,7 +264,7 @@ def _make_backend_class():
                     query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                     is_cross_attn, sliding_window_size)
-            per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+            per_token = per_token_elements(k_cache)
             plan = self._plan_cache("extend").get(
                 (req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens), (per_token,),
                 lambda: plan_extend(req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
@@ -276,7 +281,7 @@ def _make_backend_class():
                 return super()._run_sdpa_forward_decode(
                     query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
-            per_token = int(k_cache.shape[1]) * int(k_cache.shape[2])
+            per_token = per_token_elements(k_cache)
             buckets = self._plan_cache("decode").get(
                 (req_to_token, req_pool_indices, seq_lens), (per_token,),
                 lambda: plan_rows(req_to_token, req_pool_indices, seq_lens, per_token))
@@ -313,4 +318,4 @@ def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
 
 __all__ = ["BACKEND_NAME", "BUCKET_RATIO", "MAX_GATHER_ELEMENTS", "Bucket", "ExtendPlan", "PlanCache",
            "attend_rows", "attention_backend_from_str", "backend_class", "decode_rows", "extend", "gather",
-           "plan_extend", "plan_rows", "register_backend"]
+           "per_token_elements", "plan_extend", "plan_rows", "register_backend"]

@@ -257,7 +257,10 @@ def test_a_request_made_before_an_abort_of_its_prefix_is_answered_aborted_and_ne
             for name, rid in (("early", "tts/g/1/spec0/0/aa"), ("other", "tts/g/1/spec1/0/bb"))}
     assert backend.abort_prefix("tts/g/1/spec0/") == 0          # nothing running: nothing it could stop
     made["late"] = sgl_tts.gen("x", max_tokens=8, stop=D, rid="tts/g/1/spec0/0/cc")
-    got = {name: one_step.run(step=step, backend=backend) for name, step in made.items()}
+    got = {}
+    for name, step in made.items():     # run() returns before its thread has sent the gen: wait for each,
+        got[name] = one_step.run(step=step, backend=backend)   # so the draws come in this order
+        got[name].sync()
     assert {name: (st["x"], st.get_meta_info("x")["finish_reason"]["type"]) for name, st in got.items()} == \
         {"early": ("", "abort"), "other": ("abc", "stop"), "late": ("abc", "stop")}
     assert [(d.rid, d.text, d.finish_reason["type"]) for d in backend.draws] == [

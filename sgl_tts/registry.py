@@ -137,9 +137,24 @@ def _tree(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return out
 
 
+BEAM_SEARCH_SETTINGS = {"accept_threshold": None}
+
+
 def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
-    return dict(_tree(cfg, question, prm), branching=cfg.branching, lookahead=cfg.lookahead,
-                filter_duplicates=cfg.filter_duplicates, semantics=cfg.semantics, sort_completed=cfg.sort_completed)
+    out = dict(_tree(cfg, question, prm), branching=cfg.branching, lookahead=cfg.lookahead,
+               filter_duplicates=cfg.filter_duplicates, semantics=cfg.semantics, sort_completed=cfg.sort_completed)
+    if cfg.accept_threshold is not None:
+        out.update(accept_threshold=cfg.accept_threshold)
+    return out
+
+
+def _check_beam_search(cfg: Any, bad: Callable[..., None]) -> None:
+    if cfg.accept_threshold is None:
+        return
+    if not 0.0 <= cfg.accept_threshold <= 1.0:
+        bad(f"accept_threshold must lie in [0, 1] (a PRM score), got {cfg.accept_threshold}", "accept_threshold")
+    if cfg.semantics != "sgl-tts":
+        bad("accept_threshold (positive early exit) belongs to semantics sgl-tts", "accept_threshold", "semantics")
 
 
 def _sampling_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
@@ -177,7 +192,7 @@ def _check_mcts(cfg: Any, bad: Callable[..., None]) -> None:
 
 register(ProgramSpec("beam_search", "programs.beam_search:beam_search", prm="required", budget="beams",
                      summary="PRM beam search: keep N beams, M children each, the best N by PRM score",
-                     arguments=_beam_search_arguments))
+                     arguments=_beam_search_arguments, settings=BEAM_SEARCH_SETTINGS, check=_check_beam_search))
 register(ProgramSpec("dvts", "programs.dvts:dvts", prm="required", budget="beams",
                      summary="diverse verifier tree search: N/M independent subtrees, greedy in each",
                      arguments=_tree, check=_check_dvts))
@@ -191,4 +206,4 @@ register(ProgramSpec("mcts", "programs.mcts:mcts", prm="required", budget="rollo
                      summary="Monte Carlo tree search over steps, PRM-scored, with early exits",
                      arguments=_mcts_arguments, settings=MCTS_SETTINGS, check=_check_mcts))
 
-__all__ = ["BUDGETS", "MCTS_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]
+__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "MCTS_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]

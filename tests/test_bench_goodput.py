@@ -674,3 +674,33 @@ def test_speculative_sides_keep_the_stock_sides_beams_and_report_their_tokens(wo
     assert all(r["tokens_reused"] <= r["tokens_speculative"] <= r["tokens_generated"] for r in spec)
     report = format_report(rows)
     assert "sgl-tts+spec+lookahead+overlap" in report and "speculative (reused)" in report
+
+
+def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_gives_them():
+    """A side's searches get the arguments `sgl-tts run` would give for its settings: the trace's
+    depth and step cap, the bench's width, temperature and seed, the side's speculation, and every
+    other argument at the program's own default (what the hand-written mapping ran before)."""
+    import inspect
+
+    from sgl_tts.bench.goodput import ALL_SIDES, run_config
+    from sgl_tts.experiment import program_function
+    from sgl_tts.search.pipeline import Speculation
+
+    cfg = settings()
+    trace = cfg.step_trace()
+    policies = {}
+    for side in ALL_SIDES:
+        for algorithm in cfg.algorithms:
+            args = run_config(side, algorithm, 8, cfg, trace).program_arguments("q", "the prm")
+            own = dict(question="q", prm="the prm", num_beams=8, beam_width=cfg.beam_width, max_depth=trace.max_depth,
+                       step_tokens=trace.max_tokens, sampling_temperature=cfg.temperature, seed=cfg.seed)
+            assert {k: args[k] for k in own} == own, (side, algorithm)
+            params = inspect.signature(program_function(algorithm).func).parameters
+            rest = {k: v for k, v in args.items() if k not in own and k not in ("speculative", "overlap_verification")}
+            assert rest == {k: params[k].default for k in rest}, (side, algorithm)
+            policies[side, algorithm] = (Speculation.of(args.get("speculative", False)),
+                                         args.get("overlap_verification", False))
+    for algorithm in cfg.algorithms:
+        assert [policies[side, algorithm] for side in ALL_SIDES] == [
+            (None, False), (None, False), (Speculation(lookahead=False), False), (Speculation(), False),
+            (Speculation(), True)]

@@ -120,7 +120,7 @@ def test_yaml_then_flags_override_defaults(tmp_path):
                                                             "beam_search settings"),
     ({"semantics": "search-and-learn", "lookahead": 2}, "semantics search-and-learn has no branching or lookahead"),
     ({"sort_completed": True}, "sort_completed needs semantics search-and-learn"),
-    ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact or truncate"),
+    ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact, exact-no-lookahead, truncate"),
     ({"program": "best_of_n", "overlap_verification": True},
      "speculative and overlap_verification are settings of beam_search and dvts"),
 ])
@@ -184,13 +184,14 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     # a setting added later stays out of the key at its default: runs written before it still resume
     fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
               and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
-                            "overlap_verification", "parallel", "c_puct", "threshold", "positive_exit",
+                            "overlap_verification", "accept_threshold", "parallel", "c_puct", "threshold", "positive_exit",
                             "negative_exit", "futility", "first_step_cutoff")}
     fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     # exact speculation and overlapped verification never change a result: the same key
     assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact",
                                      overlap_verification=True).run_key()
+    assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact-no-lookahead").run_key()
     assert beam.run_key() != cfg_for(tmp_path, program="beam_search", speculative="truncate").run_key()
     assert a.run_key() != cfg_for(tmp_path, n=4).run_key()
     assert a.run_key() != cfg_for(tmp_path, seed=1).run_key()

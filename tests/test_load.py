@@ -3,6 +3,7 @@ the sides' programs, and one small block per side on the live CPU servers."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -67,6 +68,22 @@ def test_each_side_runs_its_program_with_its_exits():
                      "mcts+pe+ne": ("mcts", True, True, 0.2, False),
                      "mcts+pe+ne+boost": ("mcts", True, True, 0.2, True)}
     assert side_program("beam_search", s)[1]["accept_threshold"] == s.threshold
+    # the registry maps the settings (as `sgl-tts run` would); every argument the side does not set
+    # is the program's own default, so the searches are the ones the hand-written mapping ran
+    for side, own in (("beam_search", dict(num_beams=s.beams, beam_width=s.beam_width, accept_threshold=s.threshold)),
+                      ("mcts+pe+ne", dict(num_rollouts=s.rollouts, expansion_width=s.expansion_width,
+                                          threshold=s.threshold, positive_exit=True, negative_exit=True,
+                                          first_step_cutoff=0.2))):
+        program, opts, _ = side_program(side, s)
+        common = dict(max_depth=s.max_depth, step_tokens=s.step_tokens, sampling_temperature=s.temperature,
+                      aggregation=s.aggregation, seed=s.seed)
+        defaults = {k: p.default for k, p in inspect.signature(program.func).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        assert {k: v for k, v in opts.items() if k not in own and k not in common} == \
+            {k: defaults[k] for k in opts if k not in own and k not in common}, side
+        assert {k: opts[k] for k in (*own, *common)} == {**own, **common}, side
+    with pytest.raises(ValueError, match=r"side beam_search: accept_threshold must lie in \[0, 1\] \(a PRM score\), got 1.5"):
+        side_program("beam_search", LoadSettings(threshold=1.5))
     with pytest.raises(ValueError, match=r"unknown side 'mcts\+boost'"):
         LoadSettings(sides=("mcts+boost",))
     with pytest.raises(ValueError, match="aggregation must be min or prod"):

@@ -23,7 +23,8 @@ def test_the_registered_programs():
     assert {n: (registry.program(n).prm, registry.program(n).budget) for n in registry.names()} == {
         "beam_search": ("required", "beams"), "dvts": ("required", "beams"), "best_of_n": ("optional", "samples"),
         "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts")}
-    assert registry.own_settings() == {k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()}
+    assert registry.own_settings() == {"accept_threshold": ("beam_search", None),
+                                       **{k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()}}
     with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
         registry.program("bfs")
 
@@ -88,3 +89,19 @@ def test_run_keys_did_not_move():
 
 
 RUN_KEYS = {"default": "38285ef2a532", "mcts": "4c828d99a93c", "best_of_n": "a29e92e27173"}   # at 82df6c1
+
+
+def test_beam_search_s_positive_early_exit_is_its_own_setting():
+    """``accept_threshold`` (what `sgl-tts load`'s beam-search side runs): beam search's only, checked,
+    passed through, and out of the run key at its default (runs written before it still resume)."""
+    cfg = RunConfig(program="beam_search", accept_threshold=0.75)
+    cfg.validate()
+    assert cfg.program_arguments("q", "P")["accept_threshold"] == 0.75
+    assert "accept_threshold" not in RunConfig(program="beam_search").program_arguments("q", "P")
+    assert cfg.run_key() != RunConfig(program="beam_search").run_key() == RUN_KEYS["default"]
+    for bad, message in ((dict(program="mcts", accept_threshold=0.5), "accept_threshold: settings of program beam_search"),
+                         (dict(accept_threshold=1.5), r"accept_threshold must lie in \[0, 1\] \(a PRM score\), got 1.5"),
+                         (dict(accept_threshold=0.5, semantics="search-and-learn"),
+                          "accept_threshold \\(positive early exit\\) belongs to semantics sgl-tts")):
+        with pytest.raises(RunError, match=message):
+            RunConfig(**bad).validate()

@@ -47,9 +47,10 @@ from sgl_tts.search import STEP_DELIMITER, SearchTag
 logger = logging.getLogger(__name__)
 
 SIDES = ("stock", "sgl-tts")   # the default sides
-# Program options of each side (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
+# Each side's run settings (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
 # "sgl-tts"), then speculative beam extension (exact mode), then LookAhead verification, then
-# overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program differs.
+# overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program's
+# settings differ, given as :class:`~sgl_tts.experiment.RunConfig` fields (the registry maps them).
 SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "stock": {},
     "sgl-tts": {},
@@ -60,16 +61,18 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
 ALL_SIDES = tuple(SIDE_OPTIONS)
 
 
-def program_options(side: str) -> dict[str, Any]:
-    """The keyword arguments ``side`` passes to beam search and DVTS."""
-    from sgl_tts.search.pipeline import Speculation
+def run_config(side: str, algorithm: str, n: int, settings: "BenchSettings", trace: StepTrace):
+    """``sgl-tts run``'s settings for one side's searches of ``algorithm`` at budget ``n``: the program's
+    arguments come from its registry record, as ``sgl-tts run`` gives them."""
+    from sgl_tts.experiment import RunConfig
 
-    opts = dict(SIDE_OPTIONS[side])
-    if opts.get("speculative") == "exact-no-lookahead":
-        opts["speculative"] = Speculation(lookahead=False)
-    elif opts.get("speculative") == "exact":
-        opts["speculative"] = Speculation()
-    return opts
+    cfg = RunConfig(program=algorithm, n=n, beam_width=settings.beam_width, max_depth=trace.max_depth,
+                    step_tokens=[trace.max_tokens], temperature=settings.temperature, seed=settings.seed,
+                    progress=False, **SIDE_OPTIONS[side])
+    cfg.validate()
+    return cfg
+
+
 ALGORITHMS = ("beam_search", "dvts")
 DEFAULT_N = (8, 16, 32, 64, 128, 256, 512)
 # What the lent GPU machines can run with the wheelhouse (docs/GPU_BRINGUP.md): triton attention,
@@ -352,13 +355,15 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     after ``deadline`` (``time.monotonic()``); returns how many were left for a later run."""
     from tqdm.auto import tqdm
 
-    from programs.beam_search import beam_search
-    from programs.dvts import dvts
     from sgl_tts.bench.dummy_models import WORD_TAG
+    from sgl_tts.experiment import RunError, program_function
     from sgl_tts.prm import StepTagPRM
 
-    programs = {"beam_search": beam_search, "dvts": dvts}
     trace = settings.step_trace()
+    try:    # every program's settings checked before the first search
+        configs = {(a, n): run_config(side, a, n, settings, trace) for a in settings.algorithms for n in settings.n}
+    except RunError as exc:
+        raise BenchError(f"side {side}: {exc}") from None
     registry = StepRegistry()
     gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
                         tokenizer_path=generator_tokenizer, banned_token_ids=settings.banned_token_ids)
@@ -377,11 +382,9 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         verifier = TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
         t0 = time.perf_counter()
         try:
-            state = programs[algorithm].run(
-                question=settings.question(problem, vocab), prm=verifier, num_beams=n,
-                beam_width=settings.beam_width, max_depth=trace.max_depth, step_tokens=trace.max_tokens,
-                sampling_temperature=settings.temperature, seed=settings.seed, search_group=group,
-                backend=gen, **program_options(side))
+            state = program_function(algorithm).run(
+                **configs[algorithm, n].program_arguments(settings.question(problem, vocab), verifier),
+                search_group=group, backend=gen)
             error = state.error()
         except Exception as exc:  # noqa: BLE001 - reported with the search that failed
             error = exc
@@ -640,6 +643,6 @@ class RecordWriter:
 
 
 __all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "MeteredEndpoint", "RecordWriter",
-           "ReportRow", "SIDES", "ALL_SIDES", "SIDE_OPTIONS", "program_options", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
+           "ReportRow", "SIDES", "ALL_SIDES", "SIDE_OPTIONS", "run_config", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
            "format_report", "measure_limit", "plot_report", "read_records",
            "run_side", "search_group", "summarize"]

@@ -108,20 +108,35 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
     return out
 
 
-def side_program(side: str, s: LoadSettings) -> tuple[Any, dict[str, Any], bool]:
-    """The program, its options and whether the scheduler boosts, for one side."""
-    common = dict(max_depth=s.max_depth, step_tokens=s.step_tokens, sampling_temperature=s.temperature,
-                  aggregation=s.aggregation, seed=s.seed)
+def side_config(side: str, s: LoadSettings):
+    """``sgl-tts run``'s settings for one side's program (its arguments come from the registry)."""
+    from sgl_tts.experiment import RunConfig, RunError
+
+    common = dict(max_depth=s.max_depth, step_tokens=[s.step_tokens], temperature=s.temperature,
+                  aggregation=s.aggregation, seed=s.seed, progress=False)
     if side == "beam_search":
-        from programs.beam_search import beam_search
-        return beam_search, dict(common, num_beams=s.beams, beam_width=s.beam_width,
-                                 accept_threshold=s.threshold), False
-    from programs.mcts import mcts
-    opts = dict(common, num_rollouts=s.rollouts, expansion_width=s.expansion_width, threshold=s.threshold,
-                positive_exit="+pe" in side, negative_exit="+ne" in side)
-    if "+ne" in side and s.first_step_cutoff is not None:
-        opts["first_step_cutoff"] = s.first_step_cutoff
-    return mcts, opts, side.endswith("+boost")
+        cfg = RunConfig(program="beam_search", n=s.beams, beam_width=s.beam_width, accept_threshold=s.threshold,
+                        **common)
+    else:
+        negative = "+ne" in side
+        cfg = RunConfig(program="mcts", n=s.rollouts, beam_width=s.expansion_width, threshold=s.threshold,
+                        positive_exit="+pe" in side, negative_exit=negative,
+                        first_step_cutoff=s.first_step_cutoff if negative else None, **common)
+    try:
+        cfg.validate()
+    except RunError as exc:
+        raise ValueError(f"side {side}: {exc}") from None
+    return cfg
+
+
+def side_program(side: str, s: LoadSettings) -> tuple[Any, dict[str, Any], bool]:
+    """The program, its options (but the question and the PRM) and whether the scheduler boosts, for
+    one side."""
+    from sgl_tts.experiment import program_function
+
+    cfg = side_config(side, s)
+    options = {k: v for k, v in cfg.program_arguments("", None).items() if k not in ("question", "prm")}
+    return program_function(cfg.program), options, side.endswith("+boost")
 
 
 def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: str, prm, s: LoadSettings,
@@ -428,4 +443,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "main", "plot_report",
-           "poisson_arrivals", "quantile", "run_block", "side_program", "summarize"]
+           "poisson_arrivals", "quantile", "run_block", "side_config", "side_program", "summarize"]

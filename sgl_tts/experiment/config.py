@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from sgl_tts import registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
+from sgl_tts.search.pipeline import SPECULATION_PRESETS
 
 # kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
 PROGRAMS = registry.names()
@@ -61,8 +62,11 @@ class RunConfig:
         sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
         speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
-            with LookAhead verification (see :mod:`sgl_tts.search.pipeline`).
+            with LookAhead verification (see :mod:`sgl_tts.search.pipeline`); ``exact-no-lookahead``:
+            exact, without LookAhead verification.
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
+        accept_threshold: beam search positive early exit: stop after the first depth at which a
+            finished trajectory scores at least this (``None``: off).
         parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
         c_puct: MCTS exploration weight.
         threshold: MCTS acceptance threshold of both early exits.
@@ -110,6 +114,7 @@ class RunConfig:
     sort_completed: bool = False
     speculative: str = "off"
     overlap_verification: bool = False
+    accept_threshold: float | None = None
     parallel: int = 1
     c_puct: float = 1.0
     threshold: float = 0.9
@@ -145,7 +150,7 @@ class RunConfig:
         "speculative": "off", "overlap_verification": False}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).
     SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
-        "speculative": ("off", "exact"), "overlap_verification": (False, True)}
+        "speculative": ("off", "exact", "exact-no-lookahead"), "overlap_verification": (False, True)}
 
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
@@ -200,8 +205,9 @@ class RunConfig:
                 "its lookahead steps)", "semantics", "branching", "lookahead")
         if self.sort_completed and self.semantics != "search-and-learn":
             bad("sort_completed needs semantics search-and-learn", "sort_completed", "semantics")
-        if self.speculative not in ("off", "exact", "truncate"):
-            bad(f"unknown speculative mode {self.speculative!r}; choose off, exact or truncate", "speculative")
+        if self.speculative not in ("off", *SPECULATION_PRESETS):
+            bad(f"unknown speculative mode {self.speculative!r}; choose off, {', '.join(SPECULATION_PRESETS)}",
+                "speculative")
         if (self.speculative != "off" or self.overlap_verification) and (
                 self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
             bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)",

@@ -90,16 +90,25 @@ class Speculation:
     @classmethod
     def of(cls, value: "bool | str | Speculation | None") -> "Speculation | None":
         """A program's ``speculative=`` argument as a policy: ``True`` is the default (exact) policy,
-        a string names the mode, ``False``/``None`` is no speculation."""
+        a string names a policy of :data:`SPECULATION_PRESETS`, ``False``/``None`` is no speculation."""
         if value is None or value is False:
             return None
         if value is True:
             return cls()
         if isinstance(value, str):
-            return cls(mode=value)
+            if value not in SPECULATION_PRESETS:
+                raise ValueError(f"unknown speculation {value!r}; choose one of {list(SPECULATION_PRESETS)}")
+            return SPECULATION_PRESETS[value]
         if isinstance(value, cls):
             return value
         raise TypeError(f"speculative must be a bool, a mode name or a Speculation, got {value!r}")
+
+
+#: the policies a name selects (``speculative="..."``, ``sgl-tts run --speculative``): each mode at its
+#: defaults, and ``exact-no-lookahead`` (exact without LookAhead verification: the ablation step
+#: between plain exact speculation and the full policy, seed 000 Fig. 15)
+SPECULATION_PRESETS: dict[str, Speculation] = {
+    "exact": Speculation(), "exact-no-lookahead": Speculation(lookahead=False), "truncate": Speculation(mode="truncate")}
 
 
 def speculative_potential(score: float | None, bins: int) -> int:
@@ -567,5 +576,5 @@ class StepPipeline:
             self._pool.shutdown(wait=True)
 
 
-__all__ = ["Beam", "Branch", "Candidate", "Costs", "SPECULATION_MODES", "Speculation", "StepPipeline",
+__all__ = ["Beam", "Branch", "Candidate", "Costs", "SPECULATION_MODES", "SPECULATION_PRESETS", "Speculation", "StepPipeline",
            "speculative_potential"]

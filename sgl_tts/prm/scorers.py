@@ -1,23 +1,6 @@
-"""Process reward model (PRM) scorers behind one protocol.
-
-``score(question, steps_batch) -> per-step scores``: for each candidate trajectory (a list of step
-texts) one score in [0, 1] per step, batched. Scorers:
-
-- :class:`StepTagPRM` — Math-Shepherd / RLHFlow style: the PRM reads the question and the steps, each
-  followed by a step tag; the score of step k is P(good) / (P(good) + P(bad)) of the next token after
-  tag k. One forward per trajectory, through any backend with ``next_token_logprobs`` (the CPU
-  backend today). A score cache keyed by (question, step prefix) means no step is scored twice (seed
-  001 §4.3.2): when a beam grows by one step only the new tag is scored, and the backend reuses the
-  KV of the already-scored prefix.
-- :class:`RewardHeadPRM` — a PRM with a value / classifier head (SGLang's ``*ForSequenceClassification``
-  and ``*ForRewardModel`` classes, served at ``/classify``): the head reads the last token, so step k
-  is scored on the input that ends with step k's tag, one input per step (the same cache means one
-  new input per beam per depth, and SGLang's radix cache reuses the shared prefix).
-
-Both read the same input text (:func:`prm_input`) and work through an SGLang server
-(:class:`~sgl_tts.backends.SGLangEndpoint`) or a local CPU model (:class:`~sgl_tts.backends.LocalBackend`
-for step tags, :class:`~sgl_tts.backends.classifier.LocalClassifier` for heads).
-"""
+"""The PRM scorers: one protocol (:class:`PRMScorer`), the score cache they share
+(:class:`CachedStepScorer`), and the two kinds of model they read (:class:`StepTagPRM`,
+class:`RewardHeadPRM`); see :mod:`sgl_tts.prm`."""
 
 from __future__ import annotations
 
@@ -25,7 +8,7 @@ import math
 import threading
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-STEP_TAG = "\n\n"
+from sgl_tts.prm.input import STEP_TAG, default_prompt, tag_work
 
 
 @runtime_checkable
@@ -34,36 +17,6 @@ class PRMScorer(Protocol):
 
     def score(self, question: str, steps_batch: Sequence[Sequence[str]]) -> list[list[float]]:
         ...
-
-
-def default_prompt(question: str) -> str:
-    """The project's prompt format: the question, then a blank line."""
-    return question + "\n\n"
-
-
-def prm_input(question: str, steps: Sequence[str], *, tag: str = STEP_TAG,
-              prompt: Callable[[str], str] = default_prompt) -> str:
-    """The text a step-tag PRM reads: the prompt, then every step followed by ``tag``."""
-    return prompt(question) + "".join(s + tag for s in steps)
-
-
-def tag_positions(tokenizer, question: str, steps: Sequence[str], *, tag: str = STEP_TAG,
-                  prompt: Callable[[str], str] = default_prompt) -> tuple[list[int], list[int]]:
-    """Token ids of the PRM input (prompt, then every step followed by ``tag``) and the positions of
-    the tag tokens, one per step. The tag must be a single token and must not occur inside a step."""
-    for st in steps:
-        if tag in st or st != st.strip("\n"):
-            raise ValueError(f"a step must not contain the step tag or start/end with a newline: {st!r}")
-    head = prompt(question)
-    ids = tokenizer.encode(prm_input(question, steps, tag=tag, prompt=prompt))
-    tag_ids = tokenizer.encode(tag)
-    if len(tag_ids) != 1:
-        raise ValueError(f"the step tag {tag!r} must be a single token for this tokenizer, got {tag_ids}")
-    start = len(tokenizer.encode(head))
-    pos = [i for i in range(start, len(ids)) if ids[i] == tag_ids[0]]
-    if len(pos) != len(steps):
-        raise ValueError(f"expected {len(steps)} step tags, found {len(pos)}")
-    return ids, pos
 
 
 class CachedStepScorer:
@@ -127,23 +80,6 @@ class CachedStepScorer:
         with self._lock:
             if self._cache is not None:
                 self._cache.clear()
-
-
-def tag_work(tokenizer, question: str, work: list[tuple[list[str], int]], *, tag: str,
-             prompt: Callable[[str], str]) -> tuple[list[list[float]], list[tuple[int, list[int], list[int]]]]:
-    """Token ids and the tag positions still to score for each ``(steps, start)`` of a scorer's
-    work: ``(out, [(work index, ids, positions from start)])``. A trajectory that cannot be tagged
-    (a step holding the tag) gets 0.0 for every step in ``out`` rather than failing the batch."""
-    out: list[list[float]] = [[] for _ in work]
-    tagged = []
-    for w, (steps, start) in enumerate(work):
-        try:
-            ids, pos = tag_positions(tokenizer, question, steps, tag=tag, prompt=prompt)
-        except ValueError:
-            out[w] = [0.0] * (len(steps) - start)
-            continue
-        tagged.append((w, ids, pos[start:]))
-    return out, tagged
 
 
 class StepTagPRM(CachedStepScorer):
@@ -228,5 +164,4 @@ class RewardHeadPRM(CachedStepScorer):
         return out
 
 
-__all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "default_prompt",
-           "head_score", "prm_input", "sigmoid", "tag_positions", "tag_work"]
+__all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "StepTagPRM", "head_score", "sigmoid"]

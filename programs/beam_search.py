@@ -61,13 +61,11 @@ from typing import Any, Sequence
 import numpy as np
 import sglang as sgl
 
+from sgl_tts.search.options import BeamSearchOptions
 from sgl_tts.search.pipeline import Beam, Candidate, Speculation, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
                             derive_seed, expand, expand_proportional, extract_answer, gen_step, new_group,
                             step_limit, top_k, vote)
-
-BRANCHING = ("equal", "proportional")
-SEMANTICS = ("sgl-tts", "search-and-learn")
 
 
 @sgl.function
@@ -79,19 +77,13 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                 semantics: str = "sgl-tts", sort_completed: bool = False,
                 speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
                 accept_threshold: float | None = None) -> SearchResult:
-    _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics)
-    if semantics == "search-and-learn" and accept_threshold is not None:
-        raise ValueError("accept_threshold (positive early exit) belongs to the default semantics")
-    if semantics == "search-and-learn" and (speculative or overlap_verification):
-        raise ValueError("semantics='search-and-learn' runs search-and-learn's own loop; speculative and "
-                         "overlap_verification belong to the default semantics")
+    # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
+    BeamSearchOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification,
+                      branching, lookahead, semantics, filter_duplicates, sort_completed, accept_threshold)
     if semantics == "search-and-learn":
         return _search_and_learn(s, question, prm, num_beams, beam_width, max_depth, step_tokens,
                                  sampling_temperature, aggregation, seed, delimiter, answer_pattern,
                                  search_group, filter_duplicates, sort_completed)
-    if sort_completed:
-        raise ValueError("sort_completed belongs to semantics='search-and-learn' (the default mode returns "
-                         "every finished trajectory)")
     policy = Speculation.of(speculative)
     t0 = time.perf_counter()
     tag = search_group or new_group()             # the search's id in every request (scheduler plugin)
@@ -147,25 +139,6 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     result = SearchResult.of(answer, _answers(answer, pool), pool, pipe.costs, time.perf_counter() - t0)
     result.exit_reason = exit_reason
     return result
-
-
-def _check(num_beams, beam_width, max_depth, step_tokens, aggregation, branching, lookahead, semantics):
-    if num_beams < 1 or beam_width < 1:
-        raise ValueError(f"beam search needs num_beams >= 1 and beam_width >= 1, got {num_beams} and "
-                         f"{beam_width}")
-    if max_depth < 1:
-        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-    if branching not in BRANCHING:
-        raise ValueError(f"unknown branching {branching!r}; choose one of {list(BRANCHING)}")
-    if lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-    if semantics not in SEMANTICS:
-        raise ValueError(f"unknown semantics {semantics!r}; choose one of {list(SEMANTICS)}")
-    if semantics == "search-and-learn" and (branching != "equal" or lookahead):
-        raise ValueError("semantics='search-and-learn' has no branching or lookahead options (its beam search "
-                         "never reads its lookahead steps)")
-    aggregate([1.0], aggregation)      # an unknown aggregation fails before any generation
-    step_limit(step_tokens, 0)         # so does a bad schedule
 
 
 def _trajectory(c: Candidate, delimiter: str, answer_pattern: str) -> Trajectory:

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import sglang as sgl
 
+from sgl_tts.search.options import DVTSOptions
 from sgl_tts.search.pipeline import Beam, Speculation, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
                             new_group, step_limit, top_k, vote)
@@ -33,10 +34,8 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
          aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
          answer_pattern: str = BOXED, search_group: str | None = None,
          speculative: "bool | str | Speculation" = False, overlap_verification: bool = False) -> SearchResult:
-    if beam_width < 1 or num_beams < beam_width:
-        raise ValueError(f"DVTS needs beam_width >= 1 and num_beams >= beam_width, got num_beams="
-                         f"{num_beams} and beam_width={beam_width}")
-    step_limit(step_tokens, 0)  # a bad schedule fails before any generation
+    # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
+    DVTSOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification)
     policy = Speculation.of(speculative)
     t0 = time.perf_counter()
     s += question + delimiter

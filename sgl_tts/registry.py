@@ -8,7 +8,11 @@ arguments for one question.
 
 **Adding a program** is one module plus one registration:
 
-1. write ``programs/my_search.py`` with ``@sgl.function def my_search(s, question, prm, ...)``;
+1. write ``programs/my_search.py`` with ``@sgl.function def my_search(s, question, prm, ...)``; if it
+   has options to check, check them in one options dataclass (as :mod:`sgl_tts.search.options` does
+   for beam search and DVTS, :class:`sgl_tts.mcts.MCTSConfig` for MCTS) that the program builds
+   before it generates and the record's ``check`` builds from a run's settings: one set of checks,
+   one wording, in the program and in ``sgl-tts run``;
 2. if it reads settings no other program has, add them to :class:`sgl_tts.experiment.RunConfig`
    (a YAML key and a ``--flag`` each, documented there) and list them, with their defaults, in its
    record's ``settings``: another program given one off its default is refused, and a run written
@@ -137,7 +141,9 @@ def _tree(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return out
 
 
-BEAM_SEARCH_SETTINGS = {"accept_threshold": None}
+#: beam search's own settings (other programs refuse them off these defaults)
+BEAM_SEARCH_SETTINGS = {"semantics": "sgl-tts", "filter_duplicates": False, "sort_completed": False,
+                        "accept_threshold": None}
 
 
 def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
@@ -148,13 +154,32 @@ def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return out
 
 
+#: a program parameter's name as a run setting, where they differ
+_SETTING_OF = {"num_beams": "n"}
+
+
+def _check_options(cfg: Any, bad: Callable[..., None], options: str, **own: Any) -> None:
+    """Build the tree search's options object (:mod:`sgl_tts.search.options`) from a run's settings:
+    the program's own checks, with its own messages, naming the run's settings."""
+    from sgl_tts.search import options as o
+
+    try:
+        getattr(o, options)(num_beams=cfg.n, beam_width=cfg.beam_width, max_depth=cfg.max_depth,
+                            step_tokens=_steps(cfg), aggregation=cfg.aggregation,
+                            speculative=cfg.speculative if cfg.speculative != "off" else False,
+                            overlap_verification=cfg.overlap_verification, **own)
+    except o.OptionError as exc:
+        bad(str(exc), *(_SETTING_OF.get(name, name) for name in exc.options))
+
+
 def _check_beam_search(cfg: Any, bad: Callable[..., None]) -> None:
-    if cfg.accept_threshold is None:
-        return
-    if not 0.0 <= cfg.accept_threshold <= 1.0:
-        bad(f"accept_threshold must lie in [0, 1] (a PRM score), got {cfg.accept_threshold}", "accept_threshold")
-    if cfg.semantics != "sgl-tts":
-        bad("accept_threshold (positive early exit) belongs to semantics sgl-tts", "accept_threshold", "semantics")
+    _check_options(cfg, bad, "BeamSearchOptions", branching=cfg.branching, lookahead=cfg.lookahead,
+                   semantics=cfg.semantics, filter_duplicates=cfg.filter_duplicates,
+                   sort_completed=cfg.sort_completed, accept_threshold=cfg.accept_threshold)
+
+
+def _check_dvts(cfg: Any, bad: Callable[..., None]) -> None:
+    _check_options(cfg, bad, "DVTSOptions")
 
 
 def _sampling_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
@@ -170,11 +195,6 @@ def _mcts_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return dict(_common(cfg, question), prm=prm, num_rollouts=cfg.n, expansion_width=cfg.beam_width,
                 max_depth=cfg.max_depth, step_tokens=_steps(cfg), aggregation=cfg.aggregation,
                 **{k: getattr(cfg, k) for k in MCTS_SETTINGS})
-
-
-def _check_dvts(cfg: Any, bad: Callable[..., None]) -> None:
-    if cfg.n < cfg.beam_width:
-        bad(f"dvts needs n >= beam_width, got n={cfg.n} and beam_width={cfg.beam_width}", "n", "beam_width")
 
 
 def _check_mcts(cfg: Any, bad: Callable[..., None]) -> None:

@@ -114,12 +114,19 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     ({"program": "beam_search", "prm": "none"}, "beam_search needs a PRM; drop prm: none"),
     ({"n": 0}, "n must be a positive integer, got 0"),
     ({"aggregation": "max"}, "unknown aggregation 'max'; choose one of last, min, prod, mean"),
-    ({"program": "dvts", "n": 2, "beam_width": 4}, "dvts needs n >= beam_width, got n=2 and beam_width=4"),
-    ({"semantics": "sal"}, "unknown semantics 'sal'; choose sgl-tts or search-and-learn"),
-    ({"program": "dvts", "semantics": "search-and-learn"}, "semantics, filter_duplicates and sort_completed are "
-                                                            "beam_search settings"),
-    ({"semantics": "search-and-learn", "lookahead": 2}, "semantics search-and-learn has no branching or lookahead"),
-    ({"sort_completed": True}, "sort_completed needs semantics search-and-learn"),
+    ({"program": "dvts", "n": 2, "beam_width": 4}, "DVTS needs N >= M (at least one subtree of M beams), got N=2 and M=4"),
+    # beam search's and DVTS's options are the programs' own checks (sgl_tts.search.options), same words
+    ({"semantics": "sal"}, "unknown semantics 'sal'; choose one of ['sgl-tts', 'search-and-learn']"),
+    ({"program": "dvts", "semantics": "search-and-learn"}, "semantics: settings of program beam_search"),
+    ({"program": "dvts", "filter_duplicates": True, "sort_completed": True},
+     "filter_duplicates, sort_completed: settings of program beam_search"),
+    ({"semantics": "search-and-learn", "lookahead": 2}, "semantics='search-and-learn' has no branching or lookahead"),
+    ({"sort_completed": True}, "sort_completed belongs to semantics='search-and-learn'"),
+    ({"branching": "random"}, "unknown branching 'random'; choose one of ['equal', 'proportional']"),
+    ({"lookahead": -1}, "lookahead must be >= 0, got -1"),
+    ({"max_depth": 0}, "max_depth must be a positive integer, got 0"),
+    ({"semantics": "search-and-learn", "speculative": "exact"},
+     "semantics='search-and-learn' runs search-and-learn's own loop; speculative and overlap_verification"),
     ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact, exact-no-lookahead, truncate"),
     ({"program": "best_of_n", "overlap_verification": True},
      "speculative and overlap_verification are settings of beam_search and dvts"),
@@ -142,7 +149,7 @@ def test_bad_settings_name_the_setting(tmp_path, content, message):
     (b"n: 4\nprogram: dvts\nbeam_widht: 4\n", "line 3", "unknown setting 'beam_widht'; known settings: problems"),
     (b"# a comment\nn: many\n", "line 2", "n: expected an integer, got 'many'"),
     (b"n: 4\nprogram: mcst\n", "line 2", "unknown program 'mcst'; choose one of beam_search"),
-    (b"program: dvts\nn: 2\nbeam_width: 4\n", "line 2", "dvts needs n >= beam_width, got n=2 and beam_width=4"),
+    (b"program: dvts\nn: 2\nbeam_width: 4\n", "line 2", "DVTS needs N >= M (at least one subtree of M beams), got N=2 and M=4"),
 ])
 def test_config_file_errors_name_the_file_and_line(tmp_path, content, where, message, capsys):
     """Every error of a --config file is one line: the file, the line yaml (or the bad key) is on,
@@ -163,7 +170,7 @@ def test_a_config_flag_that_fixes_the_file_wins_and_a_flag_error_names_no_file(t
     assert RunConfig.from_sources(str(conf), {"n": 8}).n == 8
     with pytest.raises(RunError) as err:
         RunConfig.from_sources(str(conf), {"n": 2, "beam_width": 4})
-    assert str(err.value) == "dvts needs n >= beam_width, got n=2 and beam_width=4"
+    assert str(err.value) == "DVTS needs N >= M (at least one subtree of M beams), got N=2 and M=4"
 
 
 def test_a_config_that_is_missing_or_a_directory_is_named(tmp_path):

@@ -154,7 +154,7 @@ def test_bad_arguments_fail_before_any_generation():
     backend = ScriptedBackend(script)
     for kwargs, message in (({"parallel": 0}, "parallel must be >= 1"),
                             ({"negative_exit": True, "aggregation": "last"}, "negative early exit needs"),
-                            ({"step_tokens": [0]}, "step token limits must be positive")):
+                            ({"step_tokens": [0]}, "step_tokens must be positive")):
         with pytest.raises(ValueError, match=message):
             mcts.run(question=QUESTION, prm=ScriptedPRM(step_score), backend=backend, **kwargs)
     assert backend.draws == []

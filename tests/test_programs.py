@@ -199,7 +199,7 @@ def test_beam_search_with_an_oracle_prm_solves_what_sampling_can(generator):
 
 
 def test_beam_search_rejects_bad_arguments(generator):
-    with pytest.raises(ValueError, match="num_beams >= 1 and beam_width >= 1, got 0 and 4"):
+    with pytest.raises(ValueError, match="^beam search needs N >= 1 beams and a beam width M >= 1, got N=0 and M=4$"):
         beam_search.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), num_beams=0,
                         backend=generator)
 
@@ -255,13 +255,13 @@ def test_varying_granularity_cuts_early_steps_and_continues_them(generator, prog
         # What comes out is whole steps in the task's format.
         assert r.trajectories and all(t.finished for t in r.trajectories)
         assert all(STEP_FORMAT.fullmatch(st) for t in r.trajectories for st in t.steps)
-    with pytest.raises(ValueError, match="step token limits must be positive integers"):
+    with pytest.raises(ValueError, match="step_tokens must be positive integers"):
         program.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), step_tokens=[64, 0],
                     backend=generator)
 
 
 def test_dvts_rejects_bad_arguments(generator):
-    with pytest.raises(ValueError, match="num_beams >= beam_width, got num_beams=2 and beam_width=4"):
+    with pytest.raises(ValueError, match=r"^DVTS needs N >= M \(at least one subtree of M beams\), got N=2 and M=4$"):
         dvts.run(question="Compute 1+2.", prm=CheckerPRM(PROBLEMS), num_beams=2, beam_width=4,
                  backend=generator)
 

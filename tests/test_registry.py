@@ -23,7 +23,8 @@ def test_the_registered_programs():
     assert {n: (registry.program(n).prm, registry.program(n).budget) for n in registry.names()} == {
         "beam_search": ("required", "beams"), "dvts": ("required", "beams"), "best_of_n": ("optional", "samples"),
         "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts")}
-    assert registry.own_settings() == {"accept_threshold": ("beam_search", None),
+    assert registry.own_settings() == {"semantics": ("beam_search", "sgl-tts"), "filter_duplicates": ("beam_search", False),
+                                       "sort_completed": ("beam_search", False), "accept_threshold": ("beam_search", None),
                                        **{k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()}}
     with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
         registry.program("bfs")
@@ -102,6 +103,34 @@ def test_beam_search_s_positive_early_exit_is_its_own_setting():
     for bad, message in ((dict(program="mcts", accept_threshold=0.5), "accept_threshold: settings of program beam_search"),
                          (dict(accept_threshold=1.5), r"accept_threshold must lie in \[0, 1\] \(a PRM score\), got 1.5"),
                          (dict(accept_threshold=0.5, semantics="search-and-learn"),
-                          "accept_threshold \\(positive early exit\\) belongs to semantics sgl-tts")):
+                          "accept_threshold \\(positive early exit\\) belongs to the default semantics")):
         with pytest.raises(RunError, match=message):
             RunConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("program, arguments, settings", [
+    ("beam_search", dict(branching="random"), dict(branching="random")),
+    ("beam_search", dict(lookahead=-1), dict(lookahead=-1)),
+    ("beam_search", dict(semantics="sal"), dict(semantics="sal")),
+    ("beam_search", dict(semantics="search-and-learn", lookahead=2), dict(semantics="search-and-learn", lookahead=2)),
+    ("beam_search", dict(sort_completed=True), dict(sort_completed=True)),
+    ("beam_search", dict(accept_threshold=1.5), dict(accept_threshold=1.5)),
+    ("beam_search", dict(semantics="search-and-learn", accept_threshold=0.5),
+     dict(semantics="search-and-learn", accept_threshold=0.5)),
+    ("beam_search", dict(semantics="search-and-learn", overlap_verification=True),
+     dict(semantics="search-and-learn", overlap_verification=True)),
+    ("beam_search", dict(step_tokens=[64, 0]), dict(step_tokens=[64, 0])),
+    ("dvts", dict(num_beams=2, beam_width=4), dict(n=2, beam_width=4)),
+])
+def test_a_run_is_refused_with_the_words_the_program_would_use(program, arguments, settings):
+    """One home for the tree searches' checks (sgl_tts.search.options): `sgl-tts run` refuses bad
+    settings before any server is opened, with the program's own message, naming the run's settings."""
+    from sgl_tts.testing import ScriptedBackend, ScriptedPRM
+
+    with pytest.raises(ValueError) as by_program:
+        program_function(program).run(question="1+1?", prm=ScriptedPRM(lambda step: 0.5),
+                                      backend=ScriptedBackend(lambda prefix, draw: "2\n\n"), **arguments)
+    with pytest.raises(RunError) as by_run:
+        RunConfig(program=program, **settings).validate()
+    assert str(by_run.value) == str(by_program.value)
+    assert set(by_run.value.settings) & set(settings), by_run.value.settings   # it names what was set

@@ -50,7 +50,7 @@ def test_step_limit_schedules():
     assert [step_limit([64, 64, 64, 2048], d) for d in range(6)] == [64, 64, 64, 2048, 2048, 2048]
     assert step_limit(32, 9) == 32
     for bad in ([], [64, 0], 0, [1.5]):
-        with pytest.raises(ValueError, match="step token limits must be positive integers"):
+        with pytest.raises(ValueError, match="step_tokens must be positive integers"):
             step_limit(bad, 0)
 
 

@@ -77,7 +77,7 @@ def test_openai_fields_n_max_tokens_and_stream_options():
      "needs stream: true"),
     ({"model": "beam_search", "messages": Q, "tools": []}, 400, "tools", "unsupported field 'tools'"),
     ({"model": "beam_search", "messages": Q, "aggregation": "max"}, 400, None, "unknown aggregation 'max'"),
-    ({"model": "dvts:2x4", "messages": Q}, 400, None, "dvts needs n >= beam_width"),
+    ({"model": "dvts:2x4", "messages": Q}, 400, None, "DVTS needs N >= M"),
     ({"model": "beam_search", "messages": Q, "negative_exit": True}, 400, None, "settings of program mcts"),
 ])
 def test_bad_requests_are_refused_with_a_status_the_field_and_a_clear_message(body, status, param, words):

@@ -188,30 +188,14 @@ class RunConfig:
             bad(f"step_tokens must be positive integers, got {self.step_tokens!r}", "step_tokens")
         if self.aggregation not in AGGREGATIONS:
             bad(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}", "aggregation")
-        if self.branching not in ("equal", "proportional"):
-            bad(f"unknown branching {self.branching!r}; choose equal or proportional", "branching")
-        if self.lookahead < 0:
-            bad(f"lookahead must be >= 0, got {self.lookahead}", "lookahead")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if self.semantics not in ("sgl-tts", "search-and-learn"):
-            bad(f"unknown semantics {self.semantics!r}; choose sgl-tts or search-and-learn", "semantics")
-        if self.program != "beam_search" and (self.semantics != "sgl-tts" or self.filter_duplicates
-                                              or self.sort_completed):
-            bad("semantics, filter_duplicates and sort_completed are beam_search settings",
-                "program", "semantics", "filter_duplicates", "sort_completed")
-        if self.semantics == "search-and-learn" and (self.branching != "equal" or self.lookahead):
-            bad("semantics search-and-learn has no branching or lookahead (its beam search never reads "
-                "its lookahead steps)", "semantics", "branching", "lookahead")
-        if self.sort_completed and self.semantics != "search-and-learn":
-            bad("sort_completed needs semantics search-and-learn", "sort_completed", "semantics")
         if self.speculative not in ("off", *SPECULATION_PRESETS):
             bad(f"unknown speculative mode {self.speculative!r}; choose off, {', '.join(SPECULATION_PRESETS)}",
                 "speculative")
-        if (self.speculative != "off" or self.overlap_verification) and (
-                self.program not in ("beam_search", "dvts") or self.semantics != "sgl-tts"):
-            bad("speculative and overlap_verification are settings of beam_search and dvts (sgl-tts semantics)",
-                "speculative", "overlap_verification", "program", "semantics")
+        if (self.speculative != "off" or self.overlap_verification) and self.program not in ("beam_search", "dvts"):
+            bad("speculative and overlap_verification are settings of beam_search and dvts",
+                "speculative", "overlap_verification", "program")
         others: dict[str, list[str]] = {}   # another program's own settings, off their defaults
         for k, (owner, default) in registry.own_settings().items():
             if owner != self.program and getattr(self, k) != default:

@@ -136,7 +136,7 @@ def step_limit(step_tokens: int | Sequence[int], depth: int) -> int:
     2048]`` is 64 tokens for the first three steps, then 2048); an int is the same at every depth."""
     limits = [step_tokens] if isinstance(step_tokens, int) else list(step_tokens)
     if not limits or any(not isinstance(x, int) or x < 1 for x in limits):
-        raise ValueError(f"step token limits must be positive integers, got {step_tokens!r}")
+        raise ValueError(f"step_tokens must be positive integers, got {step_tokens!r}")
     return limits[min(depth, len(limits) - 1)]
 
 

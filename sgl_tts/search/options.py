@@ -1,0 +1,127 @@
+"""The tree searches' options, checked in one place.
+
+A program builds its options object first (:class:`BeamSearchOptions`, :class:`DVTSOptions`; MCTS has
+:class:`sgl_tts.mcts.MCTSConfig`), so a bad option fails before any generation; ``sgl-tts run``
+builds the same object from its settings (the program registry's checks), so a run is refused with
+the very message the program would give, before a server is opened. An :class:`OptionError` names
+the parameters it is about (the registry maps them to the run's setting names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from sgl_tts.search.steps import aggregate, step_limit
+
+BRANCHING = ("equal", "proportional")
+SEMANTICS = ("sgl-tts", "search-and-learn")
+
+
+class OptionError(ValueError):
+    """A program's options refused: the message, and the parameters (``options``) it is about."""
+
+    def __init__(self, message: str, *options: str):
+        super().__init__(message)
+        self.options = options
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSearchOptions:
+    """What beam search and DVTS share: N beams, M children per kept beam, the depth limit, the step
+    limit (an int or a per-depth schedule), how step scores aggregate, and the two latency policies
+    (speculation: ``False``/``True``, a preset name or a :class:`~sgl_tts.search.pipeline.Speculation`;
+    overlapped verification)."""
+
+    num_beams: int = 16
+    beam_width: int = 4
+    max_depth: int = 40
+    step_tokens: int | Sequence[int] = 64
+    aggregation: str = "last"
+    speculative: Any = False
+    overlap_verification: bool = False
+
+    def __post_init__(self):
+        if self.num_beams < 1 or self.beam_width < 1:
+            raise OptionError(f"{self.program} needs N >= 1 beams and a beam width M >= 1, got N={self.num_beams} "
+                              f"and M={self.beam_width}", "num_beams", "beam_width")
+        if self.max_depth < 1:
+            raise OptionError(f"max_depth must be >= 1, got {self.max_depth}", "max_depth")
+        try:
+            aggregate([1.0], self.aggregation)
+        except ValueError as exc:
+            raise OptionError(str(exc), "aggregation") from None
+        try:
+            step_limit(self.step_tokens, 0)
+        except ValueError as exc:
+            raise OptionError(str(exc), "step_tokens") from None
+        from sgl_tts.search.pipeline import Speculation
+
+        try:
+            Speculation.of(self.speculative)
+        except (TypeError, ValueError) as exc:
+            raise OptionError(str(exc), "speculative") from None
+
+    @property
+    def program(self) -> str:
+        return "tree search"
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchOptions(TreeSearchOptions):
+    """Beam search's options (``programs/beam_search.py`` documents each)."""
+
+    branching: str = "equal"
+    lookahead: int = 0
+    semantics: str = "sgl-tts"
+    filter_duplicates: bool = False
+    sort_completed: bool = False
+    accept_threshold: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.branching not in BRANCHING:
+            raise OptionError(f"unknown branching {self.branching!r}; choose one of {list(BRANCHING)}", "branching")
+        if self.lookahead < 0:
+            raise OptionError(f"lookahead must be >= 0, got {self.lookahead}", "lookahead")
+        if self.semantics not in SEMANTICS:
+            raise OptionError(f"unknown semantics {self.semantics!r}; choose one of {list(SEMANTICS)}", "semantics")
+        if self.accept_threshold is not None and not 0.0 <= self.accept_threshold <= 1.0:
+            raise OptionError(f"accept_threshold must lie in [0, 1] (a PRM score), got {self.accept_threshold}",
+                              "accept_threshold")
+        if self.semantics == "search-and-learn":
+            if self.branching != "equal" or self.lookahead:
+                raise OptionError("semantics='search-and-learn' has no branching or lookahead options (its beam "
+                                  "search never reads its lookahead steps)", "semantics", "branching", "lookahead")
+            if self.accept_threshold is not None:
+                raise OptionError("accept_threshold (positive early exit) belongs to the default semantics",
+                                  "accept_threshold", "semantics")
+            if self.speculative or self.overlap_verification:
+                raise OptionError("semantics='search-and-learn' runs search-and-learn's own loop; speculative and "
+                                  "overlap_verification belong to the default semantics",
+                                  "semantics", "speculative", "overlap_verification")
+        elif self.sort_completed:
+            raise OptionError("sort_completed belongs to semantics='search-and-learn' (the default mode returns "
+                              "every finished trajectory)", "sort_completed", "semantics")
+
+    @property
+    def program(self) -> str:
+        return "beam search"
+
+
+@dataclasses.dataclass(frozen=True)
+class DVTSOptions(TreeSearchOptions):
+    """DVTS's options: N/M independent subtrees of M children, so N >= M."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_beams < self.beam_width:
+            raise OptionError(f"DVTS needs N >= M (at least one subtree of M beams), got N={self.num_beams} and "
+                              f"M={self.beam_width}", "num_beams", "beam_width")
+
+    @property
+    def program(self) -> str:
+        return "DVTS"
+
+
+__all__ = ["BRANCHING", "BeamSearchOptions", "DVTSOptions", "OptionError", "SEMANTICS", "TreeSearchOptions"]

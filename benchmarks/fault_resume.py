@@ -93,102 +93,70 @@ def run_command(problems_path: Path, output: Path, generator: str, prm: str, *, 
     return cmd
 
 
-def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems: int, in_flight: int,
-              kills: int, seed: int, program: str = "best_of_n", n: int = 4, beam_width: int = 2,
-              poll: float = 0.5, exit_timeout: float = 120.0, run_timeout: float = 7200.0,
-              log=print) -> dict:
-    """Run the fault scenario (module docstring) against ``servers`` (a :class:`LiveServers` whose
-    server ``generator`` is killed and restarted) and the PRM at ``prm_url``; return the raw facts
-    (runs, output lines, checks). Raises nothing for a failed check: the caller judges the report."""
+def write_problems(workdir: Path, problems: int) -> tuple[Path, list[str]]:
+    """The scenario's dataset: the fixed test split first, then further distinct problems from a seed
+    of their own; its path and the problems' ids in order."""
     from sgl_tts.tiny import task
-    from sgl_tts.launch.live_servers import settled_loads
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    problems_path = workdir / "problems.jsonl"
-    # the fixed test split first, then further distinct problems from a seed of their own
+    path = workdir / "problems.jsonl"
     drawn = task.test_split()[:problems]
     if len(drawn) < problems:
-        drawn += task.generate(problems - len(drawn), "fault-resume",
-                               exclude={p.question for p in drawn})
-    task.write_jsonl(drawn, problems_path)
-    ids = [json.loads(line)["id"] for line in problems_path.read_text().splitlines()]
-    output = workdir / "run.jsonl"
-    for stale in (output, output.with_suffix(".summary.json")):
-        stale.unlink(missing_ok=True)
-    gen_url = servers.url(generator)
-    cmd = run_command(problems_path, output, gen_url, prm_url, program=program, n=n, beam_width=beam_width,
-                      in_flight=in_flight, seed=seed)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    points = collections.deque(draw_kill_points(problems, in_flight, kills, seed))
-    log(f"fault-resume: {problems} problems, {in_flight} in flight, kill points (finished lines) {list(points)}")
-    attempts: list[RunAttempt] = []
-    t0 = time.perf_counter()
-    while True:
-        if len(attempts) > kills + 1:
-            log("fault-resume: giving up: more runs than kills + 1")
-            break
-        before = output.read_bytes() if output.exists() else b""
-        lines_at_start = before.count(b"\n")
-        # a point the output already passed (the previous run overshot it) fires at the next line
-        kill_at = max(points[0], lines_at_start + 1) if points else None
-        att = RunAttempt(lines_at_start=lines_at_start, kill_at=kill_at)
-        attempts.append(att)
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        # drain both pipes in the background: a chatty run must not block on a full pipe
-        out_buf: list[str] = []
-        err_buf: list[str] = []
-        readers = [_drain(proc.stdout, out_buf), _drain(proc.stderr, err_buf)]
-        killed_at = None
-        if kill_at is not None:
-            while proc.poll() is None and time.perf_counter() - started < run_timeout:
-                if count_lines(output) >= kill_at:
-                    break
-                time.sleep(poll)   # the driver's watch on the output file (see the module docstring)
-            if proc.poll() is None and count_lines(output) >= kill_at:
-                servers.kill(generator)              # SIGKILL, the whole process group
-                killed_at = time.perf_counter()
-                points.popleft()
-                att.killed_at_lines = count_lines(output)
-                att.killed_after_s = round(killed_at - started, 2)
-                log(f"fault-resume: run {len(attempts)}: generator SIGKILLed at {att.killed_at_lines} "
-                    f"finished lines ({att.killed_after_s} s into the run)")
-        try:
-            proc.wait(timeout=exit_timeout if killed_at is not None else
-                      max(1.0, run_timeout - (time.perf_counter() - started)))
-        except subprocess.TimeoutExpired:
-            log(f"fault-resume: run {len(attempts)} did not exit in time: killing it")
-            proc.kill()
-            proc.wait()
-        ended = time.perf_counter()
-        for r in readers:
-            r.join(timeout=10)
-        stderr, stdout = "".join(err_buf), "".join(out_buf)
-        att.exit_code = proc.returncode
-        att.exit_seconds = round(ended - (killed_at or started), 2)
-        att.lines_at_end = count_lines(output)
-        att.error_lines = [ln for ln in stderr.splitlines() if ln.startswith(ERROR_PREFIX)]
-        att.traceback = "Traceback" in stderr
-        att.stderr_lines = sum(1 for ln in stderr.splitlines() if ln.strip())
-        att.stderr_tail, att.stdout_tail = stderr[-3000:], stdout[-3000:]
-        att.resuming = next((ln for ln in stdout.splitlines() if ln.startswith("resuming ")), None)
-        after = output.read_bytes() if output.exists() else b""
-        att.prefix_kept = after.startswith(before)
-        log(f"fault-resume: run {len(attempts)} exited {att.exit_code} after {att.exit_seconds} s"
-            f"{' from the kill' if killed_at else ''}; {att.lines_at_end} lines"
-            + (f"; {att.error_lines[0][:200]}" if att.error_lines else ""))
-        if killed_at is None:
-            break
-        att.prm_leftover = _leftover(settled_loads(prm_url, timeout=10))
-        if att.exit_code != 1:
-            log("fault-resume: a killed run did not exit with code 1: stopping")
-            servers.start(generator)
-            break
-        servers.start(generator)                   # back on the same port
-        log(f"fault-resume: generator restarted ({time.perf_counter() - ended:.1f} s)")
-    seconds = time.perf_counter() - t0
+        drawn += task.generate(problems - len(drawn), "fault-resume", exclude={p.question for p in drawn})
+    task.write_jsonl(drawn, path)
+    return path, [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
-    # ------------------------------------------------------------------ checks on the output
+
+def run_once(cmd: list[str], output: Path, att: RunAttempt, servers, generator: str, *, number: int, poll: float,
+             exit_timeout: float, run_timeout: float, log) -> bool:
+    """One ``sgl-tts run``: SIGKILL the generator once the output has ``att.kill_at`` lines (if set),
+    wait for the run to exit and fill ``att`` in. True when the generator was killed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    before = output.read_bytes() if output.exists() else b""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # drain both pipes in the background: a chatty run must not block on a full pipe
+    out_buf: list[str] = []
+    err_buf: list[str] = []
+    readers = [_drain(proc.stdout, out_buf), _drain(proc.stderr, err_buf)]
+    killed_at = None
+    if att.kill_at is not None:
+        while proc.poll() is None and time.perf_counter() - started < run_timeout:
+            if count_lines(output) >= att.kill_at:
+                break
+            time.sleep(poll)   # the driver's watch on the output file (see the module docstring)
+        if proc.poll() is None and count_lines(output) >= att.kill_at:
+            servers.kill(generator)              # SIGKILL, the whole process group
+            killed_at = time.perf_counter()
+            att.killed_at_lines = count_lines(output)
+            att.killed_after_s = round(killed_at - started, 2)
+            log(f"fault-resume: run {number}: generator SIGKILLed at {att.killed_at_lines} finished lines "
+                f"({att.killed_after_s} s into the run)")
+    try:
+        proc.wait(timeout=exit_timeout if killed_at is not None else
+                  max(1.0, run_timeout - (time.perf_counter() - started)))
+    except subprocess.TimeoutExpired:
+        log(f"fault-resume: run {number} did not exit in time: killing it")
+        proc.kill()
+        proc.wait()
+    for r in readers:
+        r.join(timeout=10)
+    stderr, stdout = "".join(err_buf), "".join(out_buf)
+    att.exit_code = proc.returncode
+    att.exit_seconds = round(time.perf_counter() - (killed_at or started), 2)
+    att.lines_at_end = count_lines(output)
+    att.error_lines = [ln for ln in stderr.splitlines() if ln.startswith(ERROR_PREFIX)]
+    att.traceback = "Traceback" in stderr
+    att.stderr_lines = sum(1 for ln in stderr.splitlines() if ln.strip())
+    att.stderr_tail, att.stdout_tail = stderr[-3000:], stdout[-3000:]
+    att.resuming = next((ln for ln in stdout.splitlines() if ln.startswith("resuming ")), None)
+    after = output.read_bytes() if output.exists() else b""
+    att.prefix_kept = after.startswith(before)
+    return killed_at is not None
+
+
+def check_output(output: Path, ids: list[str]) -> dict:
+    """What the output holds: its lines, problems lost or written twice, ids it should not have,
+    corrupt or torn lines, and the summary's counts."""
     raw = output.read_bytes() if output.exists() else b""
     text_lines = raw.decode("utf-8", errors="replace").split("\n")
     torn = text_lines.pop() != ""          # bytes after the last newline
@@ -199,21 +167,65 @@ def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems:
             seen[rec["id"]] += 1
         except (json.JSONDecodeError, KeyError, TypeError):
             corrupt += 1
-    corrupt += torn
     summary_path = output.with_suffix(".summary.json")
     summary = json.loads(summary_path.read_text())["summary"] if summary_path.exists() else None
+    return {"lines": len(text_lines), "lost": sum(1 for i in ids if seen[i] == 0),
+            "duplicated": sum(c - 1 for c in seen.values() if c > 1),
+            "unknown_ids": sorted(set(seen) - set(ids)), "corrupt": corrupt + torn,
+            "summary_problems": summary and summary["problems"], "summary_graded": summary and summary["graded"],
+            "accuracy": summary and summary["accuracy"]}
+
+
+def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems: int, in_flight: int,
+              kills: int, seed: int, program: str = "best_of_n", n: int = 4, beam_width: int = 2,
+              poll: float = 0.5, exit_timeout: float = 120.0, run_timeout: float = 7200.0,
+              log=print) -> dict:
+    """Run the fault scenario (module docstring) against ``servers`` (a :class:`LiveServers` whose
+    server ``generator`` is killed and restarted) and the PRM at ``prm_url``; return the raw facts
+    (runs, output lines, checks). Raises nothing for a failed check: the caller judges the report."""
+    from sgl_tts.launch.live_servers import settled_loads
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    problems_path, ids = write_problems(workdir, problems)
+    output = workdir / "run.jsonl"
+    for stale in (output, output.with_suffix(".summary.json")):
+        stale.unlink(missing_ok=True)
+    gen_url = servers.url(generator)
+    cmd = run_command(problems_path, output, gen_url, prm_url, program=program, n=n, beam_width=beam_width,
+                      in_flight=in_flight, seed=seed)
+    points = collections.deque(draw_kill_points(problems, in_flight, kills, seed))
+    log(f"fault-resume: {problems} problems, {in_flight} in flight, kill points (finished lines) {list(points)}")
+    attempts: list[RunAttempt] = []
+    t0 = time.perf_counter()
+    while len(attempts) <= kills + 1:
+        lines_at_start = count_lines(output)
+        # a point the output already passed (the previous run overshot it) fires at the next line
+        att = RunAttempt(lines_at_start=lines_at_start, kill_at=max(points[0], lines_at_start + 1) if points else None)
+        attempts.append(att)
+        killed = run_once(cmd, output, att, servers, generator, number=len(attempts), poll=poll, exit_timeout=exit_timeout,
+                          run_timeout=run_timeout, log=log)
+        log(f"fault-resume: run {len(attempts)} exited {att.exit_code} after {att.exit_seconds} s"
+            f"{' from the kill' if killed else ''}; {att.lines_at_end} lines"
+            + (f"; {att.error_lines[0][:200]}" if att.error_lines else ""))
+        if not killed:
+            break
+        points.popleft()
+        att.prm_leftover = _leftover(settled_loads(prm_url, timeout=10))
+        restart = time.perf_counter()
+        servers.start(generator)                   # back on the same port
+        if att.exit_code != 1:
+            log("fault-resume: a killed run did not exit with code 1: stopping")
+            break
+        log(f"fault-resume: generator restarted ({time.perf_counter() - restart:.1f} s)")
+    else:
+        log("fault-resume: giving up: more runs than kills + 1")
     leftover = {"generator": _leftover(settled_loads(gen_url)), "prm": _leftover(settled_loads(prm_url))}
     return {
         "problems": problems, "in_flight": in_flight, "program": program, "n": n,
         **({"beam_width": beam_width} if program in ("beam_search", "dvts", "mcts") else {}),
         "seed": seed, "kills_requested": kills,
         "kills": sum(a.killed_at_lines is not None for a in attempts), "reruns": len(attempts) - 1,
-        "lines": len(text_lines), "lost": sum(1 for i in ids if seen[i] == 0),
-        "duplicated": sum(c - 1 for c in seen.values() if c > 1),
-        "unknown_ids": sorted(set(seen) - set(ids)), "corrupt": corrupt,
-        "summary_problems": summary and summary["problems"], "summary_graded": summary and summary["graded"],
-        "accuracy": summary and summary["accuracy"],
-        "leftover_requests": leftover, "seconds": round(seconds, 1),
+        **check_output(output, ids), "leftover_requests": leftover, "seconds": round(time.perf_counter() - t0, 1),
         "runs": [dataclasses.asdict(a) for a in attempts], "run_command": " ".join(cmd),
     }
 

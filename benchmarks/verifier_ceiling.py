@@ -56,6 +56,33 @@ def _digit_check(logp: dict[int, float], written: int, digits: list[int]) -> flo
     return sum(min(1.0, max(0.0, logp[d] - logp[written])) for d in digits if d != written)
 
 
+def step_scores(gen, question: str, steps: list[str], prm_scores: list[float], start: int) -> dict[str, list[float]]:
+    """Every scorer's score of one solution after each of its steps (empty when the solution cannot
+    be tagged): the generator's own log-probabilities (sum, min, mean), its digit check, and the PRM
+    under three aggregations. ``start``: the first token after the prompt."""
+    tok = gen.tokenizer
+    try:
+        ids, tags = tag_positions(tok, question, steps)
+    except ValueError:
+        return {}
+    if not tags:
+        return {}
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    tag_id = tok.encode("\n\n")[0]
+    rows = gen.next_token_logprobs([ids], [list(range(start - 1, tags[-1]))], list(range(len(tok))))[0]
+    lp = [rows[i - start][ids[i]] for i in range(start, tags[-1] + 1)]
+    cut = [t - start + 1 for t in tags]
+    check = [0.0 if ids[i] == tag_id else _digit_check(rows[i - start], ids[i], digits)
+             for i in range(start, tags[-1] + 1)]
+    counted = [int(ids[i] != tag_id) for i in range(start, tags[-1] + 1)]
+    return {"generator sum log p": [sum(lp[:c]) for c in cut],
+            "generator min log p": [min(lp[:c]) for c in cut],
+            "generator mean log p": [sum(lp[:c]) / c for c in cut],
+            "generator digit check": [-sum(check[:c]) / sum(counted[:c]) for c in cut],
+            "PRM [last]": list(prm_scores), "PRM [min]": running(list(prm_scores), "min"),
+            "PRM [prod]": running(list(prm_scores), "prod")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generator", default=str(shipped_model("generator")))
@@ -75,11 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                              progress=True)
     prm = StepTagPRM(LocalBackend(args.prm, seed=0), cache=False)
     tok = gen.tokenizer
-    vocab = list(range(len(tok)))
     names = ["generator sum log p", "generator min log p", "generator mean log p",
              "generator digit check", "PRM [last]", "PRM [min]", "PRM [prod]"]
-    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
-    tag_id = tok.encode("\n\n")[0]
     scores: dict[str, list[float]] = {n: [] for n in names}
     labels: list[int] = []
     ns = sorted({n for n in (4, 16, args.samples) if n <= args.samples})
@@ -92,25 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         start = len(tok.encode(task.prompt(p.question)))
         finals = []
         for g, st, ps in zip(grades, steps, prm_scores):
-            per: dict[str, list[float]] = {}
-            try:
-                ids, tags = tag_positions(tok, p.question, st)
-            except ValueError:
-                ids, tags = [], []
-            if tags:
-                rows = gen.next_token_logprobs([ids], [list(range(start - 1, tags[-1]))], vocab)[0]
-                lp = [rows[i - start][ids[i]] for i in range(start, tags[-1] + 1)]
-                cut = [t - start + 1 for t in tags]
-                per["generator sum log p"] = [sum(lp[:c]) for c in cut]
-                per["generator min log p"] = [min(lp[:c]) for c in cut]
-                per["generator mean log p"] = [sum(lp[:c]) / c for c in cut]
-                check = [0.0 if ids[i] == tag_id else _digit_check(rows[i - start], ids[i], digits)
-                         for i in range(start, tags[-1] + 1)]
-                counted = [int(ids[i] != tag_id) for i in range(start, tags[-1] + 1)]
-                per["generator digit check"] = [-sum(check[:c]) / sum(counted[:c]) for c in cut]
-                per["PRM [last]"] = list(ps)
-                per["PRM [min]"] = running(list(ps), "min")
-                per["PRM [prod]"] = running(list(ps), "prod")
+            per = step_scores(gen, p.question, st, ps, start)
+            if per:
                 for n in names:
                     scores[n] += per[n]
                 labels += [int(v) for v in g.prefix_ok]

@@ -96,3 +96,23 @@ def test_cli_dispatches_training_and_quality_commands(capsys):
             main([command, "--help"])
         assert info.value.code == 0
         assert flag in capsys.readouterr().out
+
+
+def test_no_module_over_700_lines_and_no_function_over_80():
+    """Issue 31's size rule, for the library, the programs and the benchmark scripts: a module that
+    grows past 700 lines or a function past 80 has taken on a second job and is split by job."""
+    import ast
+
+    modules, functions = [], []
+    for folder in ("sgl_tts", "programs", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            name = str(path.relative_to(ROOT))
+            if len(text.splitlines()) > 700:
+                modules.append((name, len(text.splitlines())))
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > 80:
+                        functions.append((f"{name}:{node.lineno} {node.name}", length))
+    assert modules == [] and functions == []

@@ -15,7 +15,7 @@ import pytest
 from programs.beam_search import beam_search
 from sgl_tts.tiny import task
 from sgl_tts.backends import LocalBackend, SGLangEndpoint
-from sgl_tts.backends.endpoint import ServerError, ServerUnavailable
+from sgl_tts.backends.connection import ServerError, ServerUnavailable
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
 

@@ -140,8 +140,13 @@ def test_group_abort_of_1000_live_requests_empties_the_server(live):
 
 
 def test_set_class_reaches_the_scheduler(live):
+    """Through the control plane alone (no generation backend, no frontend interpreter) and through
+    the backend that delegates to it; a server without the plugin is named as such."""
+    from sgl_tts.backends.connection import ServerConnection
+    from sgl_tts.backends.control import ServerControl
+
     url = live.url("generator")
-    endpoint = SGLangEndpoint(url)
+    endpoint = ServerControl(ServerConnection(url))
     bodies = _tagged_bodies("boost", 12, 300)
     got: dict = {}
 
@@ -163,7 +168,11 @@ def test_set_class_reaches_the_scheduler(live):
     # the scheduler answers with how many of its requests it re-classed
     assert got == {"all": 12, "some": 3, "none": 0}
     with pytest.raises(ValueError, match="unknown request class 'gold'"):
-        endpoint.set_class("boost", "gold")
+        SGLangEndpoint(url).set_class("boost", "gold")
+    stock = live.url("generator_stock")
+    with pytest.raises(RuntimeError, match=f"^{stock} answered False to tts_set_class: is the sgl-tts plugin loaded "
+                                           "there \\(SGLANG_PLUGINS\\)\\?$"):
+        ServerControl(ServerConnection(stock)).set_class("boost", "boosted")
 
 
 def test_plugin_loaded_with_flags_off_answers_byte_for_byte_as_stock(live):

@@ -59,7 +59,7 @@ def usage(out: SearchOutcome) -> dict[str, int]:
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """A failed search as a status and OpenAI's error object."""
-    from sgl_tts.backends.endpoint import ServerUnavailable
+    from sgl_tts.backends.connection import ServerUnavailable
 
     if isinstance(exc, APIError):
         return exc.status, exc.body()

@@ -33,39 +33,39 @@ COMMANDS: dict[str, Command] = {
                                "summarise the scheduler plugin's metric files "
                                "(python -m sglang.launch_server --tts-metrics-file PATH)"),
     "info": Command("sgl_tts.cli.info", "versions of sgl-tts, sglang, torch, transformers"),
-    "run": Command("sgl_tts.experiment",
+    "run": Command("sgl_tts.cli.run",
                    "run a TTS program over a JSONL dataset: resumable JSONL results, accuracy / pass@N / accuracy "
                    "vs N / goodput summary (see its --help)"),
-    "plan": Command("sgl_tts.launch.memory",
+    "plan": Command("sgl_tts.cli.plan",
                     "split one GPU's memory between a generator and a PRM (roofline-guided) and print both "
                     "servers' SGLang flags (see its --help)"),
-    "serve": Command("sgl_tts.launch.serve",
+    "serve": Command("sgl_tts.cli.serve",
                      "start the generator and the PRM as two SGLang servers on one GPU with the planned flags "
                      "and the plugin, supervised (see its --help)"),
-    "bench": Command("sgl_tts.bench.command",
+    "bench": Command("sgl_tts.cli.bench",
                      "stock SGLang vs SGLang with sgl-tts on beam search and DVTS (random-weight models, "
                      "trace-driven steps): goodput, latency, cache hits (see its --help)"),
-    "load": Command("sgl_tts.bench.load",
+    "load": Command("sgl_tts.cli.load",
                     "many searches arriving with Poisson arrivals: p50/p99 latency, throughput and accuracy of "
                     "beam search and MCTS with early exits and boosting (see its --help)"),
-    "serve-search": Command("sgl_tts.serving.server",
+    "serve-search": Command("sgl_tts.cli.serve_search",
                             "an OpenAI-compatible /v1/chat/completions endpoint that runs a TTS program per "
                             "request on the generator and PRM servers (see its --help)"),
-    "scale-out": Command("sgl_tts.bench.scaleout",
+    "scale-out": Command("sgl_tts.cli.scale_out",
                          "generator replicas behind SGLang's router: cache hits of cache-aware vs round-robin "
                          "routing, serve-search throughput with 1 vs 2 replicas (CPU; see its --help)"),
-    "bench-frontend": Command("sgl_tts.bench.frontend",
+    "bench-frontend": Command("sgl_tts.cli.bench_frontend",
                               "many searches at once (K in flight) on the CPU backend and live CPU servers: "
                               "searches/s and tokens/s against the generator's decode limit, client CPU per "
                               "1,000 tokens, threads (see its --help)"),
-    "wheelhouse": Command("sgl_tts.wheelhouse",
+    "wheelhouse": Command("sgl_tts.cli.wheelhouse",
                           "build the wheels that carry SGLang to a GPU machine without network (see its --help)"),
-    "smoke": Command("sgl_tts.smoke",
+    "smoke": Command("sgl_tts.cli.smoke",
                      "start an SGLang server with the tiny generator and the plugin, run beam search through it, "
                      "print OK and the timings (GPU; see its --help)"),
-    "train-tiny": Command("sgl_tts.tiny.training",
+    "train-tiny": Command("sgl_tts.cli.train_tiny",
                           "train the tiny generator + PRM for the arithmetic task (see its --help)"),
-    "quality": Command("sgl_tts.quality",
+    "quality": Command("sgl_tts.cli.quality",
                        "measure single/majority/best-of-N/beam search/PRM AUC (see its --help)"),
 }
 

@@ -15,16 +15,12 @@ application of them, like the CLI).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from sgl_tts.tiny import task
-from sgl_tts.machine import describe
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
 
 
@@ -222,50 +218,26 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts quality``: the test-split measurement behind docs/TINY_MODELS.md."""
+def measure(generator: str | Path | None = None, prm: str | Path | None = None, *, count: int = task.TEST_SIZE,
+            ns: Sequence[int] = (1, 4, 16), beam_width: int = 4, temperature: float = 0.8,
+            aggregation: str = "last", seed: int = 0) -> Comparison:
+    """:func:`compare` on the first ``count`` test problems, with the generator and the PRM folders
+    (default: the shipped ones) on :class:`~sgl_tts.LocalBackend` (``sgl-tts quality``)."""
     from sgl_tts import LocalBackend
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    ap = argparse.ArgumentParser(prog="sgl-tts quality", description=__doc__.splitlines()[0])
-    ap.add_argument("--generator", default=None, help="generator folder (default: the shipped one)")
-    ap.add_argument("--prm", default=None, help="PRM folder (default: the shipped one)")
-    ap.add_argument("--count", type=int, default=task.TEST_SIZE, help="test problems (default: all)")
-    ap.add_argument("--ns", default="1,4,16", help="comma-separated N values (must include 1)")
-    ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--aggregation", default="last", choices=sorted(AGGREGATIONS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--plot", default=None, help="save the accuracy-vs-N plot here")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    gen = LocalBackend(args.generator or shipped_model("generator"), max_running=256, seed=args.seed)
-    prm_backend = LocalBackend(args.prm or shipped_model("prm"), max_running=256, seed=args.seed)
+    gen = LocalBackend(generator or shipped_model("generator"), max_running=256, seed=seed)
+    prm_backend = LocalBackend(prm or shipped_model("prm"), max_running=256, seed=seed)
     try:
-        cmp = compare(gen, StepTagPRM(prm_backend), task.test_split()[:args.count],
-                      ns=int_list(args.ns, "--ns"), beam_width=args.beam_width,
-                      temperature=args.temperature, aggregation=args.aggregation, seed=args.seed)
+        return compare(gen, StepTagPRM(prm_backend), task.test_split()[:count], ns=ns, beam_width=beam_width,
+                       temperature=temperature, aggregation=aggregation, seed=seed)
     finally:
         gen.shutdown()
         prm_backend.shutdown()
-    record = {**cmp.to_json(), "machine": describe(), "date": time.strftime("%Y-%m-%d"),
-              "command": "sgl-tts quality " + " ".join(sys.argv[1:] if argv is None else argv)}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    if args.plot:
-        plot_accuracy(cmp, args.plot)
-    if args.json:
-        print(json.dumps(record))
-    else:
-        print(cmp.table())
-        for k, v in cmp.details.items():
-            print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-        print(f"({cmp.problems} problems, T={cmp.temperature}, {cmp.seconds:.0f}s)")
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":   # python -m sgl_tts.quality: sgl-tts quality
+    from sgl_tts.cli.quality import main
+
+    raise SystemExit(main())

@@ -12,7 +12,6 @@ the sgl-tts wheel, and packs everything as one tar cut into parts that each fit 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import hashlib
@@ -174,33 +173,5 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     return manifest
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sgl-tts wheelhouse", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="verb", required=True)
-    b = sub.add_parser("build", help="download, slim and pack the wheels (here)")
-    b.add_argument("--out", default=".wheelhouse", help="output folder (ignore it in git; default .wheelhouse)")
-    b.add_argument("--part-mib", type=float, default=44.0,
-                   help="bytes per part (a device call carries 64 MiB with the working tree; default 44)")
-    b.add_argument("--add", nargs="*", default=[], help="more distributions to carry (at this environment's version)")
-    b.add_argument("--list", action="store_true", help="only print what would travel")
-    args = ap.parse_args(argv)
-    if args.list:
-        for name, version in wanted(imported_distributions(), present_on_machine(), args.add).items():
-            print(f"{name}=={version}")
-        return 0
-    out = Path(args.out)
-    manifest = build(out, args.part_mib, args.add)
-    print(f"{len(manifest['wheels'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB in {manifest['parts']} parts "
-          f"under {out}/ (sizes in {out}/sizes.txt)")
-    print("device calls, back to back (the machine stays warm 30 s after each):")
-    for k in range(manifest["parts"]):
-        last = k == manifest["parts"] - 1
-        cmd = f"bash tools/gpu/bringup.sh receive {out}/part-{k:02d}"
-        if last:
-            cmd += " && bash tools/gpu/bringup.sh install && bash tools/gpu/bringup.sh smoke"
-        print(f"  carry=[\"{out}/part-{k:02d}\"]  command: {cmd}")
-    return 0
-
-
-__all__ = ["EXCLUDE", "SERVER_MODULES", "build", "imported_distributions", "main", "pack", "present_on_machine",
+__all__ = ["EXCLUDE", "SERVER_MODULES", "build", "imported_distributions", "pack", "present_on_machine",
            "select_wheels", "slim_wheel", "wanted"]

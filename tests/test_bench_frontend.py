@@ -9,7 +9,8 @@ import json
 import pytest
 
 from sgl_tts.bench import frontend
-from sgl_tts.bench.frontend import FrontendSettings, main
+from sgl_tts.bench.frontend import FrontendSettings
+from sgl_tts.cli.bench_frontend import main
 
 FIELDS = {
     "backend", "program", "k", "searches", "wall_s", "searches_per_s", "tokens", "tokens_per_s",

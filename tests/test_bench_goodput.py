@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.bench.command import main as bench_main
+from sgl_tts.cli.bench import main as bench_main
 from sgl_tts.bench.dummy_models import write_word_tokenizer
 from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
                                    measure_limit, read_records, run_side, summarize)

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from sgl_tts import experiment
+from sgl_tts.cli import run as run_command
 from sgl_tts.experiment import RunConfig, RunError, read_problems, run, summarize
 from sgl_tts.search import derive_seed
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
@@ -80,21 +81,21 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     conf.write_text(yaml.safe_dump({"program": "dvts", "n": 12, "beam-width": 3,
                                     "step_tokens": [16, 64], "prm": "/models/a", "temperature": 0.5}))
     ap = argparse.ArgumentParser()
-    experiment.add_config_arguments(ap)
+    run_command.add_config_arguments(ap)
     args = ap.parse_args(["--config", str(conf), "--n", "6", "--step-tokens", "8,8,32",
                           "--prm", "/models/prm", "--no-progress"])
-    cfg = experiment.config_from_args(args)
+    cfg = run_command.config_from_args(args)
     assert (cfg.program, cfg.n, cfg.beam_width, cfg.step_tokens, cfg.prm, cfg.temperature, cfg.progress) == \
         ("dvts", 6, 3, [8, 8, 32], "/models/prm", 0.5, False)
     assert cfg.max_depth == RunConfig.max_depth  # untouched default
     args = ap.parse_args(["--config", str(conf), "--program", "beam_search", "--semantics", "search-and-learn",
                           "--filter-duplicates", "--sort-completed"])
-    sal = experiment.config_from_args(args)
+    sal = run_command.config_from_args(args)
     assert {k: v for k, v in sal.program_arguments("Q", None).items() if k in ("semantics", "filter_duplicates",
                                                                            "sort_completed")} == \
         {"semantics": "search-and-learn", "filter_duplicates": True, "sort_completed": True}
     args = ap.parse_args(["--config", str(conf)])
-    from_yaml = experiment.config_from_args(args)
+    from_yaml = run_command.config_from_args(args)
     assert (from_yaml.n, from_yaml.step_tokens, from_yaml.prm) == (12, [16, 64], "/models/a")
 
 
@@ -160,7 +161,7 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, content, where, mes
         RunConfig.from_sources(str(conf))
     head = f"config file {conf} {where}: " if where else f"config file {conf} "
     assert str(err.value).startswith(head + message), str(err.value)
-    assert experiment.main(["--config", str(conf), "--output", str(tmp_path / "o.jsonl")]) == 1
+    assert run_command.main(["--config", str(conf), "--output", str(tmp_path / "o.jsonl")]) == 1
     assert capsys.readouterr().err == f"sgl-tts run: error: {err.value}\n"
 
 
@@ -216,7 +217,7 @@ def test_bad_datasets_give_one_clear_line(tmp_path, text, message, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(text)
     out = tmp_path / "out.jsonl"
-    assert experiment.main(["--problems", str(path), "--output", str(out)]) == 1
+    assert run_command.main(["--problems", str(path), "--output", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("sgl-tts run: error: ")
     assert message in err
@@ -253,7 +254,7 @@ def test_a_dataset_with_a_bom_crlf_and_numbers_reads(tmp_path):
 
 
 def test_a_dataset_that_is_a_directory_is_named(tmp_path, capsys):
-    assert experiment.main(["--problems", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 1
+    assert run_command.main(["--problems", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 1
     assert capsys.readouterr().err == f"sgl-tts run: error: problems file {tmp_path} is a directory; pass " \
         f"--problems PATH to a JSONL file (each line must be a JSON object {{\"question\": \"...\", \"answer\": " \
         f"\"...\" (optional)}})\n"
@@ -272,14 +273,14 @@ def test_an_output_file_that_is_not_utf8_or_a_directory_is_named(tmp_path):
 
 
 def test_a_missing_dataset_names_the_flag(tmp_path, capsys):
-    assert experiment.main(["--problems", str(tmp_path / "nope.jsonl")]) == 1
+    assert run_command.main(["--problems", str(tmp_path / "nope.jsonl")]) == 1
     assert "problems file " + str(tmp_path / "nope.jsonl") + " not found; pass --problems PATH" in \
         capsys.readouterr().err
 
 
 def test_an_unreachable_generator_server_says_how_to_start_one(tmp_path, capsys):
     problems = dataset(tmp_path)
-    assert experiment.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
+    assert run_command.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
                             "--generator", "http://127.0.0.1:9", "--prm", "none",
                             "--program", "self_consistency"]) == 1
     err = capsys.readouterr().err
@@ -301,7 +302,7 @@ def test_a_prm_that_fails_is_caught_before_the_run(tmp_path):
 
 def test_a_missing_prm_folder_is_named(tmp_path, capsys):
     problems = dataset(tmp_path)
-    assert experiment.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
+    assert run_command.main(["--problems", str(problems), "--output", str(tmp_path / "o.jsonl"),
                             "--prm", str(tmp_path / "no-prm"), "--n", "2"]) == 1
     assert f"no model at {tmp_path / 'no-prm'}" in capsys.readouterr().err
 
@@ -412,7 +413,7 @@ def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, cap
     plot = tmp_path / "plot.png"
     argv = ["--problems", str(problems), "--output", str(out), "--program", program, "--n", "4",
             "--beam-width", "2", "--plot", str(plot), "--no-progress", "--json"]
-    assert experiment.main(argv) == 0
+    assert run_command.main(argv) == 0
     info = json.loads(capsys.readouterr().out)
     recs = lines(out)
     assert sorted(r["index"] for r in recs) == [0, 1, 2]
@@ -427,7 +428,7 @@ def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, cap
     assert plot.stat().st_size > 10_000 and Path(info["plot"]) == plot
     assert json.loads(out.with_suffix(".summary.json").read_text())["summary"] == s
     # Rerun: everything is done already; nothing is added.
-    assert experiment.main(argv) == 0
+    assert run_command.main(argv) == 0
     assert len(lines(out)) == 3
 
 
@@ -442,7 +443,7 @@ def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectorie
     runs = {}
     for name, extra in (("plain", []), ("spec", ["--speculative", "exact", "--overlap-verification"])):
         out = tmp_path / f"{name}.jsonl"
-        assert experiment.main(["--problems", str(problems), "--output", str(out), "--program", program,
+        assert run_command.main(["--problems", str(problems), "--output", str(out), "--program", program,
                                 "--n", "4", "--beam-width", "2", "--no-progress", "--json", *extra]) == 0
         runs[name] = (json.loads(capsys.readouterr().out)["summary"], lines(out))
     (plain_s, plain), (spec_s, spec) = runs["plain"], runs["spec"]
@@ -529,7 +530,7 @@ def test_mcts_runs_on_the_tiny_models_deterministically_and_reports_its_exits(tm
     runs = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.jsonl"
-        assert experiment.main(["--problems", str(problems), "--output", str(out), "--program", "mcts",
+        assert run_command.main(["--problems", str(problems), "--output", str(out), "--program", "mcts",
                                 "--n", "6", "--beam-width", "3", "--max-depth", "8", "--aggregation", "min",
                                 "--negative-exit", "--threshold", "0.8", "--no-progress", "--json"]) == 0
         summary = json.loads(capsys.readouterr().out)["summary"]

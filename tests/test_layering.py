@@ -205,3 +205,63 @@ def test_an_engine_process_loads_no_sglang():
     assert "sgl_tts.backends.engine" in loaded and "torch" in loaded
     assert not [m for m in loaded if m.split(".")[0] == "sglang" or m in ("sgl_tts.backends.local",
                                                                             "sgl_tts.backends.endpoint")]
+
+
+# ------------------------------------------------------------------------------- the command line
+COMMAND_MODULES = ("demo", "info", "scheduler_stats", "train_tiny", "run", "plan", "serve", "bench", "load",
+                   "serve_search", "scale_out", "bench_frontend", "wheelhouse", "smoke", "quality")
+
+
+def test_the_cli_package_loads_no_torch_sglang_nor_command():
+    loaded = _loaded_after("import sgl_tts.cli\nsgl_tts.cli.build_parser()")
+    assert "sgl_tts.cli" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "sglang", "transformers")]
+    # each command's module is imported when that command runs, not before
+    assert [m for m in loaded if m.startswith("sgl_tts.cli.")] == []
+
+
+def test_the_parser_lists_exactly_the_table_and_each_command_has_its_module():
+    import argparse
+    import importlib
+
+    import sgl_tts.cli as cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(cli.COMMANDS)
+    assert [c.help for c in sub._choices_actions] == [c.help for c in cli.COMMANDS.values()]
+    assert sorted(c.module for c in cli.COMMANDS.values()) == sorted(f"sgl_tts.cli.{m}" for m in COMMAND_MODULES)
+    for name, command in cli.COMMANDS.items():
+        module = importlib.import_module(command.module)
+        parser = module.build_parser()
+        assert isinstance(parser, argparse.ArgumentParser) and parser.prog == f"sgl-tts {name}"
+        assert callable(module.main)
+
+
+def test_no_library_module_parses_arguments():
+    """The split's point: argparse and a ``main`` live in sgl_tts/cli/ only. The exceptions: the plugin
+    adds its flags to SGLang's own server parser (``python -m sglang.launch_server``: SGLang's command
+    line, not ours); ``python -m sgl_tts.bench.group_abort`` is a stand-alone benchmark script, not an
+    sgl-tts command; the CPU engine's child process starts at ``engine_process.main`` (no flags: a
+    socket's file descriptor, and it must load no more than the engine)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(sgl_tts.__file__).parent
+    allowed = {"plugin/settings.py": {"argparse"}, "bench/group_abort.py": {"argparse", "main"},
+               "backends/engine_process.py": {"main"}}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("cli/"):
+            continue
+        tree = ast.parse(path.read_text())
+        imports = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names}
+        imports |= {node.module.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        if "argparse" in imports and "argparse" not in allowed.get(rel, ()):
+            offenders.append(f"{rel} imports argparse")
+        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body) \
+                and "main" not in allowed.get(rel, ()):
+            offenders.append(f"{rel} defines main")
+    assert offenders == []

@@ -152,14 +152,14 @@ def test_reward_head_on_a_real_sglang_server(reward_model, step_tag):
 def test_sgl_tts_run_with_a_reward_head_prm_picks_what_the_step_tag_prm_picks(reward_model, tmp_path):
     """The same beam-search run scored by the step-tag PRM and by its classifier-head twin makes the
     same selections (scores agree to 1e-4; a flip would need a near-tie)."""
-    from sgl_tts import experiment
+    from sgl_tts.cli import run as run_command
 
     problems = tmp_path / "problems.jsonl"
     task.write_jsonl(task.test_split()[:3], problems)
     out = {}
     for kind, prm in (("step_tag", shipped_model("prm")), ("reward_head", reward_model)):
         out[kind] = tmp_path / f"{kind}.jsonl"
-        assert experiment.main(["--problems", str(problems), "--output", str(out[kind]), "--n", "4",
+        assert run_command.main(["--problems", str(problems), "--output", str(out[kind]), "--n", "4",
                                 "--beam-width", "2", "--prm", str(prm), "--prm-kind", kind,
                                 "--no-progress", "--json"]) == 0
     a, b = ([json.loads(x) for x in out[k].read_text().splitlines()] for k in ("step_tag", "reward_head"))

@@ -123,7 +123,7 @@ def test_a_damaged_part_is_caught_by_the_hash(tmp_path):
 
 def test_smoke_dry_run_starts_the_tiny_generator_with_the_plugin(capsys):
     from sgl_tts.models import shipped_model
-    from sgl_tts.smoke import main
+    from sgl_tts.cli.smoke import main
 
     assert main(["--dry-run", "--port", "31234"]) == 0
     cmd = capsys.readouterr().out
@@ -138,7 +138,7 @@ def test_smoke_dry_run_starts_the_tiny_generator_with_the_plugin(capsys):
 
 @pytest.mark.gpu
 def test_smoke_runs_on_a_gpu(capsys):
-    from sgl_tts.smoke import main
+    from sgl_tts.cli.smoke import main
 
     assert main(["--problems", "2"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("OK")

@@ -10,7 +10,7 @@ same split of ``--kv-memory``; the sides differ only in the plugin."""
 
 from __future__ import annotations
 
-import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.bench.goodput import (ALGORITHMS, ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchError,
-                                   BenchSettings, RecordWriter, format_report, measure_limit, plot_report,
-                                   read_records, run_side, summarize)
-from sgl_tts.frontend import end_stream_executors
+from sgl_tts.bench.goodput import (DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchSettings, RecordWriter, format_report,
+                                   measure_limit, plot_report, run_side, summarize)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -40,81 +38,6 @@ CPU_TRACE = {"median_tokens": 32.0, "sigma": 1.0, "max_tokens": 512}
 CPU_PROMPT_TOKENS = 64
 CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from sgl_tts.launch.memory import add_plan_arguments
-
-    ap = argparse.ArgumentParser(
-        prog="sgl-tts bench",
-        description="Stock SGLang vs SGLang with sgl-tts (plugin + planned memory split) on beam search "
-                    "and DVTS: precise goodput, latency split, tokens, prefix-cache hits, generator-bound "
-                    "limit. --generator/--prm take a model folder, a config.json or a shipped config name "
-                    "(qwen2.5-math-1.5b, qwen2.5-7b, math-shepherd-mistral-7b, skywork-prm-1.5b), served "
-                    "with random weights.")
-    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
-
-    add_plan_arguments(ap, models_required=False)
-    # the planner's workload follows the trace unless given: a request in the middle of a solution;
-    # models and problem size have per-device defaults
-    ap.set_defaults(beams=None, step_tokens=None, verify_tokens=None, prompt_tokens=None)
-    ap.add_argument("--device", choices=DEVICES, default="cuda",
-                    help="cuda (default): both sides on one GPU, the sgl-tts side with the planned split. "
-                         "cpu: real SGLang servers on this CPU (SGLANG_USE_CPU_ENGINE=1), small random-weight "
-                         f"models ({CPU_MODELS['generator']} + {CPU_MODELS['prm']} unless given), a shorter "
-                         "trace, both sides the same split of --kv-memory (no planning; the GPU flags are "
-                         "ignored)")
-    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
-                    help=f"with --device cpu: RAM both KV pools of a side take together (default "
-                         f"{DEFAULT_KV_MEMORY}); --stock-split of it is the generator's, on both sides")
-    b = ap.add_argument_group("benchmark")
-    b.add_argument("--n", type=int, nargs="+", default=None,
-                   help="beam counts (default 8 .. 512; --device cpu: 8 32 64)")
-    b.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    b.add_argument("--problems", type=int, default=None,
-                   help="synthetic problems per (algorithm, n) (default 2; --device cpu: 1)")
-    b.add_argument("--beam-width", type=int, default=4)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--temperature", type=float, default=0.8)
-    b.add_argument("--trace-median", type=float, default=None,
-                   help="median step tokens (trace default 150; --device cpu: 32)")
-    b.add_argument("--trace-sigma", type=float, default=None, help="log-normal sigma (trace default 1.0)")
-    b.add_argument("--trace-max-tokens", type=int, default=None,
-                   help="longest step (trace default 4096; --device cpu: 512)")
-    b.add_argument("--trace-end-probability", type=float, default=None, help="(trace default 0.15)")
-    b.add_argument("--trace-max-depth", type=int, default=None, help="(trace default 40)")
-    b.add_argument("--context-tokens", type=int, default=None,
-                   help="generator context length (default: its config's max_position_embeddings)")
-    b.add_argument("--limit-tokens", type=int, default=256, help="tokens per request of the limit measurement")
-    b.add_argument("--stock-split", type=float, default=0.5,
-                   help="the stock side's generator share of the memory budget (default 0.5; with "
-                        "--device cpu both sides' share of --kv-memory)")
-    b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
-                   help="stock and sgl-tts by default; the sgl-tts+spec... sides add speculative beam extension, "
-                        "then LookAhead, then overlapped verification on the sgl-tts servers (the ablation)")
-    b.add_argument("--output", default=None,
-                   help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
-                        "the report goes beside it (.md, .summary.json, .png)")
-    s = ap.add_argument_group("servers")
-    s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
-    s.add_argument("--server-args", default=None,
-                   help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r}; --device cpu: none, "
-                        f"the CPU flags come from sgl_tts.launch.cpu_serving)")
-    s.add_argument("--models-dir", default=str(MODEL_CACHE), help="where config names become model folders")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--generator-port", type=int, default=30000)
-    s.add_argument("--prm-port", type=int, default=30001)
-    s.add_argument("--health-timeout", type=float, default=900.0)
-    ap.add_argument("--dry-run", action="store_true", help="print the settings and both sides' commands, then exit")
-    ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
-    ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
-                    help="start no search after this many seconds: stop the servers, write the report and "
-                         "exit 3 (run again to go on; for machines that limit a command's time)")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--json", action="store_true",
-                    help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
-                         "table; the servers' logs go to stderr")
-    return ap
 
 
 def apply_device_defaults(args) -> None:
@@ -254,7 +177,7 @@ def prepare(args) -> BenchSetup:
                           {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)},
                           f"{parse_bytes(args.kv_memory) / GiB:.2f} GiB of KV on the CPU, generator share "
                           f"{args.stock_split} on both sides (no memory planning on the CPU)", vocab)
-    plan_args = argparse.Namespace(**vars(args))
+    plan_args = copy.copy(args)   # the planner reads the same options, its workload filled in
     plan_args.beams = args.beams or max(args.n)
     plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
     path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
@@ -357,78 +280,5 @@ class SideRunner:
                     out=sys.stderr if self.args.json else None)   # with --json stdout carries only the JSON
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts bench``."""
-    from sgl_tts.launch.serve import ServerFailed, print_commands, sigterm_stops_servers
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.device != "cpu" and not (args.generator and args.prm):
-        ap.error("--generator and --prm are required with --device cuda")
-    apply_device_defaults(args)
-
-    def fail(msg: str) -> int:
-        print(f"sgl-tts bench: error: {msg}", file=sys.stderr)
-        return 1
-
-    try:
-        setup = prepare(args)
-    except (FileNotFoundError, ValueError) as exc:
-        return fail(str(exc))
-    settings = setup.settings
-    output = Path(args.output or f"bench-out/{setup.names['generator']}+{setup.names['prm']}.jsonl")
-    specs = side_specs(args, setup, output)
-    header = bench_header(args, argv, setup)
-    if args.dry_run:
-        print(json.dumps(settings.to_json()))
-        for side, specs_of_side in specs.items():
-            print_commands(specs_of_side, label=side, health=False)
-        return 0
-
-    def show(records) -> None:
-        """The report on stdout: the Markdown table, or with --json the summary."""
-        text = report(records, settings, output, header)
-        print(json.dumps(summary_json(records, settings, header), indent=1) if args.json else text, flush=True)
-
-    try:
-        records = read_records(output, settings)
-    except BenchError as exc:
-        return fail(str(exc))
-    if args.report_only:
-        if not records:
-            return fail(f"{output} holds no records to report")
-        show(records)
-        return 0
-    writer = RecordWriter(output, settings, records)
-    runner = SideRunner(args, setup, specs, writer)
-    # one SIGTERM handler for every side: a signal between two sides stops the command the same way
-    try:
-        with sigterm_stops_servers():
-            for side in args.sides:
-                try:
-                    runner.run(side)
-                except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
-                    end_stream_executors()
-                    show(writer.records)
-                    return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
-    except KeyboardInterrupt:
-        # A search cut short leaves its forks' workers (non-daemon threads) waiting for work; their
-        # states would end them when collected, but not when the signal landed inside that clean-up
-        # (swallowed in __del__) or a state is held in a cycle: the process would never exit
-        end_stream_executors()
-        print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
-        return 130
-    show(writer.records)
-    rows = summarize(writer.records, settings)
-    if runner.left:
-        print(f"sgl-tts bench: --stop-after reached with work left ({runner.left} searches or measurements); "
-              f"run the same command again to go on from {output}", file=sys.stderr)
-        return 3
-    if any(r.match is False for r in rows):
-        return fail("kept beams differ between the sides (see the report's last column)")
-    return 0
-
-
-__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "apply_device_defaults", "build_parser", "main", "model_folder",
-           "report", "settings_from_args", "summary_json"]
+__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header", "model_folder", "prepare",
+           "report", "settings_from_args", "side_specs", "summary_json"]

@@ -39,18 +39,15 @@ the goals (PASS/FAIL per line) and writes PREFIX.md and a plot PREFIX.png next t
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import functools
 import json
 import logging
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgl_tts.bench.cpu_meter import CPUMeter, PeakThreads, process_tree_cpu, thread_cpu  # noqa: F401
 from sgl_tts.bench.frontend_report import (  # noqa: F401 - re-exported: their home before the split
@@ -72,7 +69,6 @@ from sgl_tts.bench.frontend_settings import (  # noqa: F401
     cpu_engine_for,
     program_options,
 )
-from sgl_tts.plugin.settings import CPU_ATTENTION
 from sgl_tts.bench.load import flush_cache, read_records
 from sgl_tts.launch.serve import sigterm_stops_servers
 
@@ -408,54 +404,31 @@ def run_block(target: Target, program: str, k: int, problems: Sequence[Any], s: 
     return rec, results
 
 
-# ------------------------------------------------------------------------------------- command
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sgl-tts bench-frontend", description=__doc__.split("\n\n")[0])
-    d = FrontendSettings()
-    p.add_argument("--backends", default=",".join(d.backends), help="comma-separated, from " + ", ".join(BACKENDS))
-    p.add_argument("--programs", default=",".join(d.programs), help="comma-separated, from " + ", ".join(PROGRAMS))
-    p.add_argument("--ks", default=None, help="searches in flight, comma-separated (default 1,8,32,128; --quick 1,4)")
-    p.add_argument("--quick", action="store_true",
-                   help="K in {1, 4}, 4 searches per block, budgets of 4 (a CI check, not a measurement)")
-    for name in ("min_searches", "beams", "beam_width", "samples", "rollouts", "expansion_width", "parallel",
-                 "max_depth", "step_tokens", "max_tokens", "seed"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help=f"default {getattr(d, name)}" + (f" (--quick {d.QUICK[name]})" if name in d.QUICK else ""))
-    p.add_argument("--temperature", type=float, default=None, help=f"default {d.temperature}")
-    p.add_argument("--cpu-engine", choices=("auto", "thread", "process"), default=None,
-                   help=f"where the cpu backend's model engines run: a thread of this process, a child "
-                        f"process each, or auto: as sgl-tts run decides per program and K (default {d.cpu_engine})")
-    p.add_argument("--server-attention", choices=CPU_ATTENTION, default=None,
-                   help=f"the attention of the servers started here (the plugin's --tts-cpu-attention; default "
-                        f"{d.server_attention}: decode rows batched by length, extends over their new tokens)")
-    p.add_argument("--generator-url", default=None, help="a running generator for the server backend (default: "
-                   "start the tiny generator with the plugin on the CPU)")
-    p.add_argument("--generator-metrics", default=None, metavar="PREFIX",
-                   help="the --tts-metrics-file of the server at --generator-url, to read the running batch it "
-                        "decoded (without it that server's decode limit is taken at the nominal batch)")
-    p.add_argument("--prm-url", default=None, help="a running step-tag PRM server (default: start the tiny PRM)")
-    p.add_argument("--out", default="docs/benchmarks/frontend.jsonl",
-                   help="records (JSONL, appended); the table (.md) and plot (.png) go next to it")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="runs of each block (default 1); the table and the goals take each block's median "
-                        "run and show the spread. Runs already in --out count: a rerun with a larger R adds runs")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("-v", "--verbose", action="store_true", help="log each block")
-    return p
-
-
-def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
-    """The settings the flags give (``--quick`` presets first, explicit flags over them); a bad value
-    raises ``ValueError`` whose message starts with the flag."""
-    values: dict[str, Any] = dict(FrontendSettings.QUICK) if args.quick else {}
-    values["backends"] = _names(args.backends, "--backends", BACKENDS)
-    values["programs"] = _names(args.programs, "--programs", PROGRAMS)
-    if args.ks is not None:
-        values["ks"] = _positive_ints(args.ks, "--ks")
+# ------------------------------------------------------------------------------------- the run
+def settings_from_values(values: Mapping[str, Any], *, quick: bool = False) -> FrontendSettings:
+    """The settings from command-line values by field name (None or absent: not given; ``backends``,
+    ``programs`` and ``ks`` comma-separated): ``quick``'s presets first, given values over them. A bad
+    value raises ``ValueError`` whose message starts with the flag."""
+    out: dict[str, Any] = dict(FrontendSettings.QUICK) if quick else {}
+    out["backends"] = _names(values["backends"], "--backends", BACKENDS)
+    out["programs"] = _names(values["programs"], "--programs", PROGRAMS)
+    if values.get("ks") is not None:
+        out["ks"] = _positive_ints(values["ks"], "--ks")
     for f in dataclasses.fields(FrontendSettings):
-        if f.name not in ("backends", "programs", "ks") and getattr(args, f.name, None) is not None:
-            values[f.name] = getattr(args, f.name)
-    return FrontendSettings(**values)
+        if f.name not in ("backends", "programs", "ks") and values.get(f.name) is not None:
+            out[f.name] = values[f.name]
+    return FrontendSettings(**out)
+
+
+def pending_runs(s: FrontendSettings, records: Sequence[dict], repeats: int) -> tuple[list[tuple[str, str, int]], int]:
+    """The (backend, program, K) runs still to do for ``repeats`` runs of each block, given the records
+    already written, and how many are there already (skipped)."""
+    done = collections.Counter((r["backend"], r["program"], r["k"]) for r in records)
+    # run by run: each block's first run, then each one's second, ... (a cut-short run has them all
+    # once); run_frontend takes them one backend at a time, in this order
+    todo = [(b, p, k) for i in range(repeats) for b in s.backends for p in s.programs for k in sorted(s.ks)
+            if done[(b, p, k)] <= i]
+    return todo, len(s.backends) * len(s.programs) * len(s.ks) * repeats - len(todo)
 
 
 def _server_pids(servers, names: Sequence[str]) -> list[int]:
@@ -467,8 +440,10 @@ class Targets:
     placement (threads, processes), on ``server`` the servers given by URL or, for those not given,
     the tiny generator and PRM started here (stopped by :meth:`close`)."""
 
-    def __init__(self, s: FrontendSettings, args: argparse.Namespace):
-        self.s, self.args = s, args
+    def __init__(self, s: FrontendSettings, *, generator_url: str | None = None, prm_url: str | None = None,
+                 generator_metrics: str | None = None):
+        self.s = s
+        self.generator_url, self.prm_url, self.generator_metrics = generator_url, prm_url, generator_metrics
         self.servers = None
         self.opened: dict[tuple[str, Any], Target] = {}
 
@@ -479,7 +454,7 @@ class Targets:
         return self.opened[(backend, layout)]
 
     def _open_server(self) -> Target:
-        gen_url, prm_url, metrics = self.args.generator_url, self.args.prm_url, self.args.generator_metrics
+        gen_url, prm_url, metrics = self.generator_url, self.prm_url, self.generator_metrics
         started: list[str] = []
         if gen_url is None or prm_url is None:
             self.servers = self.servers or start_servers(cpu_attention=self.s.server_attention)
@@ -545,42 +520,21 @@ class Limits:
                    nominal_limit_fraction=round(rec["tokens_per_s"] / nominal_limit, 4))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.verbose:
-        logger.setLevel(logging.INFO)
-    else:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
-    try:
-        s = settings_from_args(args)
-        if args.repeats < 1:
-            raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
-    except ValueError as exc:
-        print(f"sgl-tts bench-frontend: error: {exc}", file=sys.stderr)
-        return 2
+def run_frontend(s: FrontendSettings, out: Path, records: list[dict], todo: Sequence[tuple[str, str, int]], *,
+                 command: str, quick: bool = False, generator_url: str | None = None, prm_url: str | None = None,
+                 generator_metrics: str | None = None, progress: bool = True) -> tuple[str, Path]:
+    """Run the ``todo`` blocks (:func:`pending_runs`), appending each record to ``out`` (JSONL) and
+    ``records`` as it finishes; the servers not given by URL are started here and stopped at the end,
+    SIGTERM included. Writes the table of the settings' blocks to ``out``.md and the plot to ``out``.png;
+    returns the table and the plot's path."""
     from sgl_tts.tiny import task
     from sgl_tts.machine import describe
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     key = s.key()
-    records = read_records(out, key)
-    done = collections.Counter((r["backend"], r["program"], r["k"]) for r in records)
-    # run by run: each block's first run, then each one's second, ... (a cut-short run has them all
-    # once); the loop below takes them one backend at a time, in this order
-    todo = [(b, p, k) for i in range(args.repeats) for b in s.backends for p in s.programs for k in sorted(s.ks)
-            if done[(b, p, k)] <= i]
-    skipped = len(s.backends) * len(s.programs) * len(s.ks) * args.repeats - len(todo)
-    if skipped:
-        print(f"sgl-tts bench-frontend: {skipped} run(s) already in {out} under settings {key}: skipped")
     problems = task.test_split()[:s.searches(max(s.ks))]
     limits = Limits(records, [p.question + "\n\n" for p in problems], problems)
-    provenance = {"machine": describe(), "command": "sgl-tts bench-frontend " + shlex.join(argv)}
-    targets = Targets(s, args)
+    provenance = {"machine": describe(), "command": command}
+    targets = Targets(s, generator_url=generator_url, prm_url=prm_url, generator_metrics=generator_metrics)
     settings = {k_: v for k_, v in dataclasses.asdict(s).items() if k_ not in FrontendSettings.NOT_IN_KEY}
     # SIGTERM (a job runner, timeout) ends the run as Ctrl-C does: the servers started here stop too
     with sigterm_stops_servers():
@@ -589,10 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for program, k in [(p, k) for b, p, k in todo if b == backend]:
                     target = targets.for_block(backend, program, k)
                     target.flush()   # every block samples the same texts: no block starts on a warm cache
-                    rec, results = run_block(target, program, k, problems, s, progress=not args.no_progress)
+                    rec, results = run_block(target, program, k, problems, s, progress=progress)
                     limits.add_to(rec, target, s.limit_batch(program, k, target.max_running), results)
                     layout = cpu_engine_for(s, program, k) if backend == "cpu" else None
-                    started_here = backend == "server" and args.generator_url is None
+                    started_here = backend == "server" and generator_url is None
                     rec.update(key=key, cpu_engine=layout and layout.engine_in,
                                server_attention=s.server_attention if started_here else None,
                                cpu_running_cap=layout and layout.running_cap,
@@ -611,14 +565,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = format_report(shown)
     out.with_suffix(".md").write_text(report + "\n")
     plot = plot_report(shown, out.with_suffix(".png"),
-                       f"{'--quick: ' if args.quick else ''}searches in flight on {provenance['machine']}")
-    print(report)
-    print(f"records: {out}; table: {out.with_suffix('.md')}; plot: {plot}")
-    return 0
+                       f"{'--quick: ' if quick else ''}searches in flight on {provenance['machine']}")
+    return report, plot
 
 
 __all__ = ["BACKENDS", "CPUMeter", "DecodeCounts", "FrontendSettings", "Limits", "PROGRAMS", "PeakThreads", "Target",
            "Targets", "cpu_decode_limit",
-           "engine_decode_meter", "format_report", "median_runs", "process_tree_cpu", "goals", "main", "open_cpu", "open_server", "plot_report", "program_options",
-           "records_decode_counts", "run_block", "server_decode_limit", "server_max_running", "settings_from_args", "start_servers",
+           "engine_decode_meter", "format_report", "median_runs", "process_tree_cpu", "goals", "open_cpu", "open_server", "plot_report", "program_options",
+           "records_decode_counts", "run_block", "server_decode_limit", "server_max_running", "pending_runs", "run_frontend", "settings_from_values", "start_servers",
            "thread_cpu"]

@@ -20,7 +20,6 @@ file at once; a rerun with the same settings skips the blocks already there.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import hashlib
@@ -28,7 +27,6 @@ import json
 import logging
 import math
 import random
-import sys
 import threading
 import time
 from pathlib import Path
@@ -349,53 +347,18 @@ def flush_cache(url: str, settle_s: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not flush its cache (HTTP {status}){held}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sgl-tts load", description=__doc__.split("\n\n")[0])
-    d = LoadSettings()
-    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="arrival rates per second, comma-separated")
-    p.add_argument("--problems", type=int, default=d.problems)
-    p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="M: jobs (and boosted rollouts) at once")
-    p.add_argument("--rollouts", type=int, default=d.rollouts)
-    p.add_argument("--expansion-width", type=int, default=d.expansion_width)
-    p.add_argument("--max-depth", type=int, default=d.max_depth)
-    p.add_argument("--step-tokens", type=int, default=d.step_tokens)
-    p.add_argument("--threshold", type=float, default=d.threshold)
-    p.add_argument("--aggregation", default=d.aggregation, choices=["min", "prod"])
-    p.add_argument("--first-step-cutoff", type=float, default=None)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
-    p.add_argument("--beams", type=int, default=d.beams)
-    p.add_argument("--beam-width", type=int, default=d.beam_width)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, from " + ", ".join(SIDES))
-    p.add_argument("--generator-url", default=None, help="a running generator (default: start the tiny "
-                   "generator with the plugin on the CPU)")
-    p.add_argument("--prm-url", default=None, help="a running step-tag PRM server (default: start the tiny PRM)")
-    p.add_argument("--output", default="sgl-tts-load", help="output prefix: PREFIX.jsonl, PREFIX.md, PREFIX.png")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        s = LoadSettings(rates=tuple(float(x) for x in args.rates.split(",")), problems=args.problems,
-                         max_jobs=args.max_jobs, rollouts=args.rollouts, expansion_width=args.expansion_width,
-                         max_depth=args.max_depth, step_tokens=args.step_tokens, threshold=args.threshold,
-                         aggregation=args.aggregation, first_step_cutoff=args.first_step_cutoff,
-                         beams=args.beams, beam_width=args.beam_width, temperature=args.temperature,
-                         seed=args.seed,
-                         sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
-    except ValueError as exc:
-        print(f"sgl-tts load: error: {exc}", file=sys.stderr)
-        return 2
+def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None = None, prm_url: str | None = None,
+             progress: bool = True) -> list[LoadRow]:
+    """Every (side, rate) block not yet in ``output``.jsonl, against the servers given or, for those not
+    given, the tiny generator (plugin on) and PRM started here on the CPU; each block is appended as it
+    finishes. Writes the table to ``output``.md and the plot to ``output``.png; returns the rows."""
     from tqdm import tqdm
 
     from sgl_tts.tiny import task
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.prm import StepTagPRM
 
-    out = Path(args.output)
+    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = out.with_suffix(".jsonl")
     records = read_records(jsonl, s.key())
@@ -403,8 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = task.test_split()[:s.problems]
     servers = None
     try:
-        gen_url, prm_url = args.generator_url, args.prm_url
-        if gen_url is None or prm_url is None:
+        gen_url, prm_at = generator_url, prm_url
+        if gen_url is None or prm_at is None:
             import tempfile
 
             from sgl_tts.launch.live_servers import LiveServer, LiveServers
@@ -415,15 +378,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "prm": LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)},
                 tempfile.mkdtemp(prefix="sgl-tts-load-"))
             gen_url = gen_url or servers.url("generator")
-            prm_url = prm_url or servers.url("prm")
-        prm = StepTagPRM(SGLangEndpoint(prm_url))
+            prm_at = prm_at or servers.url("prm")
+        prm = StepTagPRM(SGLangEndpoint(prm_at))
         blocks = [(side, rate) for rate in s.rates for side in s.sides if (side, rate) not in done]
-        bar = tqdm(total=len(blocks) * s.problems, disable=args.no_progress, desc="load", unit="job")
+        bar = tqdm(total=len(blocks) * s.problems, disable=not progress, desc="load", unit="job")
         for side, rate in blocks:
             bar.set_postfix_str(f"{side} @ {rate:g}/s")
             # every side samples the same texts (position seeds): a cache warmed by the block before
             # would serve this one's prefixes for free
-            for url in (gen_url, prm_url):
+            for url in (gen_url, prm_at):
                 flush_cache(url)
             recs = run_block(side, rate, problems, gen_url, prm, s, on_done=lambda r: bar.update(1))
             with jsonl.open("a") as fh:
@@ -435,12 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if servers is not None:
             servers.stop_all()
     rows = summarize([r for r in records if r["side"] in s.sides and r["rate"] in s.rates])
-    report = format_report(rows)
-    out.with_suffix(".md").write_text(report + "\n")
+    out.with_suffix(".md").write_text(format_report(rows) + "\n")
     plot_report(rows, out.with_suffix(".png"), f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts (CPU, tiny models)")
-    print(report)
-    return 0
+    return rows
 
 
-__all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "main", "plot_report",
-           "poisson_arrivals", "quantile", "run_block", "side_config", "side_program", "summarize"]
+__all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "plot_report",
+           "poisson_arrivals", "quantile", "run_block", "run_load", "side_config", "side_program", "summarize"]

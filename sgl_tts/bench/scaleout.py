@@ -17,16 +17,14 @@ Records go to PREFIX.jsonl (one line per part and setting), a table to PREFIX.md
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures as cf
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sgl_tts.bench.load import flush_cache
 from sgl_tts.experiment import quantile
@@ -160,28 +158,22 @@ def plot_report(rows: Sequence[dict], path: Path) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sgl-tts scale-out", description=__doc__.split("\n\n")[0])
-    d = ScaleOutSettings()
-    for f in dataclasses.fields(ScaleOutSettings):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=getattr(d, f.name))
-    p.add_argument("--output", default="sgl-tts-scale-out", help="output prefix: PREFIX.jsonl, .md, .png")
-    args = p.parse_args(argv)
-    s = ScaleOutSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ScaleOutSettings)})
-    if min(dataclasses.astuple(s)[:-1]) < 1:
-        print("sgl-tts scale-out: error: every count must be at least 1", file=sys.stderr)
-        return 2
+def run_scale_out(s: ScaleOutSettings, output: str | Path,
+                  on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Both parts on two tiny-generator replicas and the tiny PRM started here: each row is appended to
+    ``output``.jsonl as it is measured (and given to ``on_row``); the table goes to ``output``.md and the
+    plot to ``output``.png. Returns the rows."""
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    out = Path(args.output)
+    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = out.with_suffix(".jsonl")
     gen = LiveServer(str(shipped_model("generator")), policy="prefix-aware", metrics=True, kv_bytes=128 << 20,
                      seeded_sampling=True)
-    rows = []
+    rows: list[dict] = []
     with LiveServers({**{n: gen for n in REPLICAS}, "prm": LiveServer(str(shipped_model("prm")), kv_bytes=128 << 20)},
                      tempfile.mkdtemp(prefix="sgl-tts-scale-out-")) as servers:
         prm_url = servers.url("prm")
@@ -191,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(row)
             with jsonl.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+            on_row(row)
 
         for policy in ("cache_aware", "round_robin"):
             router = servers.start_router("router", REPLICAS, policy)
@@ -203,11 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in (*REPLICAS, "prm"):
                 flush_cache(servers.url(n))
             record(serve_search_row(router, prm_url, k, s))
-    report = format_report(rows)
-    out.with_suffix(".md").write_text(report + "\n")
+    out.with_suffix(".md").write_text(format_report(rows) + "\n")
     plot_report(rows, out.with_suffix(".png"))
-    print(report)
-    return 0
+    return rows
 
 
-__all__ = ["ScaleOutSettings", "format_report", "main", "plot_report", "prefill_by_group"]
+__all__ = ["ScaleOutSettings", "format_report", "plot_report", "prefill_by_group", "run_scale_out"]

@@ -33,11 +33,9 @@ from sgl_tts.experiment.config import (  # noqa: F401
     _yaml_error,
     read_input,
     utf8_text,
-    _field_kind,
+    field_kind,
     _coerce,
-    add_config_arguments,
-    _field_docs,
-    config_from_args,
+    config_from_options,
 )
 from sgl_tts.experiment.records import (  # noqa: F401
     ProblemRecord,
@@ -58,7 +56,6 @@ from sgl_tts.experiment.driver import (  # noqa: F401
     open_prm,
     check_prm,
     run,
-    main,
 )
 
 __all__ = [
@@ -71,13 +68,11 @@ __all__ = [
     "RunError",
     "SEED_SCHEME",
     "Summary",
-    "add_config_arguments",
     "answers_at",
     "append_line",
     "check_prm",
-    "config_from_args",
+    "config_from_options",
     "load_yaml",
-    "main",
     "open_prm",
     "plot_summary",
     "program_function",

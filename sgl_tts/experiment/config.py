@@ -4,7 +4,6 @@ through the registry), reading it from YAML and flags (defaults < YAML < flags),
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import dataclasses
 import hashlib
@@ -12,7 +11,7 @@ import json
 import os
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from sgl_tts import registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
@@ -344,7 +343,7 @@ def utf8_text(data: bytes, where: str) -> str:
                        f"save the file as UTF-8") from None
 
 
-def _field_kind(field: dataclasses.Field) -> str:
+def field_kind(field: dataclasses.Field) -> str:
     hint = typing.get_type_hints(RunConfig)[field.name]
     if hint is bool:
         return "bool"
@@ -359,7 +358,7 @@ def _field_kind(field: dataclasses.Field) -> str:
 
 def _coerce(field: dataclasses.Field, value: Any) -> Any:
     """A YAML or command-line value as the field's type (``"none"`` for optional fields is None)."""
-    kind = _field_kind(field)
+    kind = field_kind(field)
     optional = field.default is None
     if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "~")):
         if not optional:
@@ -394,45 +393,16 @@ def _coerce(field: dataclasses.Field, value: Any) -> Any:
     return str(value)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config`` plus one ``--flag`` per :class:`RunConfig` field (only given flags override)."""
-    parser.add_argument("--config", default=None, help="YAML file of settings (flags override it)")
-    docs = _field_docs()
-    for f in dataclasses.fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _field_kind(f)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})".strip()
-        if kind == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), help=help_text.replace("%", "%%"))
-
-
-def _field_docs() -> dict[str, str]:
-    """Each field's line from the Attributes section of RunConfig's docstring."""
-    docs, current = {}, None
-    for line in (RunConfig.__doc__ or "").splitlines():
-        s = line.strip()
-        head = s.split(":", 1)
-        if len(head) == 2 and head[0] in {f.name for f in dataclasses.fields(RunConfig)}:
-            current = head[0]
-            docs[current] = head[1].strip()
-        elif current and s:
-            docs[current] += " " + s
-    return docs
-
-
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The config from ``--config`` and the flags given on the command line."""
+def config_from_options(config: str | os.PathLike | None, options: Mapping[str, Any]) -> RunConfig:
+    """The config from a YAML file (``config``, or None) with ``options`` over it: command-line values
+    by field name (others are ignored), each read as its field's kind (``"4,8"`` for a list of ints,
+    say); a bad one raises :class:`RunError` naming its flag."""
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     overrides = {}
-    for name, value in vars(args).items():
+    for name, value in options.items():
         if name in fields:
             try:
                 overrides[name] = _coerce(fields[name], value)
             except (TypeError, ValueError) as exc:
                 raise RunError(f"--{name.replace('_', '-')}: {exc}") from None
-    return RunConfig.from_sources(args.config, overrides)
+    return RunConfig.from_sources(config, overrides)

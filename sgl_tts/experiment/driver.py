@@ -1,22 +1,16 @@
 """``sgl-tts run`` itself: open the backends and the PRM, run the problems with ``in_flight`` at once,
-append each result as it finishes, summarise, and the command line."""
+append each result as it finishes, summarise (the command line: :mod:`sgl_tts.cli.run`)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
 import sys
-import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-from sgl_tts import registry
-from sgl_tts.frontend import end_stream_executors
-from sgl_tts.experiment.config import RunError, RunConfig, program_function, add_config_arguments, config_from_args
+from sgl_tts.experiment.config import RunError, RunConfig, program_function
 from sgl_tts.experiment.records import read_problems, result_record, read_results, append_line
-from sgl_tts.experiment.summary import Summary, summarize, plot_summary
+from sgl_tts.experiment.summary import Summary, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -130,60 +124,3 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
                 be.shutdown()
     records = [done[p.index] for p in problems if p.index in done]
     return summarize(records, cfg.n, cfg.program), records
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sgl-tts run``."""
-    ap = argparse.ArgumentParser(
-        prog="sgl-tts run", description="Run a TTS program over a JSONL dataset (resumable), then "
-        "summarise accuracy, pass@N, accuracy vs N, goodput and latency.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_config_arguments(ap)
-    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        import transformers
-        import warnings
-
-        # a failed request is reported once, by the error line below; SGLang's interpreter would also
-        # print a traceback per fork worker it stopped
-        warnings.filterwarnings("ignore", message="Error in stream_executor")
-
-        transformers.utils.logging.disable_progress_bar()  # per-shard "Loading weights" bars
-    t0 = time.perf_counter()
-    try:
-        cfg = config_from_args(args)
-        summary, records = run(cfg)
-    except (RunError, OSError, ValueError) as exc:   # OSError: ConnectionError, FileNotFoundError, ...
-        logger.debug("sgl-tts run failed", exc_info=True)
-        # one line, always: a multi-line message (a server's reply, say) is joined
-        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-        print(f"sgl-tts run: error: {message or type(exc).__name__}", file=sys.stderr)
-        # a search that failed mid-way left fork workers waiting (non-daemon threads): without this
-        # the process can outlive its error (seen once in CI after a generator was killed)
-        end_stream_executors()
-        return 1
-    from sgl_tts.machine import describe
-
-    plot = None
-    if cfg.plot:
-        title = f"{cfg.program}, N={cfg.n}" + (f", M={cfg.beam_width}" if registry.program(cfg.program).budget == "beams" else "")
-        plot = str(plot_summary(summary, records, cfg.plot, title))
-    info = {"config": dataclasses.asdict(cfg), "summary": summary.to_json(), "output": cfg.output,
-            "plot": plot, "seconds": round(time.perf_counter() - t0, 2), "machine": describe(),
-            "date": time.strftime("%Y-%m-%d")}
-    summary_path = Path(cfg.output).with_suffix(".summary.json")
-    summary_path.write_text(json.dumps(info, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(info))
-        return 0
-    print(f"sgl-tts run: {cfg.program} N={cfg.n} on {cfg.problems or 'the embedded test split'}"
-          f" -> {cfg.output}")
-    print(summary.table())
-    if plot:
-        print(f"plot: {plot}")
-    print(f"summary: {summary_path}; {info['seconds']:.1f} s on {info['machine']}")
-    return 0

@@ -18,7 +18,6 @@ Bad requests get OpenAI's error object (``{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import json
@@ -27,7 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from fastapi import Request   # at module level: FastAPI resolves the route's annotations here
 
@@ -268,68 +267,33 @@ class BackgroundSearchServer:
         self.stop()
 
 
-# ------------------------------------------------------------------------------------- command
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sgl-tts serve-search", description=__doc__.split("\n\n")[0])
-    lim, d = Limits(), Defaults()
-    p.add_argument("--generator-url", default=None,
-                   help="the generator SGLang server, or the router in front of several (default: start "
-                        "the tiny generator with the sgl-tts plugin on the CPU)")
-    p.add_argument("--prm-url", default=None, help="the PRM SGLang server (default: start the tiny PRM when "
-                   "the generator is started too); 'none': serve self_consistency only")
-    p.add_argument("--prm-kind", default="step_tag", choices=["step_tag", "reward_head"])
-    p.add_argument("--prm-tokenizer", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30010)
-    p.add_argument("--max-concurrent", type=int, default=8, help="searches running at once; later ones wait")
-    p.add_argument("--max-budget", type=int, default=lim.max_budget, help="most beams/samples/rollouts per search")
-    p.add_argument("--max-depth", type=int, default=lim.max_depth, help="most steps per tree search")
-    p.add_argument("--max-step-tokens", type=int, default=lim.max_step_tokens, help="most tokens per step or sample")
-    p.add_argument("--max-choices", type=int, default=lim.max_choices, help="most choices (OpenAI n) per response")
-    p.add_argument("--default-budget", type=int, default=d.n)
-    p.add_argument("--default-beam-width", type=int, default=d.beam_width)
-    p.add_argument("--default-max-depth", type=int, default=d.max_depth)
-    p.add_argument("--default-step-tokens", type=int, default=d.step_tokens[0])
-    p.add_argument("--default-aggregation", default=d.aggregation)
-    p.add_argument("--log-level", default="info")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("max_concurrent", "max_budget", "max_depth", "max_step_tokens", "max_choices", "default_budget",
-                 "default_beam_width", "default_max_depth", "default_step_tokens"):
-        if getattr(args, name) < 1:
-            print(f"sgl-tts serve-search: error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
+# ------------------------------------------------------------------------------------- serving
+def serve_search(generator_url: str | None, prm_url: str | None, *, host: str = "127.0.0.1", port: int = 30010,
+                 max_concurrent: int = 8, prm_kind: str = "step_tag", prm_tokenizer: str | None = None,
+                 limits: Limits = Limits(), defaults: Defaults = Defaults(), log_level: str = "info") -> None:
+    """Serve the OpenAI endpoint (uvicorn) until stopped (``sgl-tts serve-search``). With no
+    ``generator_url`` it starts the tiny generator, and the tiny PRM unless ``prm_url`` is given, on the
+    CPU (stopped on return); ``prm_url`` ``"none"``: self_consistency only. ``ConnectionError`` when
+    the generator or the PRM does not answer."""
     import uvicorn
 
-    limits = Limits(args.max_budget, args.max_depth, args.max_step_tokens, args.max_choices)
-    defaults = Defaults(n=args.default_budget, beam_width=args.default_beam_width, max_depth=args.default_max_depth,
-                        step_tokens=(args.default_step_tokens,), aggregation=args.default_aggregation)
     servers = None
     try:
-        gen_url, prm_url = args.generator_url, args.prm_url
+        gen_url = generator_url
         if gen_url is None:
             servers, gen_url, started_prm = start_tiny_servers(need_prm=prm_url is None)
             prm_url = prm_url or started_prm
         if prm_url is not None and prm_url.lower() == "none":
             prm_url = None
-        try:
-            service = SearchService(gen_url, prm_url, max_concurrent=args.max_concurrent, prm_kind=args.prm_kind,
-                                    prm_tokenizer=args.prm_tokenizer)
-        except ConnectionError as exc:
-            print(f"sgl-tts serve-search: error: {exc}", file=sys.stderr)
-            return 1
+        service = SearchService(gen_url, prm_url, max_concurrent=max_concurrent, prm_kind=prm_kind,
+                                prm_tokenizer=prm_tokenizer)
         print(f"sgl-tts serve-search: generator {gen_url}, PRM {prm_url or 'none'}; "
-              f"OpenAI endpoint http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        uvicorn.run(create_app(service, limits, defaults), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+              f"OpenAI endpoint http://{host}:{port}/v1", file=sys.stderr, flush=True)
+        uvicorn.run(create_app(service, limits, defaults), host=host, port=port,
+                    log_level=log_level.lower(), timeout_graceful_shutdown=5)
     finally:
         if servers is not None:
             servers.stop_all()
-    return 0
 
 
 def start_tiny_servers(need_prm: bool = True):
@@ -356,5 +320,5 @@ def start_tiny_servers(need_prm: bool = True):
     return servers, gen, prm
 
 
-__all__ = ["BackgroundSearchServer", "completion_body", "create_app", "disconnected", "error_body", "main",
+__all__ = ["BackgroundSearchServer", "completion_body", "create_app", "disconnected", "error_body", "serve_search",
            "stream_events", "usage"]

@@ -414,24 +414,9 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
     return timings
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+if __name__ == "__main__":   # python -m sgl_tts.tiny.training (docs/TINY_MODELS.md): sgl-tts train-tiny
+    from sgl_tts.cli.train_tiny import main
 
-    ap = argparse.ArgumentParser(prog="sgl-tts train-tiny", description=train_tiny.__doc__)
-    ap.add_argument("--out", required=True, help="folder for generator/, prm/ and the PRM data pool")
-    d = TinyRecipe()
-    for f in dataclasses.fields(TinyRecipe):
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
-                        default=getattr(d, f.name))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    recipe = TinyRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyRecipe)})
-    timings = train_tiny(args.out, recipe)
-    print(json.dumps({"out": str(args.out), "recipe": dataclasses.asdict(recipe), **timings}))
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())
 
 

@@ -1,0 +1,94 @@
+"""``sgl-tts demo``: single sample, majority vote, PRM best-of-N and PRM beam search side by side on
+test problems (:func:`sgl_tts.quality.compare`), on the embedded tiny models by default."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+from sgl_tts.cli import quiet_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = argparse.ArgumentParser(prog="sgl-tts demo")
+    d.add_argument("--problems", type=int, default=50, help="test problems (default 50)")
+    d.add_argument("--ns", default="1,4,16", help="N values, comma-separated, starting at 1")
+    d.add_argument("--beam-width", type=int, default=4, help="beam width M of beam search")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--generator", default=None, help="generator folder (default: the shipped one)")
+    d.add_argument("--prm", default=None, help="PRM folder (default: the shipped one)")
+    d.add_argument("--target", default=None, help="generator on an SGLang server URL instead")
+    d.add_argument("--runtime", choices=["auto", "server", "cuda", "cpu"], default="auto")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--cpu-engine", choices=["thread", "process"], default="thread",
+                   help="where the CPU backend's model engines run: a thread of this process or a child "
+                        "process each, apart from the searches' threads (default thread)")
+    d.add_argument("--plot", default="sgl-tts-demo.png", help="accuracy-vs-N plot file")
+    d.add_argument("--no-plot", action="store_true", help="do not save the plot")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return d
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Run the comparison the flags ask for and print it (a table, or one JSON object)."""
+    import sgl_tts
+    from sgl_tts import quality
+    from sgl_tts.machine import describe
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM
+    from sgl_tts.tiny import task
+
+    ns = quality.check_ns(quality.int_list(args.ns, "--ns"))
+    if args.problems < 1:
+        raise ValueError("--problems must be at least 1")
+    prm_path = args.prm or shipped_model("prm")
+    if prm_path is None:
+        raise FileNotFoundError("no PRM: this source tree ships no trained PRM; pass --prm PATH "
+                                "(train one with `sgl-tts train-tiny --out DIR`)")
+    t0 = time.perf_counter()
+    generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime,
+                                local_options={"engine_in": args.cpu_engine})
+    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed, engine_in=args.cpu_engine)
+    load_s = time.perf_counter() - t0
+    try:
+        cmp = quality.compare(generator, StepTagPRM(prm_backend), task.test_split()[:args.problems],
+                              ns=ns, beam_width=args.beam_width, temperature=args.temperature,
+                              seed=args.seed, progress=not args.json)
+    finally:
+        generator.shutdown()
+        prm_backend.shutdown()
+    plot = None if args.no_plot else str(quality.plot_accuracy(cmp, args.plot))
+    result = {"generator": generator.get_model_name(), "generator_backend": type(generator).__name__,
+              "prm": str(prm_path), **cmp.to_json(), "load_seconds": round(load_s, 3), "plot": plot,
+              "machine": describe(), "date": time.strftime("%Y-%m-%d")}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"sgl-tts demo: {cmp.problems} test problems, T={cmp.temperature}, beam width "
+          f"{cmp.beam_width}, PRM score = {cmp.aggregation} step")
+    print(f"generator {result['generator']} ({result['generator_backend']}), PRM {prm_path}")
+    print(cmp.table())
+    d = cmp.details
+    if d:
+        n = d["samples"]
+        print(f"pass@{n} (an oracle picking any right sample): {100 * d[f'pass@{n}']:.1f}%; "
+              f"PRM step AUC {d['prm_step_auc']:.3f}")
+    print("majority vote, PRM best-of-N and PRM-weighted vote at one N read the same samples (one "
+          "run: its seconds include PRM scoring).")
+    if plot:
+        print(f"plot: {plot}")
+    print(f"load {load_s:.1f}s, total {cmp.seconds:.1f}s on {result['machine']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_logging()
+    try:
+        return demo(args)
+    except (ConnectionError, FileNotFoundError, ValueError) as exc:
+        print(f"sgl-tts: error: {exc}", file=sys.stderr)
+        return 1

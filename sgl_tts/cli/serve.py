@@ -1,0 +1,100 @@
+"""``sgl-tts serve``: the generator and the PRM as two supervised SGLang servers, on one GPU (planned)
+or on the CPU (:func:`sgl_tts.launch.serve.pair_flags`, :func:`~sgl_tts.launch.serve.serve_specs`,
+:func:`~sgl_tts.launch.serve.run_servers`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from sgl_tts.cli.plan import add_plan_arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``sgl-tts serve``'s flags: the memory plan's (GPU) and the CPU, replica and router ones."""
+    from sgl_tts.launch import serve
+    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
+    from sgl_tts.plugin.settings import CPU_ATTENTION
+
+    ap = argparse.ArgumentParser(prog="sgl-tts serve", description=serve.__doc__.splitlines()[0])
+    add_plan_arguments(ap, models_required=False)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: the planned split on one GPU. cpu: both servers on this machine's CPU "
+                         "(SGLANG_USE_CPU_ENGINE=1; default models: the shipped tiny generator and PRM; "
+                         "pools from --kv-memory; the GPU planning flags are ignored)")
+    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+                    help=f"with --device cpu: RAM the two KV pools may take together "
+                         f"(default {DEFAULT_KV_MEMORY}; each server also needs ~3 GB for itself)")
+    ap.add_argument("--generator-share", type=float, default=0.5,
+                    help="with --device cpu: the generator's share of --kv-memory (default 0.5)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --device cpu: compute and KV dtype (default: the checkpoint's; float32 "
+                         "computes exactly what sgl_tts.LocalBackend computes)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--generator-port", type=int, default=30000)
+    ap.add_argument("--prm-port", type=int, default=30001)
+    ap.add_argument("--tts-policy", default="prefix-aware", choices=["off", "prefix-aware"])
+    ap.add_argument("--tts-metrics-file", default=None)
+    ap.add_argument("--cpu-attention", default="ragged", choices=list(CPU_ATTENTION),
+                    help="with --device cpu: both servers' attention (the plugin's --tts-cpu-attention). "
+                         "ragged (default): decode rows batched by length, extends over their new tokens "
+                         "only; native: SGLang's torch_native (one call per sequence, every extend over "
+                         "its whole context). Equal to float rounding; ragged is several times faster")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="generator replicas behind SGLang's router (sglang-router), which listens on "
+                         "--generator-port: clients keep one URL. cpu: the generator's KV share is split "
+                         "between them; cuda: replica i runs on GPU i with the planned flags (default 1: "
+                         "no router)")
+    ap.add_argument("--router-policy", default="cache_aware", choices=list(serve.ROUTER_POLICIES),
+                    help="how the router picks a replica (cache_aware: the one whose prefix tree matches "
+                         "the request best, unless the load is unbalanced)")
+    ap.add_argument("--router-args", default="",
+                    help="more flags for sglang_router.launch_router, one quoted string (e.g. "
+                         "\"--cache-threshold 0.5 --balance-abs-threshold 32\")")
+    ap.add_argument("--replica-ports", default=None,
+                    help="comma-separated ports of the replicas (default: --generator-port + 100, + 101, ...)")
+    ap.add_argument("--health-timeout", type=float, default=600.0)
+    ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sgl-tts serve``."""
+    from sgl_tts.launch.serve import (ServerFailed, pair_flags, print_commands, run_servers, say, serve_specs,
+                                      sigterm_stops_servers, wait_router_workers)
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        flags, env = pair_flags(args)
+        specs = serve_specs(args, flags, env)
+    except (FileNotFoundError, ValueError) as exc:
+        if args.device == "cuda" and not (args.generator and args.prm):
+            ap.error(str(exc))
+        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print_commands(specs)
+        return 0
+
+    def ready(servers):
+        urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
+        if "router" in urls:
+            wait_router_workers(urls["router"], args.replicas)
+            reps = ", ".join(u for n, u in urls.items() if n.startswith("generator-"))
+            say(f"sgl-tts serve: generator {urls['router']} (SGLang router, {args.router_policy}, "
+                f"{args.replicas} replicas: {reps}), PRM {urls['prm']} (Ctrl-C stops all)")
+        else:
+            say(f"sgl-tts serve: generator {urls['generator']}, PRM {urls['prm']} (Ctrl-C stops both)")
+
+    try:
+        with sigterm_stops_servers():
+            run_servers(specs, health_timeout=args.health_timeout, on_ready=ready)
+    except ServerFailed as exc:
+        print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sgl-tts serve: stopped", file=sys.stderr)
+        return 130
+    return 0

@@ -68,20 +68,22 @@ def smoke_specs(s: SmokeSettings, gen: Path, prm_path: Path, metrics: str) -> li
 def run_searches(s: SmokeSettings, prm_path: Path, timings: dict[str, float]) -> dict[str, int]:
     """Beam search on ``--problems`` test problems against the running generator (group ``smoke-<i>``),
     timing the first and the mean search; returns how many were right and the tokens generated."""
-    from programs.beam_search import beam_search
-    from sgl_tts.tiny import task
     from sgl_tts.backends import LocalBackend, SGLangEndpoint
+    from sgl_tts.experiment import RunConfig, program_function
     from sgl_tts.prm import StepTagPRM
+    from sgl_tts.tiny import task
 
     endpoint = SGLangEndpoint(f"http://127.0.0.1:{s.port}")
     prm = StepTagPRM(SGLangEndpoint(f"http://127.0.0.1:{s.prm_port}") if s.device == "cpu"
                      else LocalBackend(str(prm_path)))
+    cfg = RunConfig(program="beam_search", n=s.beams, beam_width=2, max_depth=12)   # as `sgl-tts run` gives it
+    beam_search = program_function(cfg.program)
     problems = task.test_split()[:s.problems]
     right, tokens, per = 0, 0, []
     for i, p in enumerate(problems):
         t0 = time.perf_counter()
-        state = beam_search.run(question=p.question, prm=prm, num_beams=s.beams, beam_width=2,
-                                max_depth=12, search_group=f"smoke-{i}", backend=endpoint)
+        state = beam_search.run(**cfg.program_arguments(p.question, prm), search_group=f"smoke-{i}",
+                                backend=endpoint)
         if state.error() is not None:
             raise RuntimeError(f"problem {i}: {state.error()}")
         res = state.ret_value

@@ -58,16 +58,18 @@ def prefill_by_group(records: Sequence[dict]) -> dict[str, tuple[int, int]]:
 
 
 def routing_row(servers, router: str, policy: str, prm, s: ScaleOutSettings) -> dict:
-    from programs.beam_search import beam_search
-    from sgl_tts.tiny import task
     from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.experiment import RunConfig, program_function
     from sgl_tts.search.runner import run_continuously
+    from sgl_tts.tiny import task
 
     problems = task.test_split()[:s.problems]
     before = {n: len(servers.metrics_records(n)) for n in REPLICAS}
     tag = f"{policy.replace('_', '')}{int(time.time())}x"
-    args = [dict(question=p.question, prm=prm, num_beams=s.beams, beam_width=s.beam_width, max_depth=12,
-                 step_tokens=48, seed=s.seed + i, search_group=f"{tag}{i}") for i, p in enumerate(problems)]
+    cfg = RunConfig(program="beam_search", n=s.beams, beam_width=s.beam_width, max_depth=12, step_tokens=[48])
+    args = [dict(dataclasses.replace(cfg, seed=s.seed + i).program_arguments(p.question, prm), search_group=f"{tag}{i}")
+            for i, p in enumerate(problems)]
+    beam_search = program_function(cfg.program)
     t0 = time.monotonic()
     results = {}
     for i, state in run_continuously(beam_search, args, backend=SGLangEndpoint(router), in_flight=s.in_flight,

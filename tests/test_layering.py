@@ -265,3 +265,24 @@ def test_no_library_module_parses_arguments():
                 and "main" not in allowed.get(rel, ()):
             offenders.append(f"{rel} defines main")
     assert offenders == []
+
+
+def test_the_library_reaches_the_programs_only_through_the_registry():
+    """``programs/`` sits above ``sgl_tts``: the library names a program by the registry's
+    ``"module:attribute"`` string and never imports ``programs`` itself (no package-level cycle)."""
+    import ast
+    from pathlib import Path
+
+    from sgl_tts import registry
+
+    root = Path(sgl_tts.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names
+                          if n == "programs" or n.startswith("programs.")]
+    assert offenders == []
+    assert {registry.program(n).function.split(":")[0] for n in registry.names()} == {
+        "programs.beam_search", "programs.dvts", "programs.best_of_n", "programs.mcts"}

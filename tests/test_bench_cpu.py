@@ -101,5 +101,11 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
     metrics = list(tmp_path.glob("run.plugin-metrics.jsonl.*"))
     assert len(metrics) == 1 and metrics[0].stat().st_size > 0
     assert (tmp_path / "run.md").read_text().count("| match |") == 4
+    # SGLang's own counters, from each generator's /metrics (--enable-metrics on both sides): 1 GiB of
+    # KV holds this whole run, so nothing was evicted or retracted
+    zero = {"evicted_tokens": 0, "retracted_requests": 0, "retracted_prompt_tokens": 0}
+    assert summary["server_counters"] == {"stock": zero, "sgl-tts": zero}
+    assert [r["side"] for r in records if r["kind"] == "counters"] == ["stock", "sgl-tts"]
+    assert "| stock | 0 | 0 | 0 |" in (tmp_path / "run.md").read_text()
     # every server was stopped
     assert not _answers(gen_port) and not _answers(prm_port)

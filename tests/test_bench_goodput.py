@@ -320,6 +320,28 @@ def test_dry_run_prints_a_stock_and_an_sgl_tts_pair(tmp_path, capsys):
     assert f"--tokenizer-path {tok}" in cmds["# stock generator"] and f"--tokenizer-path {tok}" in cmds["# sgl-tts generator"]
 
 
+def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, capsys):
+    """What a user would pick instead of the plugin (issue 32): stock SGLang under fcfs (its
+    default), lpm and dfs-weight, on both servers, the same pools; every generator serves SGLang's
+    counters (--enable-metrics); the sgl-tts side is unchanged."""
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run",
+                       "--sides", "stock", "stock-lpm", "stock-dfs-weight", "sgl-tts"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    assert list(cmds) == [f"# {side} {server}" for side in ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts")
+                          for server in ("generator", "prm")]
+    policy = lambda cmd: cmd.split("--schedule-policy ")[1].split()[0] if "--schedule-policy" in cmd else None  # noqa: E731
+    pool = lambda cmd: cmd.split("--max-total-tokens ")[1].split()[0]  # noqa: E731
+    for name, cmd in cmds.items():
+        side, server = name[2:].split()
+        assert ("SGLANG_PLUGINS=none " in cmd) == (side != "sgl-tts") and ("--tts-policy" in cmd) == (name == "# sgl-tts generator")
+        assert policy(cmd) == {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight", "sgl-tts": None}[side]
+        assert ("--enable-metrics" in cmd) == (server == "generator")
+        assert pool(cmd) == pool(cmds[f"# sgl-tts {server}"])
+
+
 def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorter_trace(tmp_path, capsys):
     from sgl_tts.bench.command import CPU_TRACE
 
@@ -424,6 +446,22 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
     def do_GET(self):
+        if self.path == "/metrics":   # SGLang's counters, with --enable-metrics only (as SGLang)
+            if "--enable-metrics" not in sys.argv:
+                self.send_error(404)
+                return
+            # in SGLang's exposition format: one counter under two label sets, comments, one never set
+            data = (f"# HELP sglang:evicted_tokens_total x\n# TYPE sglang:evicted_tokens_total counter\n"
+                    f'sglang:evicted_tokens_total{{cache_type="RadixCache"}} {3.0 * served[0]}\n'
+                    f'sglang:evicted_tokens_total{{cache_type="Other"}} {1.0 * served[0]}\n'
+                    f'sglang:num_retracted_requests_total{{model_name="m"}} {float(served[0] // 10)}\n'
+                    ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         self.send({"model_path": args.model_path, "is_generation": True})
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -543,7 +581,15 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert [(r["algorithm"], r["n"], r["kept_beams_match"]) for r in summary["rows"]] == [
         ("beam_search", 4, True), ("beam_search", 8, True), ("dvts", 4, True), ("dvts", 8, True)]
     assert all(r["limit_goodput"] > 0 for r in summary["rows"])
+    # SGLang's counters (the stand-in: 3 + 1 evicted tokens per request under two label sets), read
+    # before and after each side's searches: one record per side that finished its searches
+    counted = [r for r in records if r["kind"] == "counters"]
+    assert [r["side"] for r in counted] == ["stock", "sgl-tts"]
+    for side, c in summary["server_counters"].items():
+        assert c["evicted_tokens"] > 0 and c["evicted_tokens"] % 4 == 0 and c["retracted_prompt_tokens"] == 0, side
     md = (tmp_path / "run.md").read_text()
+    assert "| side | generator tokens evicted | requests retracted | their prompt tokens |" in md
+    assert f"| stock | {summary['server_counters']['stock']['evicted_tokens']:.0f} |" in md
     assert md == out.rstrip("\n") + "\n" or md.rstrip() in out
     assert "- machine: " in md and "- date: " in md and "- command: `sgl-tts bench --generator qwen2.5-math-1.5b" in md
     assert (tmp_path / "run.png").stat().st_size > 10_000
@@ -704,3 +750,44 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, False), (None, False), (Speculation(lookahead=False), False), (Speculation(), False),
             (Speculation(), True)]
+
+
+def test_sglang_s_own_counters_are_read_from_its_exposition():
+    """The counter names are SGLang 0.5.15's: its own radix-cache metrics collector (evicting twice
+    under one cache type, once under another) writes the eviction counter's text, in a fresh
+    interpreter (Prometheus registers a collector once per process); the retraction counters, whose
+    collector needs a whole server's arguments, are written as SGLang's exposition writes them, by
+    the names its collector registers. The bench sums label sets."""
+    import inspect
+    import subprocess
+    import sys
+
+    from sglang.srt.observability import metrics_collector
+
+    from sgl_tts.bench.server_counters import COUNTERS, delta, format_counters, parse_counters, per_side
+
+    source = inspect.getsource(metrics_collector)
+    assert all(f'name="{metric}"' in source for metric in COUNTERS.values())
+    code = ("from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector as R\n"
+            "from prometheus_client import generate_latest\n"
+            "a = R(labels={'cache_type': 'RadixCache'})\n"
+            "a.increment_eviction_num_tokens(5); a.increment_eviction_num_tokens(7)\n"
+            "a.eviction_num_tokens.labels(cache_type='HiRadixCache').inc(1)\n"
+            "print(generate_latest().decode())\n")
+    text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    text += ('# HELP sglang:num_retracted_requests_total x\n# TYPE sglang:num_retracted_requests_total counter\n'
+             'sglang:num_retracted_requests_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",'
+             'tp_rank="0"} 3.0\nsglang:num_retracted_input_tokens_total{model_name="m"} 400.0\n'
+             'sglang:num_retracted_output_tokens_total{model_name="m"} 44.0\n')
+    got = parse_counters(text)
+    assert got == {"evicted_tokens": 13.0, "retracted_requests": 3.0, "retracted_prompt_tokens": 400.0}
+    assert parse_counters("# nothing set yet\n") == {"evicted_tokens": 0.0, "retracted_requests": 0.0,
+                                                     "retracted_prompt_tokens": 0.0}
+    assert delta({"evicted_tokens": 3.0, "retracted_requests": 1.0, "retracted_prompt_tokens": 100.0}, got) == {
+        "evicted_tokens": 10.0, "retracted_requests": 2.0, "retracted_prompt_tokens": 300.0}
+    # a side resumed after a crash has one record per part that ran: summed
+    sides = per_side([{"kind": "counters", "side": "stock", **got}, {"kind": "search", "side": "stock"},
+                      {"kind": "counters", "side": "stock", **got}, {"kind": "counters", "side": "sgl-tts", **got}])
+    assert sides["stock"] == {k: 2 * v for k, v in got.items()} and sides["sgl-tts"] == got
+    assert format_counters(sides, ["stock", "stock-lpm", "sgl-tts"]).splitlines()[2:] == [
+        "| stock | 26 | 6 | 800 |", "| sgl-tts | 13 | 3 | 400 |"]

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.bench.goodput import (DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, BenchSettings, RecordWriter, format_report,
-                                   measure_limit, plot_report, run_side, summarize)
+from sgl_tts.bench import server_counters
+from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, STOCK_POLICIES, BenchSettings,
+                                   RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
+                                   summarize)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -97,6 +99,7 @@ def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> 
     """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows."""
     rows = summarize(records, settings)
     return {"header": header, "settings": settings.to_json(),
+            "server_counters": server_counters.per_side(records),
             "rows": [{"algorithm": r.algorithm, "n": r.n, "limit_goodput": r.limit_goodput,
                       "limit_batch": r.limit_batch, "kept_beams_match": r.match, "mismatched": r.mismatched,
                       "sides": {k: vars(v) for k, v in r.sides.items()}} for r in rows]}
@@ -117,6 +120,10 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
     if header.get("trace"):
         lines.append(f"- trace: `{json.dumps(header['trace'])}`")
     lines += [f"- settings: `{json.dumps(settings.to_json())}`", "", table, ""]
+    counters = server_counters.format_counters(server_counters.per_side(records), ALL_SIDES)
+    if counters:
+        lines += ["SGLang's own counters on each side's generator (its `/metrics`, over the side's searches):",
+                  "", counters, ""]
     text = "\n".join(lines)
     output.with_suffix(".md").write_text(text)
     output.with_suffix(".summary.json").write_text(json.dumps(summary_json(records, settings, header), indent=1))
@@ -196,7 +203,8 @@ def prepare(args) -> BenchSetup:
 
 
 def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
-    """Each side's servers: stock SGLang without the plugin, or the sgl-tts servers (plugin on)."""
+    """Each side's servers: stock SGLang without the plugin (under the side's scheduling policy), or the
+    sgl-tts servers (plugin on). Every generator serves SGLang's counters (``--enable-metrics``)."""
     from sgl_tts.plugin.settings import TTSSettings
     from sgl_tts.launch.serve import build_specs
 
@@ -207,11 +215,14 @@ def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
     ports = {"generator": args.generator_port, "prm": args.prm_port}
     specs = {}
     for side in args.sides:
-        servers = "stock" if side == "stock" else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
+        servers = "stock" if is_stock(side) else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
+        policy = STOCK_POLICIES.get(side)
+        flags = {name: extra_by[name] + (["--schedule-policy", policy] if policy else [])
+                 + ([server_counters.METRICS_FLAG] if name == "generator" else []) for name in extra_by}
         plugin = TTSSettings("prefix-aware", metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
                              ) if servers == "sgl-tts" else None
         specs[side] = build_specs(str(setup.gen_dir), str(setup.prm_dir), setup.side_flags[servers], host=args.host,
-                                  ports=ports, first=args.first, plugin=plugin, extra=extra_by,
+                                  ports=ports, first=args.first, plugin=plugin, extra=flags,
                                   env=setup.envs[servers])
     return specs
 
@@ -248,7 +259,7 @@ class SideRunner:
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
         need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
-        need_limit = side != "stock" and {min(n, settings.planned_batch) for n in settings.n} - limits
+        need_limit = not is_stock(side) and {min(n, settings.planned_batch) for n in settings.n} - limits
         if need <= done and not need_limit:
             return
         if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -260,12 +271,16 @@ class SideRunner:
             try:
                 urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
                 toks = self.setup.tokenizers
+                before = server_counters.server_counters(urls["generator"])
                 unfinished = run_side(side, urls["generator"], urls["prm"], settings,
                                       prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
                                       vocab=self.setup.vocab, done=done, write=writer,
                                       progress=not self.args.no_progress, deadline=self.deadline)
                 self.left += unfinished
-                if side != "stock" and not unfinished:
+                # after a side's searches only (the decode limit below is not its work)
+                writer({"kind": "counters", "side": side,
+                        **server_counters.delta(before, server_counters.server_counters(urls["generator"]))})
+                if not is_stock(side) and not unfinished:
                     measure_limit(urls["generator"], settings, vocab=self.setup.vocab, write=writer, done=limits)
             except Exception as exc:
                 time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines

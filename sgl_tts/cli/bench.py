@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stock side's generator share of the memory budget (default 0.5; with "
                         "--device cpu both sides' share of --kv-memory)")
     b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
-                   help="stock and sgl-tts by default; the sgl-tts+spec... sides add speculative beam extension, "
-                        "then LookAhead, then overlapped verification on the sgl-tts servers (the ablation)")
+                   help="stock and sgl-tts by default; stock-lpm and stock-dfs-weight are stock SGLang under its "
+                        "own prefix-aware policies (--schedule-policy lpm / dfs-weight); the sgl-tts+spec... "
+                        "sides add speculative beam extension, then LookAhead, then overlapped verification on "
+                        "the sgl-tts servers (the ablation)")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

@@ -191,10 +191,12 @@ def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_cha
     assert state.sorts == 4 and getattr(back, tts_policy.INFO).seq == tts_policy.tokens_of(back)
 
 
-def test_the_cached_order_equals_a_fresh_order_over_random_rounds():
-    """Admit some, add arrivals, retract some, re-class some: every round the cached state gives
-    exactly what a fresh policy state gives on the same queue and cache."""
-    rng = random.Random(7)
+@pytest.mark.parametrize("parents, rounds, seed", [(5, 25, 7), (40, 60, 8), (40, 60, 9)])
+def test_the_cached_order_equals_a_fresh_order_over_random_rounds(parents, rounds, seed):
+    """Admit some, add arrivals, retract some: every round the state carried across rounds (its
+    cached plan, each family's walk, the sorted sequences, the radix matches) gives exactly what a
+    fresh policy state gives on the same queue and cache."""
+    rng = random.Random(seed)
     cache = Cache()
     pol = policy_for(cache)
     prompt = [rng.randrange(200) for _ in range(40)]
@@ -203,20 +205,26 @@ def test_the_cached_order_equals_a_fresh_order_over_random_rounds():
     def arrivals(k):
         out = []
         for _ in range(k):
-            p = rng.randrange(5)
+            p = rng.randrange(parents)
             i = next(n)
             out.append(make_req(f"q{i}", prompt + [p] * 8 + [rng.randrange(200) for _ in range(rng.randrange(1, 12))],
                                 SearchTag(f"g{p % 2}", 1, p, i, rng.choice(["normal", "normal", "speculative"]))))
         return out
 
-    queue = arrivals(20)
-    for rnd in range(25):
-        pol.calc_priority(queue)
+    queue = arrivals(20 if parents < 10 else 300)
+    running = None
+    for rnd in range(rounds):
+        # the running batch's last request anchors the walk: now and then another one, which
+        # continues a waiting request further than its siblings (the family's walk starts there)
+        if queue and rng.random() < 0.3:
+            near = seq(rng.choice(queue))
+            running = ScheduleBatch(reqs=[make_req(f"run{rnd}", near[:-1] + [rng.randrange(200)])])
+        pol.calc_priority(queue, running)
         fresh_pol = policy_for(cache)
         fresh_pol.sgl_tts._group_rank = dict(pol.sgl_tts._group_rank)
         fresh_pol.sgl_tts._counter = itertools.count(len(pol.sgl_tts._group_rank))
         copy = list(queue)
-        fresh_pol.calc_priority(copy)
+        fresh_pol.calc_priority(copy, running)
         assert rids(copy) == rids(queue), f"round {rnd}"
         action = rng.random()
         if action < 0.3 and queue:
@@ -230,6 +238,7 @@ def test_the_cached_order_equals_a_fresh_order_over_random_rounds():
             queue[rng.randrange(len(queue))].output_ids.extend([rng.randrange(200)])
         # else: an unchanged round
     assert pol.sgl_tts.sorts < pol.sgl_tts.rounds
+    assert pol.sgl_tts.walks.hits > pol.sgl_tts.walks.misses > 0   # re-sorts reused most families' walks
 
 
 # ------------------------------------------------------------------------------------- 7: priorities

@@ -12,7 +12,9 @@ running request anchors the order. Per queue size, milliseconds per round:
 - **unchanged**: a round on the same queue (nothing admitted, nothing arrived: what happens every
   decode step while siblings wait), median of 7;
 - **arrival**: a round after one new request arrived;
-- **admitted**: a round after the first 16 requests were admitted and their prefill cached.
+- **admitted**: a round after the first 16 requests were admitted and their prefill cached;
+- **mixed**: a round after a few admissions (2, their prefill cached) and a few arrivals (2 more
+  children of the same depth), median of 7 such rounds: a busy server's common changed round.
 
 Uses only APIs the plugin has had from the start (``policy.enable``, ``calc_priority``), so the same
 script measures an older checkout: ``PYTHONPATH=<old checkout> ./dev.sh run python tools/...``.
@@ -82,7 +84,9 @@ def measure(n: int, tokens: int) -> dict:
     from sgl_tts.plugin.settings import TTSSettings
 
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native"))
-    tree, queue, running, extra, insert = build(n, tokens)
+    tree, queue, running, extra, insert = build(n + 32, tokens)
+    later = queue[n:]            # arrivals of the mixed rounds: more children of the same depth
+    del queue[n:]
     pol = SchedulePolicy("fcfs", tree, False, False, False)
     tts_policy.enable(pol, TTSSettings("prefix-aware", 32))
 
@@ -99,8 +103,15 @@ def measure(n: int, tokens: int) -> dict:
         insert(list(r.origin_input_ids))
     del queue[:16]
     admitted = timed()
+    mixed = []
+    for _ in range(7):
+        for r in queue[:2]:
+            insert(list(r.origin_input_ids))
+        del queue[:2]
+        queue += [later.pop(), later.pop()]
+        mixed.append(timed())
     return {"waiting": n, "tokens": tokens, "first_ms": first, "unchanged_ms": unchanged,
-            "arrival_ms": arrival, "admitted_ms": admitted}
+            "arrival_ms": arrival, "admitted_ms": admitted, "mixed_ms": statistics.median(mixed)}
 
 
 def main(argv=None) -> int:
@@ -119,14 +130,14 @@ def main(argv=None) -> int:
 
     print(f"# sgl_tts from {sgl_tts.__file__}")
     if not args.json:
-        print(f"{'waiting':>8} {'first':>9} {'unchanged':>10} {'arrival':>9} {'admitted':>9}  (ms per round)")
+        print(f"{'waiting':>8} {'first':>9} {'unchanged':>10} {'arrival':>9} {'admitted':>9} {'mixed':>9}  (ms per round)")
     for n in args.sizes:
         row = measure(n, args.tokens)
         if args.json:
             print(json.dumps(row))
         else:
             print(f"{n:>8} {row['first_ms']:>9.1f} {row['unchanged_ms']:>10.2f} {row['arrival_ms']:>9.1f} "
-                  f"{row['admitted_ms']:>9.1f}")
+                  f"{row['admitted_ms']:>9.1f} {row['mixed_ms']:>9.1f}")
     return 0
 
 

@@ -173,8 +173,45 @@ def _place(node: _Node, order: list[int]) -> None:
         up = up.parent
 
 
+class WalkMemo:
+    """What :func:`family_order` computed per family, kept from one scheduling round to the next so
+    that a round after a few arrivals or admissions recomputes only the families that changed.
+
+    A family's shared prefix is a function of its members' sequences, and its members' walk a
+    function of their sequences, their keys and the sequence placed before them, so a stored result
+    is reused only for the same arguments (bytes objects compare by identity first: a request's
+    cached sequence makes the lookup cheap): the order is the one a fresh computation gives.
+    Entries live until a round passes without using them (:meth:`next_round`)."""
+
+    def __init__(self):
+        self._now: dict = {}
+        self._before: dict = {}
+        self.hits = self.misses = 0
+
+    def next_round(self) -> None:
+        """Start a round: what the last round did not use is dropped."""
+        self._before, self._now = self._now, {}
+
+    def get(self, key: Any, compute) -> Any:
+        value = self._now.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._before.pop(key, _MISSING)
+            if value is _MISSING:
+                self.misses += 1
+                value = compute()
+            else:
+                self.hits += 1
+            self._now[key] = value
+        else:
+            self.hits += 1
+        return value
+
+
+_MISSING = object()
+
+
 def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[Any],
-                 anchor: bytes | None = None) -> tuple[list[int], list[int]]:
+                 anchor: bytes | None = None, memo: WalkMemo | None = None) -> tuple[list[int], list[int]]:
     """:func:`prefix_aware_order` with **families kept contiguous**: requests with the same family
     id (siblings: one search, depth and parent) are placed one after another, whatever the other
     requests in the queue (e.g. a deeper request of an MCTS tree that shares more with one sibling
@@ -184,30 +221,36 @@ def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[
     members, ties to the smallest key below), starting from the family that shares the most with
     ``anchor``; within a family, members are ordered greedily from the request placed before.
     Returns the order and, for each placed request, the tokens it shares with the sequence placed
-    before it (the anchor for the first; 0 without one)."""
+    before it (the anchor for the first; 0 without one). ``memo`` (kept by the caller across rounds)
+    reuses each family's prefix and walk when its arguments are the same (:class:`WalkMemo`)."""
     n = len(seqs)
     if not (n == len(keys) == len(families)):
         raise ValueError("seqs, keys and families must have the same length")
     members: dict[Any, list[int]] = {}
     for i, fam in enumerate(families):
         members.setdefault(fam, []).append(i)
+    memo = memo if memo is not None else WalkMemo()
     fams = list(members)
-    prefixes, fkeys = [], []
+    prefixes, fkeys, fseqs, fkeyt = [], [], [], []
     for fam in fams:
-        idx = members[fam]
+        # members in key order: the queue's order changes from round to round, a family's walk does not
+        idx = members[fam] = sorted(members[fam], key=lambda i: keys[i])
+        mseqs = tuple(seqs[i] for i in idx)
+        fseqs.append(mseqs)
+        fkeyt.append(tuple(keys[i] for i in idx))
         if len(idx) == 1:
-            prefixes.append(seqs[idx[0]])
+            prefixes.append(mseqs[0])
         else:  # the longest prefix of all members: that of the smallest and the largest
-            lo, hi = min(seqs[i] for i in idx), max(seqs[i] for i in idx)
-            prefixes.append(lo[:common_prefix(lo, hi) * 8])
-        fkeys.append(min(keys[i] for i in idx))
+            prefixes.append(memo.get(("prefix", mseqs), lambda m=mseqs: _shared_prefix(m)))
+        fkeys.append(min(fkeyt[-1]))
     order: list[int] = []
     shared: list[int] = []
     prev = anchor
     for f in prefix_aware_order(prefixes, fkeys, anchor):
         idx = members[fams[f]]
         if len(idx) > 1:
-            local, local_shared = ordered_walk([seqs[i] for i in idx], [keys[i] for i in idx], prev)
+            local, local_shared = memo.get(("walk", fseqs[f], fkeyt[f], prev),
+                                           lambda m=fseqs[f], k=fkeyt[f], a=prev: ordered_walk(m, k, a))
             idx = [idx[j] for j in local]
         else:
             local_shared = [common_prefix(prev, seqs[idx[0]]) if prev is not None else 0]
@@ -217,4 +260,10 @@ def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[
     return order, shared
 
 
-__all__ = ["as_bytes", "common_prefix", "family_order", "ordered_walk", "prefix_aware_order"]
+def _shared_prefix(seqs: Sequence[bytes]) -> bytes:
+    """The longest prefix of all of ``seqs``: that of the smallest and the largest."""
+    lo, hi = min(seqs), max(seqs)
+    return lo[:common_prefix(lo, hi) * 8]
+
+
+__all__ = ["WalkMemo", "as_bytes", "common_prefix", "family_order", "ordered_walk", "prefix_aware_order"]

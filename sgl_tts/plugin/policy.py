@@ -39,7 +39,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from sgl_tts.plugin.ordering import as_bytes, common_prefix, family_order
+from sgl_tts.plugin.ordering import WalkMemo, as_bytes, common_prefix, family_order
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.protocol import SearchTag
 
@@ -102,8 +102,6 @@ class _Plan:
     anchor_best: int = 0         # the longest prefix any waiting request shares with the anchor
     prefill_version: int = -2    # shared_last computed for this last-prefill batch (-1: none)
     shared_last: list[int] = dataclasses.field(default_factory=list)
-    tree_fp: Any = None          # radix-cache fingerprint the cached lengths were matched on
-    cached: dict = dataclasses.field(default_factory=dict)  # position -> cached tokens of its prefix
 
 
 def tree_fingerprint(tree: Any) -> Any:
@@ -115,6 +113,31 @@ def tree_fingerprint(tree: Any) -> Any:
     if counter is None or not hasattr(tree, "evictable_size_"):
         return object()
     return (counter, tree.evictable_size_ + getattr(tree, "protected_size_", 0), id(root))
+
+
+class SortedSeqs:
+    """The waiting requests' sequences in sorted order, kept from one re-sort to the next: a round
+    after a few arrivals and admissions inserts and removes those (bisection) instead of sorting the
+    whole queue again."""
+
+    def __init__(self):
+        self.seqs: list[bytes] = []
+        self._serials: dict[int, bytes] = {}
+
+    def update(self, infos: Sequence[RequestInfo]) -> list[bytes]:
+        """The sorted sequences of ``infos`` (the list is kept: do not change it)."""
+        now = {f.serial: f.seq for f in infos}
+        gone = [seq for serial, seq in self._serials.items() if serial not in now]
+        new = [seq for serial, seq in now.items() if serial not in self._serials]
+        if len(gone) + len(new) > len(now) // 4:   # most of it changed: sorting is cheaper
+            self.seqs = sorted(now.values())
+        else:
+            for seq in gone:   # (an equal sequence of another request is as good: the content is what counts)
+                del self.seqs[bisect.bisect_left(self.seqs, seq)]
+            for seq in new:
+                bisect.insort(self.seqs, seq)
+        self._serials = now
+        return self.seqs
 
 
 class TTSPolicyState:
@@ -136,6 +159,12 @@ class TTSPolicyState:
         self.last_aged = 0
         self.rounds = 0      # order() calls
         self.sorts = 0       # of which re-sorted the queue
+        # carried from one re-sort to the next, so that a round after a few arrivals or admissions
+        # recomputes only what changed (the order is the one a fresh state computes)
+        self.walks = WalkMemo()                    # each family's prefix and walk
+        self._sorted = SortedSeqs()                # the waiting sequences, sorted
+        self._matched: dict[tuple[int, int], int] = {}   # (request serial, prefix length) -> cached tokens
+        self._matched_fp: Any = None               # the radix cache's fingerprint they were matched on
 
     # ------------------------------------------------------------------------- per request
     def group_rank(self, group: str) -> int:
@@ -225,6 +254,7 @@ class TTSPolicyState:
     def _make_plan(self, policy: Any, queue: list, infos: list[RequestInfo], aged: list[int],
                    anchor_req: Any) -> _Plan:
         self.sorts += 1
+        self.walks.next_round()
         anchor = None
         if anchor_req is not None:
             anchor = tokens_of(anchor_req)
@@ -249,7 +279,7 @@ class TTSPolicyState:
         for bucket in sorted(buckets):
             idx = buckets[bucket]
             local, local_shared = family_order([infos[i].seq for i in idx], [infos[i].key for i in idx],
-                                               [infos[i].family for i in idx], prev)
+                                               [infos[i].family for i in idx], prev, self.walks)
             walk.extend(idx[j] for j in local)
             shared.extend(local_shared)
             prev = infos[walk[-1]].seq
@@ -257,7 +287,7 @@ class TTSPolicyState:
                      shared_prev=shared, first_deferrable=first_deferrable)
         if anchor is not None:
             plan.anchor_rid, plan.anchor_len = anchor_req.rid, len(anchor) // 8
-            everything = sorted(f.seq for f in infos)   # the longest prefix is shared with a neighbour
+            everything = self._sorted.update(infos)   # the longest prefix is shared with a neighbour
             at = bisect.bisect_left(everything, anchor)
             plan.anchor_best = max((common_prefix(anchor, everything[j]) for j in (at - 1, at)
                                     if 0 <= j < len(everything)), default=0)
@@ -277,10 +307,14 @@ class TTSPolicyState:
                                 for f in plan.infos]
         page = max(1, int(getattr(tree, "page_size", 1) or 1))
         fp = tree_fingerprint(tree)
-        if fp != plan.tree_fp:
-            plan.cached = {}
+        if fp != self._matched_fp:
+            self._matched = {}
+        elif len(self._matched) > 4 * len(plan.reqs) + 64:   # requests long gone: keep this queue's
+            serials = {f.serial for f in plan.infos}
+            self._matched = {k: v for k, v in self._matched.items() if k[0] in serials}
+        matched = self._matched
         deferred: set[int] = set()
-        carry_pos, carry_len = -1, 0   # the last position matched and the prefix length it covers
+        carry_pos, carry_len, carry_hit = -1, 0, 0   # the last position matched, its prefix length, its hit
         for pos in range(plan.first_deferrable, len(plan.reqs)):
             info = plan.infos[pos]
             if info.rank == SPECULATIVE:
@@ -289,18 +323,18 @@ class TTSPolicyState:
             s -= s % page   # the radix cache holds (and matches) whole pages only
             if s < dedup:
                 continue
-            cached = plan.cached.get(pos)
-            if cached is None or cached[0] != s:
+            hit = matched.get((info.serial, s))
+            if hit is None:
                 if carry_pos == pos - 1 and plan.shared_prev[pos] >= s and s <= carry_len:
                     # the same prefix as the request before (it shares at least s tokens with it)
-                    hit = min(plan.cached[carry_pos][1], s)
+                    hit = min(carry_hit, s)
                 else:
                     hit = self._cached_tokens(tree, plan.reqs[pos], info.seq, s)
-                cached = plan.cached[pos] = (s, hit)
-            carry_pos, carry_len = pos, s
-            if s - cached[1] >= dedup:
+                matched[(info.serial, s)] = hit
+            carry_pos, carry_len, carry_hit = pos, s, hit
+            if s - hit >= dedup:
                 deferred.add(pos)
-        plan.tree_fp = tree_fingerprint(tree)   # after matching (a match can split a node)
+        self._matched_fp = tree_fingerprint(tree)   # after matching (a match can split a node)
         return deferred
 
     def _shared_with_last_prefill(self, seq: bytes) -> int:

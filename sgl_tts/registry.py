@@ -158,28 +158,31 @@ def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
 _SETTING_OF = {"num_beams": "n"}
 
 
-def _check_options(cfg: Any, bad: Callable[..., None], options: str, **own: Any) -> None:
+def _check_options(cfg: Any, bad: Callable[..., None], options: type, **own: Any) -> None:
     """Build the tree search's options object (:mod:`sgl_tts.search.options`) from a run's settings:
     the program's own checks, with its own messages, naming the run's settings."""
-    from sgl_tts.search import options as o
+    from sgl_tts.search.options import OptionError
 
     try:
-        getattr(o, options)(num_beams=cfg.n, beam_width=cfg.beam_width, max_depth=cfg.max_depth,
-                            step_tokens=_steps(cfg), aggregation=cfg.aggregation,
-                            speculative=cfg.speculative if cfg.speculative != "off" else False,
-                            overlap_verification=cfg.overlap_verification, **own)
-    except o.OptionError as exc:
+        options(num_beams=cfg.n, beam_width=cfg.beam_width, max_depth=cfg.max_depth, step_tokens=_steps(cfg),
+                aggregation=cfg.aggregation, speculative=cfg.speculative if cfg.speculative != "off" else False,
+                overlap_verification=cfg.overlap_verification, **own)
+    except OptionError as exc:
         bad(str(exc), *(_SETTING_OF.get(name, name) for name in exc.options))
 
 
 def _check_beam_search(cfg: Any, bad: Callable[..., None]) -> None:
-    _check_options(cfg, bad, "BeamSearchOptions", branching=cfg.branching, lookahead=cfg.lookahead,
+    from sgl_tts.search.options import BeamSearchOptions
+
+    _check_options(cfg, bad, BeamSearchOptions, branching=cfg.branching, lookahead=cfg.lookahead,
                    semantics=cfg.semantics, filter_duplicates=cfg.filter_duplicates,
                    sort_completed=cfg.sort_completed, accept_threshold=cfg.accept_threshold)
 
 
 def _check_dvts(cfg: Any, bad: Callable[..., None]) -> None:
-    _check_options(cfg, bad, "DVTSOptions")
+    from sgl_tts.search.options import DVTSOptions
+
+    _check_options(cfg, bad, DVTSOptions)
 
 
 def _sampling_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:

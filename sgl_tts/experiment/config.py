@@ -142,9 +142,9 @@ class RunConfig:
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
         "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine")
     # Settings added after runs were written: at their default they stay out of the run key, so an
-    # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too.
+    # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too:
+    # beam search's semantics, filter_duplicates, sort_completed and accept_threshold, MCTS's settings.
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
-        "filter_duplicates": False, "semantics": "sgl-tts", "sort_completed": False,
         # never change a kept beam (exact); truncate changes samples, so it is keyed
         "speculative": "off", "overlap_verification": False}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).

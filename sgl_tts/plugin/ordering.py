@@ -242,7 +242,7 @@ def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[
             prefixes.append(mseqs[0])
         else:  # the longest prefix of all members: that of the smallest and the largest
             prefixes.append(memo.get(("prefix", mseqs), lambda m=mseqs: _shared_prefix(m)))
-        fkeys.append(min(fkeyt[-1]))
+        fkeys.append(fkeyt[-1][0])   # the smallest (members in key order)
     order: list[int] = []
     shared: list[int] = []
     prev = anchor

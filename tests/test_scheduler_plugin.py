@@ -112,7 +112,7 @@ def test_launch_server_help_lists_and_validates_the_flags():
             # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag (the benchmark's stock side)
             (("--help",), STOCK_ENV)])
     assert out.returncode == 0
-    assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware}" in out.stdout
+    assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware,locality}" in out.stdout
     assert "--tts-dedup-tokens" in out.stdout and "--tts-metrics-file PATH" in out.stdout
     assert bad_policy.returncode == 2 and "argument --tts-policy: invalid choice: 'lpm'" in bad_policy.stderr
     assert bad_dedup.returncode == 2 and \

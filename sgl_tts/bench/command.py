@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench import server_counters
-from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SIDES, STOCK_POLICIES, BenchSettings,
+from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchSettings,
                                    RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
                                    summarize)
 
@@ -219,11 +219,14 @@ def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
         policy = STOCK_POLICIES.get(side)
         flags = {name: extra_by[name] + (["--schedule-policy", policy] if policy else [])
                  + ([server_counters.METRICS_FLAG] if name == "generator" else []) for name in extra_by}
-        plugin = TTSSettings("prefix-aware", metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
+        tts_policy = SERVER_POLICIES.get(side)
+        plugin = TTSSettings(tts_policy or "prefix-aware",
+                             metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
                              ) if servers == "sgl-tts" else None
         specs[side] = build_specs(str(setup.gen_dir), str(setup.prm_dir), setup.side_flags[servers], host=args.host,
                                   ports=ports, first=args.first, plugin=plugin, extra=flags,
-                                  env=setup.envs[servers])
+                                  env=setup.envs[servers],
+                                  prm_plugin=TTSSettings(tts_policy) if tts_policy else None)
     return specs
 
 

@@ -70,7 +70,12 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+spec": {"speculative": "exact-no-lookahead"},
     "sgl-tts+spec+lookahead": {"speculative": "exact"},
     "sgl-tts+spec+lookahead+overlap": {"speculative": "exact", "overlap_verification": True},
+    "sgl-tts+locality": {},
 }
+# The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
+# unless named here; a side named here runs that policy on both servers (the PRM's queue and radix
+# cache are under the same pressure as the generator's, issue 32).
+SERVER_POLICIES: dict[str, str] = {"sgl-tts+locality": "locality"}
 ALL_SIDES = tuple(SIDE_OPTIONS)
 
 
@@ -662,6 +667,6 @@ class RecordWriter:
 
 
 __all__ = ["ALGORITHMS", "BenchError", "BenchSettings", "Meter", "MeteredEndpoint", "RecordWriter",
-           "ReportRow", "SIDES", "ALL_SIDES", "SIDE_OPTIONS", "STOCK_POLICIES", "is_stock", "run_config", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
+           "ReportRow", "SIDES", "ALL_SIDES", "SERVER_POLICIES", "SIDE_OPTIONS", "STOCK_POLICIES", "is_stock", "run_config", "SideRow", "StepRegistry", "TraceEndpoint", "TraceScores",
            "format_report", "measure_limit", "plot_report", "read_records",
            "run_side", "search_group", "summarize"]

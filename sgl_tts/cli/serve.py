@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``sgl-tts serve``'s flags: the memory plan's (GPU) and the CPU, replica and router ones."""
     from sgl_tts.launch import serve
     from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
-    from sgl_tts.plugin.settings import CPU_ATTENTION
+    from sgl_tts.plugin.settings import CPU_ATTENTION, POLICIES
 
     ap = argparse.ArgumentParser(prog="sgl-tts serve", description=serve.__doc__.splitlines()[0])
     add_plan_arguments(ap, models_required=False)
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--generator-port", type=int, default=30000)
     ap.add_argument("--prm-port", type=int, default=30001)
-    ap.add_argument("--tts-policy", default="prefix-aware", choices=["off", "prefix-aware"])
+    ap.add_argument("--tts-policy", default="prefix-aware", choices=list(POLICIES))
     ap.add_argument("--tts-metrics-file", default=None)
     ap.add_argument("--cpu-attention", default="ragged", choices=list(CPU_ATTENTION),
                     help="with --device cpu: both servers' attention (the plugin's --tts-cpu-attention). "

@@ -39,6 +39,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from sgl_tts.plugin import residency
 from sgl_tts.plugin.ordering import WalkMemo, as_bytes, common_prefix, family_order
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.protocol import SearchTag
@@ -102,6 +103,7 @@ class _Plan:
     anchor_best: int = 0         # the longest prefix any waiting request shares with the anchor
     prefill_version: int = -2    # shared_last computed for this last-prefill batch (-1: none)
     shared_last: list[int] = dataclasses.field(default_factory=list)
+    segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # the buckets' walk ranges
 
 
 def tree_fingerprint(tree: Any) -> Any:
@@ -165,6 +167,10 @@ class TTSPolicyState:
         self._sorted = SortedSeqs()                # the waiting sequences, sorted
         self._matched: dict[tuple[int, int], int] = {}   # (request serial, prefix length) -> cached tokens
         self._matched_fp: Any = None               # the radix cache's fingerprint they were matched on
+        # policy "locality" (sgl_tts.plugin.residency): the tree's eviction strategy, set by enable()
+        self.residency: residency.QueueAwareEviction | None = None
+        self._local: tuple | None = None           # (base plan, tree node counter, local plan)
+        self.local_rounds = 0                      # rounds ordered under pressure
 
     # ------------------------------------------------------------------------- per request
     def group_rank(self, group: str) -> int:
@@ -221,6 +227,9 @@ class TTSPolicyState:
         plan = self._plan
         if plan is None or plan.sig != sig or not self._anchor_still_valid(plan, anchor_req):
             plan = self._plan = self._make_plan(policy, waiting_queue, infos, aged, anchor_req)
+        base = plan
+        if self.residency is not None:
+            plan = self._local_plan(policy, base)
         # the last prefill batch counts only in the first round after it formed: then its prefill
         # may still be in flight (overlap); later it is in the radix cache or was evicted, and
         # waiting on it again would stall the queue
@@ -242,7 +251,7 @@ class TTSPolicyState:
         self.last_aged = plan.first_deferrable
         waiting_queue[:] = ordered + later + spec
         # what the next round receives if nothing was admitted and nothing arrived
-        plan.sig = (tuple(getattr(r, INFO).serial for r in waiting_queue), sig[1])
+        base.sig = (tuple(getattr(r, INFO).serial for r in waiting_queue), sig[1])
 
     def _anchor_still_valid(self, plan: _Plan, anchor_req: Any) -> bool:
         """The anchor picks the first request; a running request's sequence only grows, and a
@@ -276,15 +285,17 @@ class TTSPolicyState:
                 p = getattr(queue[i], "priority", None)
                 prio = 0 if p is None else p * sign
             buckets.setdefault((f.rank, prio), []).append(i)
+        segments: list[tuple[int, int]] = []
         for bucket in sorted(buckets):
             idx = buckets[bucket]
             local, local_shared = family_order([infos[i].seq for i in idx], [infos[i].key for i in idx],
                                                [infos[i].family for i in idx], prev, self.walks)
+            segments.append((len(walk), len(walk) + len(idx)))
             walk.extend(idx[j] for j in local)
             shared.extend(local_shared)
             prev = infos[walk[-1]].seq
         plan = _Plan(sig=(), reqs=[queue[i] for i in walk], infos=[infos[i] for i in walk],
-                     shared_prev=shared, first_deferrable=first_deferrable)
+                     shared_prev=shared, first_deferrable=first_deferrable, segments=segments)
         if anchor is not None:
             plan.anchor_rid, plan.anchor_len = anchor_req.rid, len(anchor) // 8
             everything = self._sorted.update(infos)   # the longest prefix is shared with a neighbour
@@ -292,6 +303,42 @@ class TTSPolicyState:
             plan.anchor_best = max((common_prefix(anchor, everything[j]) for j in (at - 1, at)
                                     if 0 <= j < len(everything)), default=0)
         return plan
+
+    def _local_plan(self, policy: Any, base: _Plan) -> _Plan:
+        """Policy ``locality``: under KV pressure, ``base`` with resident families first, and the
+        radix nodes the waiting requests need marked in that order (:mod:`sgl_tts.plugin.residency`);
+        ``base`` itself without pressure. Reused while the plan and the tree's nodes are unchanged."""
+        tree = policy.tree_cache
+        if not residency.under_pressure(tree):
+            return base
+        self.local_rounds += 1
+        counter = type(tree.root_node).counter
+        memo = self._local
+        if memo is not None and memo[0] is base and memo[1] == counter:
+            return memo[2]
+        found: dict[bytes, tuple[Any, int]] = {}
+        nodes, uncached = [], []
+        for req, info in zip(base.reqs, base.infos):
+            hit = found.get(info.seq)
+            if hit is None:
+                hit = found[info.seq] = residency.match(tree, info.seq, getattr(req, "extra_key", None))
+            nodes.append(hit[0])
+            uncached.append(len(info.seq) // 8 - hit[1])
+        order = list(range(base.first_deferrable))   # aged requests keep their places
+        families = [f.family for f in base.infos]
+        for lo, hi in base.segments:
+            order.extend(lo + j for j in residency.resident_first(families[lo:hi], uncached[lo:hi],
+                                                                  self.settings.dedup_tokens))
+        residency.mark_needed(self.residency, tree.root_node, [nodes[i] for i in order])
+        local = base
+        if order != list(range(len(order))):
+            infos = [base.infos[i] for i in order]
+            shared = [base.shared_prev[0] if order[0] == 0 else 0]
+            shared.extend(common_prefix(a.seq, b.seq) for a, b in zip(infos, infos[1:]))
+            local = _Plan(sig=(), reqs=[base.reqs[i] for i in order], infos=infos, shared_prev=shared,
+                          first_deferrable=base.first_deferrable, segments=base.segments)
+        self._local = (base, type(tree.root_node).counter, local)   # after matching (it can split)
+        return local
 
     def _deferred_positions(self, policy: Any, plan: _Plan, fresh: bool) -> set[int]:
         """Walk positions deferred this round (see the module docstring, 4.); ``fresh``: the last
@@ -380,6 +427,8 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
     policy.sgl_tts = state
     if policy.tree_cache is not None:
         policy.tree_cache.sgl_tts_policy = state
+        if state is not None and settings.policy == "locality":
+            state.residency = residency.install(policy.tree_cache)
     return state
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-POLICIES = ("off", "prefix-aware")
+POLICIES = ("off", "prefix-aware", "locality")
 CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.cpu_attention)
 
 
@@ -23,8 +23,10 @@ class TTSSettings:
     """The plugin's settings (all off by default: the server then behaves exactly as stock SGLang).
 
     Attributes:
-        policy: ``off`` or ``prefix-aware`` (order the waiting queue: siblings together, parents in a
-            stable order, greedy longest shared prefix, request classes; any queue length).
+        policy: ``off``, ``prefix-aware`` (order the waiting queue: siblings together, parents in a
+            stable order, greedy longest shared prefix, request classes; any queue length) or
+            ``locality`` (``prefix-aware``, and under KV pressure: eviction by next use in the
+            waiting order, resident families admitted first; :mod:`sgl_tts.plugin.residency`).
         dedup_tokens: with ``prefix-aware``, when consecutive waiting requests share at least this
             many tokens that are not cached yet, only the first prefills them this round.
         metrics_file: write scheduler metrics (JSONL) to ``<metrics_file>.<pid>`` per scheduler
@@ -156,7 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="off: stock SGLang scheduling. prefix-aware: admit siblings of one parent "
                             "together, keep parents in a stable order across iterations, greedily "
                             "maximise the prefix shared with the previous admission, boosted requests "
-                            "first and speculative ones only into free slots; any queue length.")
+                            "first and speculative ones only into free slots; any queue length. "
+                            "locality: prefix-aware, and while less than a quarter of the KV pool is "
+                            "free, evict what the waiting queue needs last and admit families whose "
+                            "prefix is cached first.")
     group.add_argument("--tts-dedup-tokens", type=_positive_int,
                        default=int(os.environ.get("SGLANG_TTS_DEDUP_TOKENS", "32")),
                        help="with --tts-policy prefix-aware: requests sharing at least this many "

@@ -1,0 +1,161 @@
+"""The ``locality`` policy (issue 32, :mod:`sgl_tts.plugin.residency`) on SGLang's own radix cache,
+allocator and policy objects: under KV pressure, eviction goes by next use in the waiting order
+(unneeded nodes first, then the one needed last), resident families are admitted first; without
+pressure the order is ``prefix-aware``'s exactly."""
+
+from __future__ import annotations
+
+import random
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from test_scheduler_plugin import Cache, RadixKey, make_req, policy_for, scheduler_for  # noqa: F401
+
+from array import array
+
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+from sgl_tts.plugin import residency
+from sgl_tts.plugin.settings import TTSSettings
+from sgl_tts.protocol import SearchTag
+
+LOCALITY = TTSSettings("locality", 32)
+PREFIX_AWARE = TTSSettings("prefix-aware", 32)
+SHARED = list(range(1, 101))                   # a 100-token prompt every path starts with
+
+
+def path(tag: int) -> list[int]:
+    """A beam's cached path: the prompt, then 100 tokens of its own."""
+    return SHARED + [1000 * tag + k for k in range(100)]
+
+
+def cached(cache: Cache, tokens: list[int]) -> int:
+    """Tokens of ``tokens`` in the radix cache now (a read that touches nothing it did not find)."""
+    return len(cache.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)))).device_indices)
+
+
+def insert(cache: Cache, tokens: list[int]) -> None:
+    """Cache ``tokens`` as a finished request does: only what is not cached yet takes new KV slots."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    key = RadixKey(array("q", tokens))
+    have = cache.tree.match_prefix(MatchPrefixParams(key=key)).device_indices
+    kv = torch.cat([have, cache.allocator.alloc(len(tokens) - len(have))])
+    cache.tree.insert(InsertParams(key=key, value=kv))
+
+
+def children(parent_beam: int, tokens: list[int], count: int = 2) -> list:
+    """A family of a beam-search step: ``count`` children of one parent, whose input is its path."""
+    return [make_req(f"p{parent_beam}c{i}", tokens, SearchTag("g", 1, parent_beam, 4 * parent_beam + i))
+            for i in range(count)]
+
+
+def evicted_paths(settings: TTSSettings, evict_tokens: int) -> dict[str, int]:
+    """Families A (parent 0) and B (parent 1) wait, their parents' paths cached; G, a pruned beam's
+    path, was cached before the round and G2, a finished request's, after it. The pool (520 tokens)
+    is then 96% full (77% when the round is ordered). Returns each path's cached tokens after evicting ``evict_tokens``."""
+    cache = Cache(size=520)
+    a, b, g, g2 = path(1), path(2), path(3), path(4)
+    for p in (a, b, g):
+        insert(cache, p)
+    pol = policy_for(cache, "fcfs", settings)
+    queue = children(1, b) + children(0, a)      # B's children arrived first
+    pol.calc_priority(queue)
+    assert [r.rid for r in queue][:1] == ["p0c0"]   # family A (parent 0) is placed first
+    insert(cache, g2)
+    assert cache.allocator.available_size() == 520 - 500
+    cache.tree.evict(EvictParams(num_tokens=evict_tokens))
+    return {"A": cached(cache, a), "B": cached(cache, b), "G": cached(cache, g), "G2": cached(cache, g2)}
+
+
+def test_under_pressure_eviction_keeps_what_the_queue_needs_and_drops_the_one_needed_last_first():
+    # by the definition: nodes no waiting request needs go first (G, G2: 100 own tokens each), then the
+    # path needed last in the waiting order (B's, its family is placed after A's)
+    assert evicted_paths(LOCALITY, 200) == {"A": 200, "B": 200, "G": 100, "G2": 100}
+    assert evicted_paths(LOCALITY, 300) == {"A": 200, "B": 100, "G": 100, "G2": 100}
+    # SGLang's LRU (under prefix-aware, whose deferral check touched A's and B's paths before G2 was
+    # cached) throws away G and then A's path, needed first, and keeps G2, needed by nobody
+    assert evicted_paths(PREFIX_AWARE, 200) == {"A": 100, "B": 200, "G": 100, "G2": 200}
+
+
+def test_no_node_is_marked_and_eviction_is_lru_without_pressure():
+    cache = Cache(size=5000)
+    a, g = path(1), path(3)
+    insert(cache, a)
+    insert(cache, g)
+    pol = policy_for(cache, "fcfs", LOCALITY)
+    assert isinstance(cache.tree.eviction_strategy, residency.QueueAwareEviction)
+    queue = children(0, a)
+    pol.calc_priority(queue)
+    assert pol.sgl_tts.local_rounds == 0 and cache.tree.eviction_strategy.epoch == 0
+    cache.tree.evict(EvictParams(num_tokens=100))
+    assert (cached(cache, a), cached(cache, g)) == (200, 100)   # g was older than a's touch
+
+
+def resident_case(settings: TTSSettings, size: int) -> list[str]:
+    """Family B (parent 0: first in the prefix-aware walk) must recompute its parent's path (evicted);
+    family A's (parent 1) is cached. Returns the order of the waiting queue."""
+    cache = Cache(size=size)
+    a, b = path(1), path(2)
+    insert(cache, a)
+    for k in range(4):                          # fill the pool with paths nobody waits for
+        insert(cache, path(10 + k))
+    pol = policy_for(cache, "fcfs", settings)
+    queue = children(1, a) + children(0, b)
+    pol.calc_priority(queue)
+    return [r.rid for r in queue]
+
+
+def test_under_pressure_a_resident_family_is_admitted_before_one_that_must_recompute():
+    # 100 + 5 * 100 = 600 tokens used: 9% free of 660 (pressure), 88% free of 5000 (none)
+    assert resident_case(LOCALITY, 660) == ["p1c0", "p1c1", "p0c0", "p0c1"]
+    # without pressure, prefix-aware's order: B first (smaller key), its second child deferred (it
+    # shares 100 uncached tokens with its sibling) behind A
+    assert resident_case(LOCALITY, 5000) == resident_case(PREFIX_AWARE, 5000) == ["p0c0", "p1c0", "p1c1", "p0c1"]
+    assert resident_case(PREFIX_AWARE, 660) == ["p0c0", "p1c0", "p1c1", "p0c1"]
+
+
+def test_admission_under_pressure_takes_the_resident_family():
+    """SGLang's own admission (``get_new_batch_prefill``) after the locality order: the resident family
+    A is admitted, and B, which must recompute 100 tokens, waits while the pool is short."""
+    cache = Cache(size=660)
+    a, b = path(1), path(2)
+    insert(cache, a)
+    for k in range(4):
+        insert(cache, path(10 + k))
+    pol = policy_for(cache, "fcfs", LOCALITY)
+    queue = children(1, a) + children(0, b)
+    s = scheduler_for(ScheduleBatch(reqs=[]), cache.tree, cache.allocator, list(queue), pool=cache.pool,
+                      policy=pol, max_prefill_tokens=16384)
+    batch = s.get_new_batch_prefill()
+    assert [r.rid for r in batch.reqs][:2] == ["p1c0", "p1c1"]
+
+
+def test_without_pressure_the_order_equals_prefix_aware_over_random_rounds():
+    rng = random.Random(7)
+    for trial in range(20):
+        cache = Cache(size=100_000)
+        parents = [SHARED + [rng.randrange(200) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+        for p in parents[:4]:
+            cache.insert(p)
+        specs = []
+        for f, p in enumerate(parents):
+            for i in range(rng.randrange(1, 5)):
+                specs.append((f"f{f}c{i}", p + [rng.randrange(200)] * rng.randrange(0, 2),
+                              SearchTag(f"g{f % 2}", 1, f, 4 * f + i)))
+        rng.shuffle(specs)
+        orders = []
+        for settings in (LOCALITY, PREFIX_AWARE):
+            pol = policy_for(cache, "fcfs", settings)
+            queue = [make_req(r, t, tag) for r, t, tag in specs]
+            pol.calc_priority(queue)
+            orders.append([r.rid for r in queue])
+        assert orders[0] == orders[1]
+
+
+def test_resident_first_keeps_families_whole_and_each_part_in_walk_order():
+    fams = ["x", "x", "y", "z", "z", "w"]
+    uncached = [0, 5, 40, 0, 31, 100]
+    # x (0 and 5 < 32) and z (0, 31) are resident; y and w are not
+    assert residency.resident_first(fams, uncached, 32) == [0, 1, 3, 4, 2, 5]
+    assert residency.resident_first([], [], 32) == []

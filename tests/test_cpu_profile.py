@@ -119,3 +119,38 @@ def test_a_short_live_measurement_is_positive_and_grows_with_the_batch(tiny_mode
         assert p.decode_seconds[1][j] >= 0.8 * p.decode_seconds[0][j]
         assert p.prefill_seconds[1][j] >= 0.8 * p.prefill_seconds[0][j]
     assert p.prefill_seconds[1][1] >= 0.8 * p.prefill_seconds[1][0]   # 8 x 252 tokens vs 8 x 60
+
+
+def _cached_profiles(models_dir: Path, cache: Path) -> None:
+    """The bench's CPU models' folders, with the hand-made profiles of the planned-split case cached."""
+    from sgl_tts.bench.command import model_folder
+
+    linear = [[0.01 * b, 0.02 * b] for b in (1, 2, 4)]
+    decode = [[0.010, 0.012], [0.011, 0.013], [0.013, 0.016]]
+    for name in ("tiny-cpu-generator", "tiny-cpu-prm"):
+        folder = model_folder(name, models_dir)
+        key = profile_key(folder, server_settings(None, "native"))
+        dataclasses.replace(profile(linear, decode, contexts=(256, 1024), model=name), key=key).save(cache / f"{key}.json")
+
+
+def test_bench_on_the_cpu_plans_the_sgl_tts_side_and_keeps_the_stock_split(tmp_path, capsys):
+    """The planned-split case above through ``sgl-tts bench --device cpu`` (profiles from the cache):
+    the sgl-tts side's PRM gets one context (2,048 tokens), its generator the rest of 24 MiB (8,704);
+    the stock side keeps --stock-split 0.5 (6,144 and 3,510 tokens)."""
+    from sgl_tts.bench.command import apply_device_defaults, bench_header, prepare
+    from sgl_tts.cli.bench import build_parser, main as bench_main
+
+    _cached_profiles(tmp_path / "models", tmp_path / "profiles")
+    argv = ["--device", "cpu", "--n", "64", "--algorithms", "beam_search", "--kv-memory", "24MiB",
+            "--prompt-tokens", "512", "--models-dir", str(tmp_path / "models"), "--profile-dir", str(tmp_path / "profiles")]
+    assert bench_main([*argv, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    pools = {name: int(cmd.split("--max-total-tokens ")[1].split()[0]) for name, cmd in zip(lines[1::2], lines[2::2])}
+    assert pools == {"# stock generator": 6144, "# stock prm": 3510, "# sgl-tts generator": 8704, "# sgl-tts prm": 2048}
+    args = build_parser().parse_args(argv)
+    apply_device_defaults(args)
+    header = bench_header(args, argv, prepare(args))
+    assert header["splits"]["stock"] == {"generator_share": 0.5, "planned": False}
+    planned = header["splits"]["sgl-tts"]
+    assert planned["planned"] is True and planned["generator_share"] == round(17_825_792 / 25_165_824, 4)
+    assert planned["rooms"]["prm"] == 1 and header["workload"]["requests"] == 64

@@ -13,6 +13,10 @@ never hurts, the optimum lies on the memory boundary, and the search over B_pre 
 boundary (Eq. 1; ties to the larger B_dec) is exact (tests compare it with brute force). The offload
 alternative keeps only the active model's KV on the GPU and pays the idle one's transfer.
 
+The search takes any cost model per model (:class:`StageCosts`): on a GPU both models'
+:class:`Roofline`, on the CPU their profiles measured on live servers
+(:class:`sgl_tts.launch.cpu_profile.CpuProfile`).
+
 This module is pure arithmetic (no torch, no GPU); ``sgl-tts plan`` prints its result.
 """
 

@@ -154,3 +154,17 @@ def test_bench_on_the_cpu_plans_the_sgl_tts_side_and_keeps_the_stock_split(tmp_p
     planned = header["splits"]["sgl-tts"]
     assert planned["planned"] is True and planned["generator_share"] == round(17_825_792 / 25_165_824, 4)
     assert planned["rooms"]["prm"] == 1 and header["workload"]["requests"] == 64
+
+
+def test_plan_on_the_cpu_prints_the_same_split(tmp_path, capsys):
+    from sgl_tts.cli.plan import main as plan_main
+
+    _cached_profiles(tmp_path / "models", tmp_path / "profiles")
+    assert plan_main(["--device", "cpu", "--generator", str(tmp_path / "models" / "tiny-cpu-generator"),
+                      "--prm", str(tmp_path / "models" / "tiny-cpu-prm"), "--cpu-attention", "native",
+                      "--kv-memory", "24MiB", "--beams", "64", "--prompt-tokens", "700", "--step-tokens", "54",
+                      "--verify-tokens", "780", "--profile-dir", str(tmp_path / "profiles"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["plan"]["prm_room"], out["plan"]["gen_room"]) == (1, 14)
+    assert out["flags"]["generator"][:4] == ["--device", "cpu", "--max-total-tokens", "8704"]
+    assert out["flags"]["prm"][:4] == ["--device", "cpu", "--max-total-tokens", "2048"]

@@ -60,7 +60,7 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
            "--trace-max-tokens", "32", "--trace-max-depth", "6", "--limit-tokens", "16",
            "--models-dir", str(tmp_path / "models"), "--output", str(out),
            "--generator-port", str(gen_port), "--prm-port", str(prm_port), "--health-timeout", "300",
-           "--no-progress", "--json"]
+           "--sgl-tts-split", "0.5", "--no-progress", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-6000:]
     assert "DIFFER" not in run.stdout + run.stderr
@@ -72,7 +72,8 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
     assert header["device"] == "cpu" and header["date"] and header["machine"]
     assert header["command"].startswith("sgl-tts bench --device cpu --n 8 ")
     assert (header["generator"], header["prm"]) == ("tiny-cpu-generator", "tiny-cpu-prm")
-    assert header["workload"] is None and "no memory planning" in header["budget"]
+    assert header["workload"] is None and header["splits"] == {"stock": {"generator_share": 0.5, "planned": False},
+                                                               "sgl-tts": {"generator_share": 0.5, "planned": False}}
     assert header["pools"]["stock"] == header["pools"]["sgl-tts"]   # the same split on both sides
     assert header["trace"]["median_tokens"] == 8 and header["trace"]["sigma"] == 1.0   # what ran, in full
     assert settings["n"] == [8] and settings["problems"] == 1 and settings["context_tokens"] == 2048

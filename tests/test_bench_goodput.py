@@ -324,7 +324,7 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
     """What a user would pick instead of the plugin (issue 32): stock SGLang under fcfs (its
     default), lpm and dfs-weight, on both servers, the same pools; every generator serves SGLang's
     counters (--enable-metrics); the sgl-tts side is unchanged."""
-    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run",
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--sides", "stock", "stock-lpm", "stock-dfs-weight", "sgl-tts"])
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -345,7 +345,7 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
 def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorter_trace(tmp_path, capsys):
     from sgl_tts.bench.command import CPU_TRACE
 
-    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run"])
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5"])
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = out.out.splitlines()

@@ -66,7 +66,8 @@ def test_each_cpu_server_gets_half_the_cores_unless_the_caller_chose(monkeypatch
 
 
 def test_serve_cpu_dry_run_prints_both_commands():
-    out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--dry-run"],
+    out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--generator-share", "0.5",
+                          "--dry-run"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "# generator: healthy at http://127.0.0.1:30000/health"
     assert out[2] == "# prm: healthy at http://127.0.0.1:30001/health"
@@ -92,6 +93,7 @@ def _post(url: str, body: dict) -> dict:
 def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path, live_stopped):
     gport, pport = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--kv-memory", "128MiB",
+                             "--generator-share", "0.5",
                              "--generator-port", str(gport), "--prm-port", str(pport)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

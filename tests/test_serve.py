@@ -235,7 +235,7 @@ def test_replicas_on_the_cpu_split_the_generators_kv_share(capsys):
     from sgl_tts.cli import main
 
     def tokens(argv):
-        assert main(["serve", "--device", "cpu", "--kv-memory", "1GiB", "--dry-run", *argv]) == 0
+        assert main(["serve", "--device", "cpu", "--kv-memory", "1GiB", "--generator-share", "0.5", "--dry-run", *argv]) == 0
         lines = [x for x in capsys.readouterr().out.splitlines() if "launch_server" in x and "generator" in x]
         return [int(x.split("--max-total-tokens ")[1].split()[0]) for x in lines]
 
@@ -251,9 +251,9 @@ def test_the_cpu_servers_run_the_ragged_attention_unless_asked_for_native(capsys
         out = [x for x in capsys.readouterr().out.splitlines() if "launch_server" in x]
         return {("generator" if "/generator " in x else "prm"): x for x in out}
 
-    cpu = commands(["--device", "cpu"])
+    cpu = commands(["--device", "cpu", "--generator-share", "0.5"])
     assert all(x.endswith("--tts-cpu-attention ragged") for x in cpu.values()), cpu
-    native = commands(["--device", "cpu", "--cpu-attention", "native"])
+    native = commands(["--device", "cpu", "--generator-share", "0.5", "--cpu-attention", "native"])
     assert not any("--tts-cpu-attention" in x for x in native.values())
     assert "--tts-" not in native["prm"]   # the PRM has no plugin flag left at all
     with pytest.raises(SystemExit):
@@ -269,7 +269,7 @@ def test_the_cpu_servers_run_the_ragged_attention_unless_asked_for_native(capsys
 def test_bad_replica_settings_are_refused(capsys, argv, words):
     from sgl_tts.cli import main
 
-    assert main(["serve", "--device", "cpu", "--dry-run", *argv]) == 1
+    assert main(["serve", "--device", "cpu", "--generator-share", "0.5", "--dry-run", *argv]) == 1
     assert words in capsys.readouterr().err
 
 

@@ -5,8 +5,9 @@ for what is measured.
 ``--device cuda`` (the default) runs both sides on one GPU, the sgl-tts side with the memory planner's
 split. ``--device cpu`` runs real SGLang servers on this machine's CPU (:mod:`sgl_tts.launch.cpu_serving`):
 small random-weight Qwen2 models (:data:`CPU_MODELS`), a shorter trace of the same log-normal shape
-(:data:`CPU_TRACE`), and no memory planning (the roofline planner models a GPU): both sides get the
-same split of ``--kv-memory``; the sides differ only in the plugin."""
+(:data:`CPU_TRACE`); the stock sides get ``--stock-split`` of ``--kv-memory``, the sgl-tts side the
+planner's split on both models' measured CPU profiles (:mod:`sgl_tts.launch.cpu_profile`) or
+``--sgl-tts-split``."""
 
 from __future__ import annotations
 
@@ -115,6 +116,10 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
              f"- memory budget: {header['budget']}"]
     if header.get("workload") is not None:
         lines.append(f"- planner workload: {header['workload']}")
+    if header.get("splits"):
+        lines.append("- KV split (generator share): " + ", ".join(
+            f"{side} {v['generator_share']} ({'planned' if v['planned'] else 'fixed'})"
+            for side, v in header["splits"].items()))
     if header.get("pools"):
         lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
     if header.get("trace"):
@@ -149,13 +154,13 @@ class BenchSetup:
     budget: str
     vocab: int
     plan: object | None = None
+    splits: dict | None = None   # --device cpu: each side's generator share and whether it was planned
 
 
 def prepare(args) -> BenchSetup:
     """Resolve the models, the trace and each side's flags (FileNotFoundError / ValueError on bad input)."""
     from sgl_tts.bench.dummy_models import WORD_SPECIALS, tokenizer_dir
-    from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags
-    from sgl_tts.launch.memory import GiB, context_tokens, parse_bytes, plan_from_args, static_split_flags
+    from sgl_tts.launch.memory import GiB, context_tokens, plan_from_args, static_split_flags
 
     models_dir = Path(args.models_dir).expanduser()
     gen_dir, prm_dir = model_folder(args.generator, models_dir), model_folder(args.prm, models_dir)
@@ -170,28 +175,8 @@ def prepare(args) -> BenchSetup:
     shape = draft.step_trace().describe(samples=4000)
     vocab = int(gen_cfg["vocab_size"]) - len(WORD_SPECIALS)
     if args.device == "cpu":
-        # no memory planning on the CPU (the roofline planner models a GPU): both sides get the
-        # same split of --kv-memory and SGLang's own batch limits; the limit's batch is n itself
-        flags = cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, args.stock_split)
-        # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
-        # a small vocabulary a random model would write them into many steps (an <unk> vanishes
-        # from the decoded text, a step tag makes a path unscorable), and the sides would differ
-        vocab_size = int(gen_cfg["vocab_size"])
-        banned = (range(vocab_size - len(WORD_SPECIALS), vocab_size)
-                  if toks["generator"] != gen_dir else ())
-        return BenchSetup(gen_dir, prm_dir, names, toks, settings_from_args(args, context, max(args.n), banned),
-                          shape, {"stock": flags, "sgl-tts": flags},
-                          {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)},
-                          f"{parse_bytes(args.kv_memory) / GiB:.2f} GiB of KV on the CPU, generator share "
-                          f"{args.stock_split} on both sides (no memory planning on the CPU)", vocab)
-    plan_args = copy.copy(args)   # the planner reads the same options, its workload filled in
-    plan_args.beams = args.beams or max(args.n)
-    plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
-    path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
-    plan_args.prompt_tokens = args.prompt_tokens + path
-    plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
-    # the longest request the benchmark sends: a path is cut before the context (see the trace)
-    plan_args.longest_request = args.longest_request or draft.context_tokens
+        return _prepare_cpu(args, gen_dir, prm_dir, names, toks, shape, draft, context, vocab)
+    plan_args = planner_args(args, shape, draft)
     plan = plan_from_args(plan_args)
     longest = plan_args.longest_request or 0
     stock = static_split_flags(plan.gen, plan.prm, plan.budget, plan.reserve, args.stock_split, args.first,
@@ -202,16 +187,75 @@ def prepare(args) -> BenchSetup:
                       f"{plan.budget / GiB:.1f} GiB", vocab, plan)
 
 
+def planner_args(args, shape: dict, draft: BenchSettings):
+    """A copy of ``args`` with the planner's workload filled in from the trace where not given: a
+    request in the middle of a solution (``--beams`` the largest n, step the trace's mean, the prompt
+    plus half a mean path cached, the PRM reading prompt + path + step)."""
+    plan_args = copy.copy(args)
+    plan_args.beams = args.beams or max(args.n)
+    plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
+    path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
+    plan_args.prompt_tokens = args.prompt_tokens + path
+    plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
+    # the longest request the benchmark sends: a path is cut before the context (see the trace)
+    plan_args.longest_request = args.longest_request or draft.context_tokens
+    return plan_args
+
+
+def server_extra(args, folders: dict[str, Path], tokenizers: dict[str, Path]) -> dict[str, list[str]]:
+    """Each model's further ``launch_server`` flags: ``--server-args``, ``--load-format`` and, for a
+    folder whose tokenizer sits apart (the word tokenizer), ``--tokenizer-path``."""
+    extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
+    return {name: extra + (["--tokenizer-path", str(tokenizers[name])] if tokenizers[name] != folder else [])
+            for name, folder in folders.items()}
+
+
+def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, shape: dict, draft: BenchSettings,
+                 context: int | None, vocab: int) -> BenchSetup:
+    """``--device cpu``: the stock sides get --stock-split of --kv-memory; the sgl-tts side the memory
+    planner's split on both models' measured CPU profiles, or --sgl-tts-split when given. SGLang's own
+    batch limits on both; the limit's batch is n itself."""
+    from sgl_tts.bench.dummy_models import WORD_SPECIALS
+    from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags
+    from sgl_tts.launch.memory import parse_bytes
+
+    plan = None
+    share = args.sgl_tts_split
+    if share is None:
+        from sgl_tts.launch.cpu_profile import cpu_plan_from_args
+
+        plan_args = planner_args(args, shape, draft)
+        # the bench's sgl-tts servers run SGLang's torch_native attention (the plugin's default)
+        plan = cpu_plan_from_args(plan_args, extra=server_extra(args, {"generator": gen_dir, "prm": prm_dir}, toks),
+                                  attention="native")
+        share = plan.generator_share
+    flags = {"stock": cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, args.stock_split),
+             "sgl-tts": plan.flags if plan is not None else cpu_pair_flags(gen_dir, prm_dir, args.kv_memory, share)}
+    splits = {"stock": {"generator_share": args.stock_split, "planned": False},
+              "sgl-tts": {"generator_share": round(share, 4), "planned": plan is not None}}
+    if plan is not None:
+        splits["sgl-tts"].update(rooms={"generator": plan.plan.gen_room, "prm": plan.plan.prm_room},
+                                 predicted_seconds=round(plan.plan.total_seconds, 4))
+    # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
+    # a small vocabulary a random model would write them into many steps (an <unk> vanishes
+    # from the decoded text, a step tag makes a path unscorable), and the sides would differ
+    vocab_size = vocab + len(WORD_SPECIALS)
+    banned = range(vocab_size - len(WORD_SPECIALS), vocab_size) if toks["generator"] != gen_dir else ()
+    budget = parse_bytes(args.kv_memory)
+    return BenchSetup(gen_dir, prm_dir, names, toks, settings_from_args(args, context, max(args.n), banned),
+                      shape, flags, {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)},
+                      f"{budget / 2 ** 20:.1f} MiB of KV on the CPU; generator share: stock {args.stock_split}, "
+                      f"sgl-tts {share:.3f} ({'planned on measured CPU profiles' if plan else 'given'})",
+                      vocab, plan, splits)
+
+
 def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
     """Each side's servers: stock SGLang without the plugin (under the side's scheduling policy), or the
     sgl-tts servers (plugin on). Every generator serves SGLang's counters (``--enable-metrics``)."""
     from sgl_tts.plugin.settings import TTSSettings
     from sgl_tts.launch.serve import build_specs
 
-    extra = shlex.split(args.server_args) + (["--load-format", args.load_format] if args.load_format else [])
-    extra_by = {name: extra + (["--tokenizer-path", str(setup.tokenizers[name])]
-                               if setup.tokenizers[name] != folder else [])
-                for name, folder in (("generator", setup.gen_dir), ("prm", setup.prm_dir))}
+    extra_by = server_extra(args, {"generator": setup.gen_dir, "prm": setup.prm_dir}, setup.tokenizers)
     ports = {"generator": args.generator_port, "prm": args.prm_port}
     specs = {}
     for side in args.sides:
@@ -241,6 +285,7 @@ def bench_header(args, argv: Sequence[str], setup: BenchSetup) -> dict:
             "workload": dataclasses.asdict(setup.plan.work) if setup.plan is not None else None,
             "pools": {side: {name: setup.side_flags[side][name].max_total_tokens for name in ("generator", "prm")}
                       for side in SIDES},
+            "splits": setup.splits,
             "trace": {**dataclasses.asdict(trace), **{k: round(v, 3) for k, v in setup.shape.items()}}}
 
 
@@ -298,5 +343,5 @@ class SideRunner:
                     out=sys.stderr if self.args.json else None)   # with --json stdout carries only the JSON
 
 
-__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header", "model_folder", "prepare",
-           "report", "settings_from_args", "side_specs", "summary_json"]
+__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header", "model_folder",
+           "planner_args", "prepare", "report", "server_extra", "settings_from_args", "side_specs", "summary_json"]

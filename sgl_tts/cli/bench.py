@@ -34,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cuda (default): both sides on one GPU, the sgl-tts side with the planned split. "
                          "cpu: real SGLang servers on this CPU (SGLANG_USE_CPU_ENGINE=1), small random-weight "
                          f"models ({CPU_MODELS['generator']} + {CPU_MODELS['prm']} unless given), a shorter "
-                         "trace, both sides the same split of --kv-memory (no planning; the GPU flags are "
+                         "trace, the stock sides --stock-split of --kv-memory and the sgl-tts side the "
+                         "planner's split on measured CPU profiles (or --sgl-tts-split; the GPU flags are "
                          "ignored)")
     ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
-                    help=f"with --device cpu: RAM both KV pools of a side take together (default "
-                         f"{DEFAULT_KV_MEMORY}); --stock-split of it is the generator's, on both sides")
+                    help=f"with --device cpu: RAM both KV pools of a side take together (default {DEFAULT_KV_MEMORY})")
     b = ap.add_argument_group("benchmark")
     b.add_argument("--n", type=int, nargs="+", default=None,
                    help="beam counts (default 8 .. 512; --device cpu: 8 32 64)")
@@ -59,8 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generator context length (default: its config's max_position_embeddings)")
     b.add_argument("--limit-tokens", type=int, default=256, help="tokens per request of the limit measurement")
     b.add_argument("--stock-split", type=float, default=0.5,
-                   help="the stock side's generator share of the memory budget (default 0.5; with "
-                        "--device cpu both sides' share of --kv-memory)")
+                   help="the stock sides' generator share of the memory budget (default 0.5; with "
+                        "--device cpu: of --kv-memory)")
+    b.add_argument("--sgl-tts-split", type=float, default=None,
+                   help="with --device cpu: the sgl-tts side's generator share of --kv-memory, instead of the "
+                        "memory planner's split on both models' measured CPU profiles (the default; the "
+                        "report's header says which split each side used and whether it was planned)")
     b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
                    help="stock and sgl-tts by default; stock-lpm and stock-dfs-weight are stock SGLang under its "
                         "own prefix-aware policies (--schedule-policy lpm / dfs-weight); the sgl-tts+spec... "

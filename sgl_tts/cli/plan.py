@@ -37,20 +37,87 @@ def add_plan_arguments(ap: argparse.ArgumentParser, *, models_required: bool = T
                     help="measure peak bf16 TFLOP/s and GB/s on this machine's GPU instead of the profile's")
     ap.add_argument("--ceilings", nargs=2, type=float, metavar=("TFLOPS", "GBS"),
                     help="use these peak TFLOP/s and GB/s instead of the profile's")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="with --device cpu: measure both models' CPU profiles again on live servers instead "
+                         "of reading them from the cache")
+    ap.add_argument("--profile-dir", default=None,
+                    help="with --device cpu: where measured CPU profiles are cached (default "
+                         "~/.cache/sgl-tts/profiles)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
+    from sgl_tts.plugin.settings import CPU_ATTENTION
+
     ap = argparse.ArgumentParser(prog="sgl-tts plan", description=DESCRIPTION)
-    add_plan_arguments(ap)
+    add_plan_arguments(ap, models_required=False)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: the roofline on a GPU profile. cpu: both models' costs measured on live CPU "
+                         "SGLang servers (cached; default models: the shipped tiny generator and PRM), "
+                         "--kv-memory split (the GPU flags are ignored)")
+    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+                    help=f"with --device cpu: RAM the two KV pools take together (default {DEFAULT_KV_MEMORY})")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --device cpu: compute and KV dtype (default: the checkpoint's)")
+    ap.add_argument("--cpu-attention", default="ragged", choices=list(CPU_ATTENTION),
+                    help="with --device cpu: the servers' attention, as sgl-tts serve --device cpu runs them "
+                         "(default ragged; the profile is measured with it)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar while a profile is measured")
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def _cpu_main(args) -> int:
+    """``sgl-tts plan --device cpu``: the planned split of --kv-memory on measured profiles."""
+    from sgl_tts.launch.cpu_profile import cpu_plan_from_args
+    from sgl_tts.models import shipped_model
+
+    args.generator = args.generator or str(shipped_model("generator") or "")
+    args.prm = args.prm or str(shipped_model("prm") or "")
+    if not (args.generator and args.prm):
+        print("sgl-tts plan: error: this install ships no tiny models: pass --generator and --prm", file=sys.stderr)
+        return 1
+    try:
+        p = cpu_plan_from_args(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"sgl-tts plan: error: {exc}", file=sys.stderr)
+        return 1
+    plan, work = p.plan, p.work
+    result = {"device": "cpu", "budget_bytes": p.budget, "workload": dataclasses.asdict(work),
+              "generator": dataclasses.asdict(p.gen), "prm": dataclasses.asdict(p.prm),
+              "plan": {**dataclasses.asdict(plan), "total_seconds": plan.total_seconds},
+              "generator_share": p.generator_share,
+              "flags": {k: v.args() for k, v in p.flags.items()}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    mib = lambda b: f"{b / 2 ** 20:.2f} MiB"  # noqa: E731
+    print(f"{p.gen.name} (generator) + {p.prm.name} (PRM) on the CPU, KV budget {mib(p.budget)}; {work.requests} "
+          f"requests, prompt {work.prompt_tokens}, step {work.step_tokens}, verify {work.verify_tokens} tokens "
+          f"(costs measured on live servers, {args.cpu_attention} attention)")
+    print("| | generator | PRM |")
+    print("| --- | ---: | ---: |")
+    print(f"| KV per token | {p.gen.kv_bytes_per_token} B | {p.prm.kv_bytes_per_token} B |")
+    print(f"| planned room | {plan.gen_room} requests | {plan.prm_room} requests |")
+    print(f"| batch | {plan.gen_batch} | {plan.prm_batch} |")
+    print(f"| KV pool (tokens) | {p.flags['generator'].max_total_tokens} | {p.flags['prm'].max_total_tokens} |")
+    print(f"| predicted time per iteration | {plan.gen_seconds * 1e3:.1f} ms | {plan.prm_seconds * 1e3:.1f} ms |")
+    print(f"generator share of the KV budget: {p.generator_share:.3f}")
+    for name in ("generator", "prm"):
+        print(f"{name} flags: {' '.join(p.flags[name].args())}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts plan``: the plan as one JSON object or as a table and both servers' flags."""
     from sgl_tts.launch.memory import GiB, plan_from_args
 
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        return _cpu_main(args)
+    if not (args.generator and args.prm):
+        ap.error("--generator and --prm are required with --device cuda")
     try:
         p = plan_from_args(args)
     except (FileNotFoundError, ValueError) as exc:

@@ -22,12 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cuda: the planned split on one GPU. cpu: both servers on this machine's CPU "
                          "(SGLANG_USE_CPU_ENGINE=1; default models: the shipped tiny generator and PRM; "
-                         "pools from --kv-memory; the GPU planning flags are ignored)")
+                         "--kv-memory split by the planner on measured CPU profiles or --generator-share; "
+                         "--gpu, --gpu-memory and the other GPU flags are ignored)")
     ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
                     help=f"with --device cpu: RAM the two KV pools may take together "
                          f"(default {DEFAULT_KV_MEMORY}; each server also needs ~3 GB for itself)")
-    ap.add_argument("--generator-share", type=float, default=0.5,
-                    help="with --device cpu: the generator's share of --kv-memory (default 0.5)")
+    ap.add_argument("--generator-share", type=float, default=None,
+                    help="with --device cpu: the generator's share of --kv-memory (default: the memory "
+                         "planner's split for --beams/--prompt-tokens/--step-tokens/--verify-tokens on both "
+                         "models' CPU profiles, measured on live servers the first time and cached)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="with --device cpu: compute and KV dtype (default: the checkpoint's; float32 "
                          "computes exactly what sgl_tts.LocalBackend computes)")

@@ -36,7 +36,10 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from sgl_tts.launch.memory import ModelShape, Plan, StageCosts, Workload
 
 def _threads_per_server() -> str:
     """OpenMP threads for each CPU server: the caller's ``OMP_NUM_THREADS``, else half this process's
@@ -125,5 +128,53 @@ def cpu_pair_flags(generator: str | os.PathLike, prm: str | os.PathLike, kv_memo
             "prm": cpu_server_flags(prm, int(budget * (1 - generator_share)), dtype=dtype)}
 
 
-__all__ = ["CPU_ENV", "CPUServerFlags", "DEFAULT_KV_MEMORY", "cpu_pair_flags", "cpu_server_flags",
-           "needs_transformers_impl"]
+@dataclasses.dataclass(frozen=True)
+class CpuPairPlan:
+    """The memory planner's split of a CPU KV budget (:func:`plan_cpu_pair`).
+
+    Attributes:
+        budget: the KV bytes of both pools together (weights live in host RAM beside it).
+        plan: :func:`sgl_tts.launch.memory.solve`'s plan on the measured costs (rooms, batches, times).
+        generator_share: the generator's share of ``budget`` once the PRM has its planned pool (raised
+            to one longest request, the bytes taken from the generator) and the generator the rest.
+        flags: both servers' flags for those pools (:func:`cpu_server_flags`).
+    """
+
+    budget: int
+    gen: "ModelShape"
+    prm: "ModelShape"
+    work: "Workload"
+    plan: "Plan"
+    generator_share: float
+    flags: dict[str, CPUServerFlags]
+
+
+def plan_cpu_pair(generator: str | os.PathLike, prm: str | os.PathLike, kv_memory: str | int, work: "Workload",
+                  costs: "StageCosts", *, dtype: str | None = None) -> CpuPairPlan:
+    """Split ``kv_memory`` between the two CPU servers by the seed's search
+    (:func:`sgl_tts.launch.memory.solve`) on ``costs`` (a :class:`~sgl_tts.launch.memory.StageCosts`,
+    normally both models' measured :class:`~sgl_tts.launch.cpu_profile.CpuProfile`) for ``work``.
+    The PRM's pool is the plan's (at least one request as long as its context: SGLang refuses a
+    longer request than its pool) and the generator takes the rest of the budget, the plan's pool and
+    what the boundary left (less than one of its requests)."""
+    from sgl_tts.launch.memory import ModelShape, context_tokens, parse_bytes, solve
+
+    budget = parse_bytes(kv_memory) if isinstance(kv_memory, str) else int(kv_memory)
+    gen_shape = ModelShape.from_config(generator, kv_dtype=dtype)
+    prm_shape = ModelShape.from_config(prm, kv_dtype=dtype)
+    plan = solve(gen_shape, prm_shape, costs, work, budget)
+    floors = {"generator": max(1, context_tokens(generator)) * gen_shape.kv_bytes_per_token,
+              "prm": max(1, context_tokens(prm)) * prm_shape.kv_bytes_per_token}
+    prm_bytes = max(plan.prm_kv_bytes, floors["prm"])
+    if budget - prm_bytes < floors["generator"]:
+        prm_bytes = budget - floors["generator"]
+        if prm_bytes < floors["prm"]:
+            raise ValueError(f"a KV budget of {budget / 2 ** 20:.1f} MiB cannot hold one context-long request "
+                             f"of each model ({floors['generator'] / 2 ** 20:.1f} + {floors['prm'] / 2 ** 20:.1f} MiB)")
+    flags = {"generator": cpu_server_flags(generator, budget - prm_bytes, dtype=dtype),
+             "prm": cpu_server_flags(prm, prm_bytes, dtype=dtype)}
+    return CpuPairPlan(budget, gen_shape, prm_shape, work, plan, (budget - prm_bytes) / budget, flags)
+
+
+__all__ = ["CPU_ENV", "CPUServerFlags", "CpuPairPlan", "DEFAULT_KV_MEMORY", "cpu_pair_flags", "cpu_server_flags",
+           "needs_transformers_impl", "plan_cpu_pair"]

@@ -13,6 +13,10 @@ never hurts, the optimum lies on the memory boundary, and the search over B_pre 
 boundary (Eq. 1; ties to the larger B_dec) is exact (tests compare it with brute force). The offload
 alternative keeps only the active model's KV on the GPU and pays the idle one's transfer.
 
+The search takes any cost model per model (:class:`StageCosts`): on a GPU both models'
+:class:`Roofline`, on the CPU their profiles measured on live servers
+(:class:`sgl_tts.launch.cpu_profile.CpuProfile`).
+
 This module is pure arithmetic (no torch, no GPU); ``sgl-tts plan`` prints its result.
 """
 
@@ -23,7 +27,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
@@ -217,19 +221,50 @@ class Roofline:
         traffic = m.weight_bytes + batch * cached * m.kv_bytes_per_token
         return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9))
 
-    def stage_times(self, n: int, cost) -> tuple[list[float], list[int]]:
-        """For room ``b = 1..n``: the best total time ``min over k <= b of ceil(n / k) cost(k)`` and
-        the batch size achieving it (the larger one on ties)."""
-        best, arg = [math.inf], [0]
-        for k in range(1, n + 1):
-            t = math.ceil(n / k) * cost(k)
-            if t <= best[-1]:
-                best.append(t)
-                arg.append(k)
-            else:
-                best.append(best[-1])
-                arg.append(arg[-1])
-        return best, arg
+    def stage_times(self, n: int, cost: Callable[[int], float]) -> tuple[list[float], list[int]]:
+        """:func:`stage_times` (kept as a method for old callers)."""
+        return stage_times(n, cost)
+
+
+class CostModel(Protocol):
+    """Seconds a model takes per batch: what the search needs of :class:`Roofline` (a GPU's ceilings)
+    or of :class:`sgl_tts.launch.cpu_profile.CpuProfile` (measured on a live CPU server)."""
+
+    def prefill(self, batch: int, tokens: int) -> float:
+        """Seconds to prefill ``batch`` requests of ``tokens`` tokens each."""
+
+    def decode_step(self, batch: int, cached: float) -> float:
+        """Seconds of one decode step of ``batch`` requests over ``cached`` tokens each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+    """The cost model of each model of the pair (the generator decodes, the PRM prefills)."""
+
+    generator: CostModel
+    prm: CostModel
+
+
+def stage_costs(gen: ModelShape, prm: ModelShape, costs: "Hardware | StageCosts") -> StageCosts:
+    """``costs`` itself, or both models' :class:`Roofline` on the GPU ``costs``."""
+    if isinstance(costs, StageCosts):
+        return costs
+    return StageCosts(Roofline(gen, costs), Roofline(prm, costs))
+
+
+def stage_times(n: int, cost: Callable[[int], float]) -> tuple[list[float], list[int]]:
+    """For room ``b = 1..n``: the best total time ``min over k <= b of ceil(n / k) cost(k)`` and
+    the batch size achieving it (the larger one on ties)."""
+    best, arg = [math.inf], [0]
+    for k in range(1, n + 1):
+        t = math.ceil(n / k) * cost(k)
+        if t <= best[-1]:
+            best.append(t)
+            arg.append(k)
+        else:
+            best.append(best[-1])
+            arg.append(arg[-1])
+    return best, arg
 
 
 # -------------------------------------------------------------------------------------------- plan
@@ -254,9 +289,10 @@ class Plan:
         return self.prm_seconds + self.gen_seconds + self.offload_seconds
 
 
-def solve(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int) -> Plan:
+def solve(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int) -> Plan:
     """The seed's search: every feasible B_pre, B_dec on the memory boundary (Eq. 1); the minimum
-    total time, ties to the larger B_dec."""
+    total time, ties to the larger B_dec. ``hw``: a GPU (both models' :class:`Roofline`) or each
+    model's own cost model (:class:`StageCosts`, e.g. CPU profiles measured on live servers)."""
     kv_pre = prm.kv_bytes_per_token * work.verify_tokens
     kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
     if kv_budget < kv_pre + kv_dec:
@@ -279,7 +315,7 @@ def solve(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_bud
                 b_pre * kv_pre, b_dec * kv_dec, pre_t[min(b_pre, n)], dec_t[min(b_dec, n)])
 
 
-def brute_force(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int
+def brute_force(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int
                 ) -> tuple[float, int, int]:
     """The minimum over *every* feasible (B_pre, B_dec) pair (tests check :func:`solve` against it)."""
     kv_pre = prm.kv_bytes_per_token * work.verify_tokens
@@ -310,12 +346,12 @@ def offload_plan(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload,
                 b_dec * kv_dec, pre_t[b_pre], dec_t[b_dec], moved / (hw.host_link_gbs * 1e9))
 
 
-def _stage_tables(gen, prm, hw, work):
-    pre = Roofline(prm, hw)
-    dec = Roofline(gen, hw)
+def _stage_tables(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload):
+    costs = stage_costs(gen, prm, hw)
+    pre, dec = costs.prm, costs.generator
     cached = work.prompt_tokens + work.step_tokens / 2
-    pre_t, pre_b = pre.stage_times(work.requests, lambda b: pre.prefill(b, work.verify_tokens))
-    dec_t, dec_b = dec.stage_times(work.requests, lambda b: work.step_tokens * dec.decode_step(b, cached))
+    pre_t, pre_b = stage_times(work.requests, lambda b: pre.prefill(b, work.verify_tokens))
+    dec_t, dec_b = stage_times(work.requests, lambda b: work.step_tokens * dec.decode_step(b, cached))
     return pre_t, pre_b, dec_t, dec_b
 
 
@@ -509,6 +545,6 @@ def plan_from_args(args) -> PairPlan:
     return PairPlan(hw, budget, reserve, gen, prm, work, shared, off, flags)
 
 
-__all__ = ["HARDWARE", "GiB", "Hardware", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
+__all__ = ["HARDWARE", "CostModel", "GiB", "Hardware", "StageCosts", "stage_costs", "stage_times", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
            "PairPlan", "brute_force", "plan_from_args", "measure_ceilings",
            "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve", "static_split_flags"]

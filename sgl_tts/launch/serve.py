@@ -336,8 +336,9 @@ def print_commands(specs: Sequence[ServerSpec], label: str = "", health: bool = 
 
 def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
     """The generator's and the PRM's server flags and their environment: on the CPU the shipped tiny
-    models by default, --kv-memory split by --generator-share (the generator's share split again
-    between its replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
+    models by default, --kv-memory split by --generator-share, or when it is not given by the memory
+    planner on both models' measured CPU profiles (the generator's share split again between its
+    replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
     input."""
     from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags, cpu_server_flags
     from sgl_tts.launch.memory import parse_bytes, plan_from_args
@@ -354,9 +355,18 @@ def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
     args.prm = args.prm or str(shipped_model("prm") or "")
     if not (args.generator and args.prm):
         raise ValueError("this install ships no tiny models: pass --generator and --prm")
-    flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, args.generator_share, args.dtype)
+    share = args.generator_share
+    if share is None:   # the planner's split, on both models' measured CPU profiles
+        from sgl_tts.launch.cpu_profile import cpu_plan_from_args
+
+        plan = cpu_plan_from_args(args, attention=args.cpu_attention)
+        share, flags = plan.generator_share, dict(plan.flags)
+        say(f"sgl-tts serve: planned generator share {share:.3f} of {args.kv_memory} "
+            f"(rooms: generator {plan.plan.gen_room}, PRM {plan.plan.prm_room} requests)")
+    else:
+        flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, share, args.dtype)
     if args.replicas > 1:
-        share = parse_bytes(args.kv_memory) * args.generator_share / args.replicas
+        share = parse_bytes(args.kv_memory) * share / args.replicas
         flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
     return flags, dict(CPU_ENV)
 

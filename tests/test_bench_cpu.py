@@ -105,7 +105,13 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
     # SGLang's own counters, from each generator's /metrics (--enable-metrics on both sides): 1 GiB of
     # KV holds this whole run, so nothing was evicted or retracted
     zero = {"evicted_tokens": 0, "retracted_requests": 0, "retracted_prompt_tokens": 0}
-    assert summary["server_counters"] == {"stock": zero, "sgl-tts": zero}
+    assert {side: {k: c[k] for k in zero} for side, c in summary["server_counters"].items()} == {
+        "stock": zero, "sgl-tts": zero}
+    # the sgl-tts observer's, on both sides (stock: the plugin observe-only): rounds were timed, and
+    # every prefilled token belongs to a round
+    for side, c in summary["server_counters"].items():
+        assert c["prefill_rounds"] >= 1 and c["decode_rounds"] >= 1 and c["prefill_computed_tokens"] > 0, side
+        assert c["prefill_round_seconds"] > 0 and c["recomputed_blocks"] >= 0, side
     assert [r["side"] for r in records if r["kind"] == "counters"] == ["stock", "sgl-tts"]
     assert "| stock | 0 | 0 | 0 |" in (tmp_path / "run.md").read_text()
     # every server was stopped

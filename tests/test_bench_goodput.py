@@ -310,7 +310,7 @@ def test_dry_run_prints_a_stock_and_an_sgl_tts_pair(tmp_path, capsys):
     assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
     for name, cmd in cmds.items():
         assert "--load-format dummy" in cmd and "--attention-backend triton" in cmd
-        assert cmd.startswith("SGLANG_PLUGINS=none ") == name.startswith("# stock")
+        assert cmd.startswith("SGLANG_PLUGINS=sgl-tts SGLANG_TTS_OBSERVE_ONLY=1 ") == name.startswith("# stock")   # scheduling plugin-free, observed
         assert ("--tts-policy prefix-aware" in cmd) == (name == "# sgl-tts generator")
         assert ("--max-running-requests" in cmd) == name.startswith("# sgl-tts")
     # the planned PRM pool holds one context-length request (SGLang refuses longer inputs)
@@ -336,7 +336,7 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
     pool = lambda cmd: cmd.split("--max-total-tokens ")[1].split()[0]  # noqa: E731
     for name, cmd in cmds.items():
         side, server = name[2:].split()
-        assert ("SGLANG_PLUGINS=none " in cmd) == (side != "sgl-tts") and ("--tts-policy" in cmd) == (name == "# sgl-tts generator")
+        assert ("SGLANG_PLUGINS=sgl-tts SGLANG_TTS_OBSERVE_ONLY=1 " in cmd) == (side != "sgl-tts") and ("--tts-policy" in cmd) == (name == "# sgl-tts generator")
         assert policy(cmd) == {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight", "sgl-tts": None}[side]
         assert ("--enable-metrics" in cmd) == (server == "generator")
         assert pool(cmd) == pool(cmds[f"# sgl-tts {server}"])
@@ -360,7 +360,7 @@ def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorte
     assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
     env = f"SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS={CPU_ENV['OMP_NUM_THREADS']} "   # both sides alike
     for name, cmd in cmds.items():
-        assert cmd.startswith(env + "SGLANG_PLUGINS=none " if name.startswith("# stock") else env + "/")
+        assert cmd.startswith(env + "SGLANG_PLUGINS=sgl-tts SGLANG_TTS_OBSERVE_ONLY=1 " if name.startswith("# stock") else env + "/")
         assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
         assert "--load-format dummy" in cmd and "--attention-backend" not in cmd
         assert "--mem-fraction-static" not in cmd and "--max-running-requests" not in cmd   # no planning
@@ -411,6 +411,7 @@ ap.add_argument("--port", type=int)
 args, _ = ap.parse_known_args()
 with open(os.environ["FAKE_SGLANG_LOG"], "a") as fh:
     fh.write(json.dumps({"argv": sys.argv[1:], "plugins": os.environ.get("SGLANG_PLUGINS"),
+                         "observe_only": os.environ.get("SGLANG_TTS_OBSERVE_ONLY"),
                          "pid": os.getpid()}) + "\n")
 vocab = json.load(open(os.path.join(args.model_path, "config.json")))["vocab_size"] - 4
 is_prm = "prm" in os.path.basename(args.model_path)
@@ -455,7 +456,15 @@ class H(BaseHTTPRequestHandler):
                     f'sglang:evicted_tokens_total{{cache_type="RadixCache"}} {3.0 * served[0]}\n'
                     f'sglang:evicted_tokens_total{{cache_type="Other"}} {1.0 * served[0]}\n'
                     f'sglang:num_retracted_requests_total{{model_name="m"}} {float(served[0] // 10)}\n'
-                    ).encode()
+                    )
+            if os.environ.get("SGLANG_PLUGINS") != "none":   # the observer, as the plugin names it
+                data += (f"sgl_tts_recomputed_blocks_total {2.0 * served[0]}\n"
+                         f"sgl_tts_prefill_computed_tokens_total {100.0 * served[0]}\n"
+                         f'sgl_tts_scheduler_rounds_total{{mode="prefill"}} {1.0 * served[0]}\n'
+                         f'sgl_tts_scheduler_rounds_total{{mode="decode"}} {3.0 * served[0]}\n'
+                         f'sgl_tts_scheduler_round_seconds_total{{mode="prefill"}} {0.002 * served[0]}\n'
+                         f'sgl_tts_scheduler_round_seconds_total{{mode="decode"}} {0.0006 * served[0]}\n')
+            data = data.encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -563,7 +572,8 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert not [t for t in workers if t.is_alive()]
     launches = _launches(fake_sglang)
     assert [("--tts-policy" in x["argv"], x["plugins"]) for x in launches] == [
-        (False, "none"), (False, "none"), (True, None), (False, None)]   # stock gen, PRM; sgl-tts gen, PRM
+        (False, "sgl-tts"), (False, "sgl-tts"), (True, None), (False, None)]   # stock gen, PRM; sgl-tts gen, PRM
+    assert [x["observe_only"] for x in launches] == ["1", "1", None, None]
     kept = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert {(r["side"], r["algorithm"], r["n"]) for r in kept if r["kind"] == "search"} >= {
         ("stock", a, n) for a in ("beam_search", "dvts") for n in (4, 8)}
@@ -587,9 +597,17 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert [r["side"] for r in counted] == ["stock", "sgl-tts"]
     for side, c in summary["server_counters"].items():
         assert c["evicted_tokens"] > 0 and c["evicted_tokens"] % 4 == 0 and c["retracted_prompt_tokens"] == 0, side
+        # the observer's counters on every side (stock: the plugin observe-only), per request served:
+        # 2 recomputed blocks, 100 prefilled tokens, 1 prefill round of 2 ms and 3 decode rounds of 0.2 ms
+        served = c["evicted_tokens"] / 4
+        assert (c["recomputed_blocks"], c["prefill_computed_tokens"]) == (2 * served, 100 * served), side
+        assert (c["prefill_rounds"], c["decode_rounds"]) == (served, 3 * served), side
     md = (tmp_path / "run.md").read_text()
-    assert "| side | generator tokens evicted | requests retracted | their prompt tokens |" in md
-    assert f"| stock | {summary['server_counters']['stock']['evicted_tokens']:.0f} |" in md
+    assert ("| side | generator tokens evicted | requests retracted | their prompt tokens | recomputed prompt tokens "
+            "| prefill tokens computed | scheduler ms per prefill round | scheduler ms per round |") in md
+    stock = summary["server_counters"]["stock"]
+    assert (f"| stock | {stock['evicted_tokens']:.0f} | {stock['retracted_requests']:.0f} | 0 | "
+            f"{32 * stock['evicted_tokens'] / 4:.0f} | {100 * stock['evicted_tokens'] / 4:.0f} | 2.000 | 0.650 |") in md
     assert md == out.rstrip("\n") + "\n" or md.rstrip() in out
     assert "- machine: " in md and "- date: " in md and "- command: `sgl-tts bench --generator qwen2.5-math-1.5b" in md
     assert (tmp_path / "run.png").stat().st_size > 10_000
@@ -764,7 +782,8 @@ def test_sglang_s_own_counters_are_read_from_its_exposition():
 
     from sglang.srt.observability import metrics_collector
 
-    from sgl_tts.bench.server_counters import COUNTERS, delta, format_counters, parse_counters, per_side
+    from sgl_tts.bench.server_counters import (COUNTERS, OBSERVER_COUNTERS, delta, format_counters, parse_counters,
+                                               per_side)
 
     source = inspect.getsource(metrics_collector)
     assert all(f'name="{metric}"' in source for metric in COUNTERS.values())
@@ -780,14 +799,79 @@ def test_sglang_s_own_counters_are_read_from_its_exposition():
              'tp_rank="0"} 3.0\nsglang:num_retracted_input_tokens_total{model_name="m"} 400.0\n'
              'sglang:num_retracted_output_tokens_total{model_name="m"} 44.0\n')
     got = parse_counters(text)
-    assert got == {"evicted_tokens": 13.0, "retracted_requests": 3.0, "retracted_prompt_tokens": 400.0}
+    unobserved = dict.fromkeys(OBSERVER_COUNTERS)   # a server without the sgl-tts observer has none of its series
+    sglang_own = {"evicted_tokens": 13.0, "retracted_requests": 3.0, "retracted_prompt_tokens": 400.0}
+    assert got == {**sglang_own, **unobserved}
     assert parse_counters("# nothing set yet\n") == {"evicted_tokens": 0.0, "retracted_requests": 0.0,
-                                                     "retracted_prompt_tokens": 0.0}
+                                                     "retracted_prompt_tokens": 0.0, **unobserved}
     assert delta({"evicted_tokens": 3.0, "retracted_requests": 1.0, "retracted_prompt_tokens": 100.0}, got) == {
-        "evicted_tokens": 10.0, "retracted_requests": 2.0, "retracted_prompt_tokens": 300.0}
+        "evicted_tokens": 10.0, "retracted_requests": 2.0, "retracted_prompt_tokens": 300.0, **unobserved}
     # a side resumed after a crash has one record per part that ran: summed
     sides = per_side([{"kind": "counters", "side": "stock", **got}, {"kind": "search", "side": "stock"},
                       {"kind": "counters", "side": "stock", **got}, {"kind": "counters", "side": "sgl-tts", **got}])
-    assert sides["stock"] == {k: 2 * v for k, v in got.items()} and sides["sgl-tts"] == got
+    assert sides["stock"] == {**{k: 2 * v for k, v in sglang_own.items()}, **unobserved} and sides["sgl-tts"] == got
     assert format_counters(sides, ["stock", "stock-lpm", "sgl-tts"]).splitlines()[2:] == [
-        "| stock | 26 | 6 | 800 |", "| sgl-tts | 13 | 3 | 400 |"]
+        "| stock | 26 | 6 | 800 | - | - | - | - |", "| sgl-tts | 13 | 3 | 400 | - | - | - | - |"]
+
+
+# what a live observe-only CPU server (tests/test_live_observer.py's) answered on /metrics, as Prometheus'
+# multiprocess collector names the observer's counters there: a ``_total`` suffix, the ``mode`` label
+OBSERVER_EXPOSITION = """\
+# HELP sgl_tts_scheduler_rounds_total scheduler rounds that formed a batch (get_next_batch_to_run)
+# TYPE sgl_tts_scheduler_rounds_total counter
+sgl_tts_scheduler_rounds_total{mode="prefill"} 7.0
+sgl_tts_scheduler_rounds_total{mode="decode"} 20.0
+# HELP sgl_tts_scheduler_round_seconds_total seconds the scheduler spent forming those batches
+# TYPE sgl_tts_scheduler_round_seconds_total counter
+sgl_tts_scheduler_round_seconds_total{mode="prefill"} 0.0210616840047296137
+sgl_tts_scheduler_round_seconds_total{mode="decode"} 0.0028481830009259284
+# HELP sgl_tts_prefill_cached_tokens_total prompt tokens served from the prefix cache
+# TYPE sgl_tts_prefill_cached_tokens_total counter
+sgl_tts_prefill_cached_tokens_total 15.0
+# HELP sgl_tts_prefill_computed_tokens_total prompt tokens prefilled
+# TYPE sgl_tts_prefill_computed_tokens_total counter
+sgl_tts_prefill_computed_tokens_total 1301.0
+# HELP sgl_tts_recomputed_blocks_total prefix blocks computed again (thrashing)
+# TYPE sgl_tts_recomputed_blocks_total counter
+sgl_tts_recomputed_blocks_total 26.0
+# HELP sgl_tts_evicted_tokens_total tokens evicted from the radix cache
+# TYPE sgl_tts_evicted_tokens_total counter
+sgl_tts_evicted_tokens_total 863.0
+sglang:evicted_tokens_total{cache_type="RadixCache",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 863.0
+sglang:cuda_graph_passes_total{engine_type="unified",mode="prefill_none",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 7.0
+sgl_tts_batch_size_sum 27.0
+sgl_tts_batch_size_bucket{le="1.0"} 27.0
+"""
+
+
+def test_the_observer_s_counters_are_read_from_the_multiprocess_exposition():
+    """The sgl-tts observer's counters (every side's: the stock sides run the plugin observe-only) as
+    the live server names them: recomputed prompt tokens are the recomputed blocks x 16 (block-granular),
+    the rounds are split by their ``mode`` label, and other series that share a name's start or a
+    label (``sgl_tts_evicted_tokens_total``, SGLang's ``mode="prefill_none"``) are not counted."""
+    from sgl_tts.bench.server_counters import (BLOCK_TOKENS, delta, format_counters, ms_per_round, parse_counters,
+                                               per_side, recomputed_prompt_tokens)
+
+    got = parse_counters(OBSERVER_EXPOSITION)
+    assert got == {"evicted_tokens": 863.0, "retracted_requests": 0.0, "retracted_prompt_tokens": 0.0,
+                   "recomputed_blocks": 26.0, "prefill_computed_tokens": 1301.0, "prefill_rounds": 7.0,
+                   "decode_rounds": 20.0, "prefill_round_seconds": 0.0210616840047296137,
+                   "decode_round_seconds": 0.0028481830009259284}
+    assert BLOCK_TOKENS == 16 and recomputed_prompt_tokens(got) == 416.0
+    assert ms_per_round(got, ("prefill",)) == pytest.approx(3.00881, abs=1e-5)
+    assert ms_per_round(got) == pytest.approx(1000 * (0.0210616840047296137 + 0.0028481830009259284) / 27)
+    start = {**got, "recomputed_blocks": 6.0, "prefill_rounds": 2.0, "prefill_round_seconds": 0.0010616840047296137}
+    side = delta(start, got)
+    assert (side["recomputed_blocks"], side["prefill_rounds"], side["decode_rounds"]) == (20.0, 5.0, 0.0)
+    assert ms_per_round(side, ("prefill",)) == pytest.approx(4.0) and ms_per_round(side) == pytest.approx(4.0)
+    assert ms_per_round({**side, "prefill_rounds": 0.0}) is None     # no round, no time per round
+    # records written before the observer was read (no such fields) report "-", alone or mixed in
+    old = {"kind": "counters", "side": "stock", "evicted_tokens": 5.0, "retracted_requests": 0.0,
+           "retracted_prompt_tokens": 0.0}
+    sides = per_side([old, {"kind": "counters", "side": "sgl-tts", **side},
+                      {"kind": "counters", "side": "stock-lpm", **side}, {**old, "side": "stock-lpm"}])
+    assert sides["stock"]["recomputed_blocks"] is None and sides["stock-lpm"]["prefill_rounds"] is None
+    assert sides["stock-lpm"]["evicted_tokens"] == 5.0
+    assert format_counters(sides, ["stock", "stock-lpm", "sgl-tts"]).splitlines()[2:] == [
+        "| stock | 5 | 0 | 0 | - | - | - | - |", "| stock-lpm | 5 | 0 | 0 | - | - | - | - |",
+        "| sgl-tts | 0 | 0 | 0 | 320 | 0 | 4.000 | 4.000 |"]

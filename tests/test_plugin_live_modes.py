@@ -184,9 +184,9 @@ def decode_state(kv_size, waves, *, fill_pool=True):
 
 
 def _after_prefill_hook():
-    from sgl_tts import plugin
+    from sgl_tts.plugin import observer
 
-    return plugin._after_prefill
+    return observer.after_prefill
 
 
 def test_mixed_decode_requests_are_not_admissions():

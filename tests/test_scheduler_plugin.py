@@ -109,7 +109,7 @@ def test_launch_server_help_lists_and_validates_the_flags():
             (("--help",), None),
             (("--model-path", "x", "--tts-policy", "lpm"), None),
             (("--model-path", "x", "--tts-dedup-tokens", "0"), None),
-            # SGLang's whitelist: a list without sgl-tts loads no sgl-tts flag (the benchmark's stock side)
+            # observe-only (the benchmark's stock sides): the observer's hooks, no sgl-tts flag
             (("--help",), STOCK_ENV)])
     assert out.returncode == 0
     assert "test-time scaling (sgl-tts)" in out.stdout and "--tts-policy {off,prefix-aware,locality}" in out.stdout

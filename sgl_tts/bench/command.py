@@ -7,7 +7,10 @@ split. ``--device cpu`` runs real SGLang servers on this machine's CPU (:mod:`sg
 small random-weight Qwen2 models (:data:`CPU_MODELS`), a shorter trace of the same log-normal shape
 (:data:`CPU_TRACE`); the stock sides get ``--stock-split`` of ``--kv-memory``, the sgl-tts side the
 planner's split on both models' measured CPU profiles (:mod:`sgl_tts.launch.cpu_profile`) or
-``--sgl-tts-split``."""
+``--sgl-tts-split``. The stock sides are scheduling plugin-free, observed by the same observer as the
+sgl-tts side: the plugin loaded observe-only (:data:`STOCK_ENV`), so the report's recomputed prompt
+tokens and scheduler time per round come from one piece of code on every side
+(:mod:`sgl_tts.bench.server_counters`)."""
 
 from __future__ import annotations
 
@@ -23,13 +26,16 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench import server_counters
+from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchSettings,
                                    RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
                                    summarize)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-STOCK_ENV = {"SGLANG_PLUGINS": "none"}   # an allow-list naming no plugin: sgl-tts is not loaded
+# the stock sides: sgl-tts loaded observe-only (sgl_tts.plugin.observer): no scheduling hook, no flag, only
+# the observer every side is measured by (SGLang's allow-list names no other plugin)
+STOCK_ENV = dict(OBSERVER_ENV)
 DEVICES = ("cuda", "cpu")
 
 # --device cpu: models a 2-core CPU serves at a few thousand tokens/s (the shipped tiny generator's
@@ -127,7 +133,11 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
     lines += [f"- settings: `{json.dumps(settings.to_json())}`", "", table, ""]
     counters = server_counters.format_counters(server_counters.per_side(records), ALL_SIDES)
     if counters:
-        lines += ["SGLang's own counters on each side's generator (its `/metrics`, over the side's searches):",
+        lines += ["Each side's generator over the side's searches (its `/metrics`): SGLang's own counters "
+                  "(evicted, retracted), then the sgl-tts observer's, the same code on every side (stock "
+                  "sides: the plugin observe-only): prompt tokens recomputed that an earlier request had "
+                  "computed (block-granular: whole 16-token blocks), prompt tokens prefilled, and the "
+                  "scheduler's own time per round forming a batch (`-`: not observed).",
                   "", counters, ""]
     text = "\n".join(lines)
     output.with_suffix(".md").write_text(text)
@@ -221,6 +231,8 @@ def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, sh
 
     plan = None
     share = args.sgl_tts_split
+    if share is None and all(is_stock(side) for side in args.sides):
+        share = args.stock_split   # no sgl-tts side: nothing to plan (and no profile to measure)
     if share is None:
         from sgl_tts.launch.cpu_profile import cpu_plan_from_args
 
@@ -250,8 +262,9 @@ def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, sh
 
 
 def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
-    """Each side's servers: stock SGLang without the plugin (under the side's scheduling policy), or the
-    sgl-tts servers (plugin on). Every generator serves SGLang's counters (``--enable-metrics``)."""
+    """Each side's servers: stock SGLang scheduling (under the side's scheduling policy; the plugin
+    observe-only), or the sgl-tts servers (plugin on). Every generator serves SGLang's counters and the
+    observer's (``--enable-metrics``)."""
     from sgl_tts.plugin.settings import TTSSettings
     from sgl_tts.launch.serve import build_specs
 

@@ -2,7 +2,8 @@
 
 Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.launch.serve` on one GPU:
 
-- ``stock``: SGLang as it comes (the sgl-tts plugin is not loaded), a static split of the memory
+- ``stock``: SGLang's own scheduling (scheduling plugin-free, observed by the same observer as the
+  sgl-tts side: the plugin loaded observe-only, :mod:`sgl_tts.plugin.observer`), a static split of the memory
   budget (``--stock-split``, the generator's share; 0.5 by default), SGLang's own batch limits;
 - ``stock-lpm``, ``stock-dfs-weight``: the same stock servers under SGLang's own prefix-aware
   scheduling policies (``--schedule-policy lpm`` / ``dfs-weight``), what a user would try first;
@@ -10,11 +11,13 @@ Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.launch.ser
 
 The report's ``vs best stock`` compares each side with the best stock side that ran. Each side's
 servers also report SGLang's own counters (``--enable-metrics``): tokens evicted from the radix
-cache and requests retracted (and their prompt tokens), from the generator's ``/metrics`` before
-and after the side's searches (:func:`server_counters`).
+cache and requests retracted (and their prompt tokens), and the sgl-tts observer's, the same code on
+every side: prompt tokens recomputed that had been computed before (thrashing, block-granular), prompt
+tokens prefilled, and the scheduler's time per round; from the generator's ``/metrics`` before and
+after the side's searches (:mod:`sgl_tts.bench.server_counters`).
 
 On the CPU (``sgl-tts bench --device cpu``) both sides get the same split and SGLang's own batch
-limits (no planning there), so they differ only in the plugin.
+limits (no planning there), so they differ only in the plugin's scheduling.
 
 On each side beam search and DVTS run for every n on the same synthetic problems, one problem at a
 time. Models are real architectures with random weights, so the *trace* (:mod:`sgl_tts.bench.trace`)
@@ -54,7 +57,7 @@ from sgl_tts.search import STEP_DELIMITER, SearchTag
 logger = logging.getLogger(__name__)
 
 SIDES = ("stock", "sgl-tts")   # the default sides
-# The stock sides: SGLang without the plugin, under each scheduling policy a user would try for prefix
+# The stock sides: SGLang's own scheduling (the plugin observe-only), under each scheduling policy a user would try for prefix
 # reuse before a plugin (issue 32): its default (fcfs), lpm (longest prefix match first) and
 # dfs-weight (a depth-first walk of the radix tree, weighted by waiting requests). None: SGLang's default.
 STOCK_POLICIES: dict[str, str | None] = {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight"}
@@ -80,7 +83,8 @@ ALL_SIDES = tuple(SIDE_OPTIONS)
 
 
 def is_stock(side: str) -> bool:
-    """A side on stock SGLang's servers (no plugin), as opposed to the sgl-tts servers."""
+    """A side on stock SGLang's servers (no scheduling plugin: sgl-tts observe-only), as opposed to
+    the sgl-tts servers."""
     return side in STOCK_POLICIES
 
 

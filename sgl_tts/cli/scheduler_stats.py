@@ -42,4 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f" ({summary['cached_tokens']} cached / {summary['computed_tokens']} computed prompt tokens)")
     print(f"evicted tokens {summary['evicted_tokens']}; recomputed blocks (evicted, then needed "
           f"again) {summary['recomputed_blocks']}")
+    rounds, seconds = summary["rounds"], summary["round_seconds"]
+    if any(rounds.values()):   # records written before the round timer have none
+        print("scheduler time per round: " + ", ".join(
+            f"{mode} {1000 * seconds[mode] / rounds[mode]:.2f} ms x {rounds[mode]}" if rounds[mode] else f"{mode} -"
+            for mode in rounds))
     return 0

@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_server_flags
+from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
 
 NO_PLUGIN = None   # LiveServer.policy: the sgl-tts plugin is not loaded (SGLANG_PLUGINS=none)
+# LiveServer.policy: the plugin loaded observe-only (sgl_tts.plugin.observer): stock scheduling, no flag
+OBSERVE_ONLY = "observe-only"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +38,11 @@ class LiveServer:
     Attributes:
         model: model folder.
         policy: the plugin's ``--tts-policy`` (``off`` / ``prefix-aware``), or ``None``: the plugin is
-            not loaded at all (``SGLANG_PLUGINS=none``), stock SGLang.
-        metrics: write the plugin's scheduler metrics (``--tts-metrics-file``; needs a policy).
+            not loaded at all (``SGLANG_PLUGINS=none``), stock SGLang, or :data:`OBSERVE_ONLY`: the
+            plugin loaded observe-only (``SGLANG_TTS_OBSERVE_ONLY=1``: stock scheduling, no flag, the
+            observer's metrics with ``--enable-metrics`` in ``extra`` or ``metrics``).
+        metrics: write the plugin's scheduler metrics (``--tts-metrics-file``, observe-only
+            ``SGLANG_TTS_METRICS_FILE``; needs a policy).
         kv_bytes: the KV pool's memory (its ``--max-total-tokens`` follows).
         dtype: ``--dtype`` (``float32`` computes what :class:`sgl_tts.LocalBackend` computes).
         seeded_sampling: the plugin's ``--tts-seeded-sampling`` (needs a policy).
@@ -57,9 +63,9 @@ class LiveServer:
     def __post_init__(self):
         if self.metrics and self.policy is NO_PLUGIN:
             raise ValueError("scheduler metrics come from the sgl-tts plugin: give a policy")
-        if self.seeded_sampling and self.policy is NO_PLUGIN:
+        if self.seeded_sampling and self.policy in (NO_PLUGIN, OBSERVE_ONLY):
             raise ValueError("seeded sampling comes from the sgl-tts plugin: give a policy")
-        if self.cpu_attention != "native" and self.policy is NO_PLUGIN:
+        if self.cpu_attention != "native" and self.policy in (NO_PLUGIN, OBSERVE_ONLY):
             raise ValueError("the ragged CPU attention comes from the sgl-tts plugin: give a policy ('off' will do)")
 
 
@@ -116,6 +122,10 @@ class LiveServers:
         plugin = None
         if spec.policy is NO_PLUGIN:
             env["SGLANG_PLUGINS"] = "none"
+        elif spec.policy == OBSERVE_ONLY:
+            env.update(OBSERVER_ENV)
+            if spec.metrics:
+                env["SGLANG_TTS_METRICS_FILE"] = str(self.metrics_prefix(name))
         else:
             plugin = TTSSettings(spec.policy, seeded_sampling=spec.seeded_sampling,
                                  metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None,
@@ -305,5 +315,5 @@ def server_info(url: str) -> dict:
         return json.loads(res.read())
 
 
-__all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "ServerFailed", "free_port", "in_flight", "loads",
+__all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "OBSERVE_ONLY", "ServerFailed", "free_port", "in_flight", "loads",
            "server_info", "settled_loads"]

@@ -8,9 +8,10 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``Scheduler.__init__`` (after): the prefix-aware policy attached to the scheduler's policy;
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
-- ``Scheduler.get_new_batch_prefill``, ``Scheduler.get_next_batch_to_run`` and ``RadixCache.evict``
-  with every tree cache's own ``evict`` (:data:`EVICT_TARGETS`) (after): metrics, only when a
-  ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
+- the observation hooks (:func:`sgl_tts.plugin.observer.observation_hooks`):
+  ``Scheduler.get_new_batch_prefill`` and ``RadixCache.evict`` with every tree cache's own ``evict``
+  (:data:`EVICT_TARGETS`) (after), and the round timer on ``Scheduler.get_next_batch_to_run``
+  (around): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
   ``--enable-metrics`` adds ``sgl_tts_*`` Prometheus series when ``--tts-metrics-file`` or
   ``--tts-policy prefix-aware`` is given (``--enable-metrics`` alone: none, stock SGLang);
 - ``Scheduler.get_new_batch_prefill`` (after), ``Req.update_finish_state`` and
@@ -32,6 +33,10 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``ModelRunner._get_attention_backend_from_str`` (around), with ``--tts-cpu-attention ragged``:
   ``torch_native`` attention becomes :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend
   (registered in SGLang's attention registry); every other backend is SGLang's.
+
+With ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment the plugin registers only the observation hooks
+and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.observer`): no flags, stock
+scheduling, metrics when the server runs ``--enable-metrics`` (or ``SGLANG_TTS_METRICS_FILE`` is set).
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
 out of it and none of this loads. SGLang's hook registry only logs a hook it could not apply; with
@@ -100,8 +105,9 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
     return server_args
 
 
-def hook_table() -> list[tuple[str, object, str]]:
-    """(target, hook function, hook type) of every hook the plugin registers."""
+def scheduling_hooks() -> list[tuple[str, object, str]]:
+    """(target, hook function, hook type) of the hooks that act: flags, policy, preemption, the loads
+    inquirer, class changes, group abort, seeded sampling, CPU attention (full mode only)."""
     from sgl_tts.plugin import abort, cpu_attention, policy, preemption, seeding
 
     return [
@@ -110,20 +116,31 @@ def hook_table() -> list[tuple[str, object, str]]:
         (TARGETS["scheduler_init"], _scheduler_init, "AFTER"),
         (TARGETS["calc_priority"], policy.calc_priority, "AROUND"),
         (TARGETS["add_one_req"], policy.add_one_req, "AROUND"),
-        (TARGETS["prefill"], preemption.after_prefill, "AFTER"),
-        (TARGETS["prefill"], _after_prefill, "AFTER"),
+        (TARGETS["prefill"], preemption.after_prefill, "AFTER"),   # before the observer's prefill hook
         (TARGETS["retract"], preemption.retract_decode, "AROUND"),
         (TARGETS["finish_state"], preemption.update_finish_state, "AROUND"),
         (TARGETS["loads"], policy.fill_matched_prefixes, "AROUND"),
         (TARGETS["set_state"], policy.set_internal_state, "AROUND"),
         (TARGETS["set_state_reply"], policy.set_internal_state_reply, "AROUND"),
-        (TARGETS["next_batch"], _after_next_batch, "AFTER"),
-        *((target, _after_evict, "AFTER") for target in EVICT_TARGETS),
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
         (TARGETS["attention_backend"], cpu_attention.attention_backend_from_str, "AROUND"),
     ]
+
+
+def hook_table(observe_only: bool | None = None) -> list[tuple[str, object, str]]:
+    """(target, hook function, hook type) of every hook the plugin registers: in full mode its
+    scheduling hooks and :func:`sgl_tts.plugin.observer.observation_hooks`; observe-only
+    (``observe_only``, by default ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment) the observer's
+    scheduler-init hook and the same observation hooks, nothing else."""
+    from sgl_tts.plugin import observer
+
+    if observe_only is None:
+        observe_only = observer.observe_only()
+    if observe_only:
+        return observer.observer_hook_table()
+    return [*scheduling_hooks(), *observer.observation_hooks()]
 
 
 def _hooks_in(fn) -> set:
@@ -140,12 +157,13 @@ def _hooks_in(fn) -> set:
     return found
 
 
-def missing_hooks() -> list[str]:
-    """Targets on which one of the plugin's hooks is not in place in this process."""
+def missing_hooks(observe_only: bool | None = None) -> list[str]:
+    """Targets on which one of the plugin's hooks (of :func:`hook_table` for ``observe_only``, by
+    default this process's mode) is not in place in this process."""
     import pkgutil
 
     missing: list[str] = []
-    for target, hook, _ in hook_table():
+    for target, hook, _ in hook_table(observe_only):
         owner, name = target.rsplit(".", 1)
         try:
             present = _hooks_in(getattr(pkgutil.resolve_name(owner), name))
@@ -156,17 +174,22 @@ def missing_hooks() -> list[str]:
     return missing
 
 
-def check_attached() -> None:
+def check_attached(reason: str | None = None) -> None:
     """Refuse to serve (``RuntimeError``) if a hook of the plugin is not in place in this process:
     SGLang's registry logs a hook it could not apply and goes on, which would run stock scheduling
-    under ``--tts-*`` flags without a word."""
+    under ``--tts-*`` flags (or, observe-only, report no metrics) without a word. ``reason``: what
+    asked for the plugin (default: ``--tts-*`` flags)."""
     missing = missing_hooks()
     if missing:
-        raise RuntimeError(
-            "sgl-tts: --tts-* flags are set but the plugin's hooks are not in place on "
-            + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; is this "
-            "SGLang 0.5.15?). Refusing to serve stock scheduling under sgl-tts flags; drop the "
-            "--tts-* flags to run stock SGLang.")
+        if reason is None:
+            raise RuntimeError(
+                "sgl-tts: --tts-* flags are set but the plugin's hooks are not in place on "
+                + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; is this "
+                "SGLang 0.5.15?). Refusing to serve stock scheduling under sgl-tts flags; drop the "
+                "--tts-* flags to run stock SGLang.")
+        raise RuntimeError(f"sgl-tts: {reason} but the plugin's hooks are not in place on "
+                           + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; "
+                           "is this SGLang 0.5.15?). Refusing to serve unmeasured.")
 
 
 def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
@@ -192,76 +215,27 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     if settings.metrics_file or (settings.active and getattr(server_args, "enable_metrics", False)):
         import os
 
-        from sgl_tts.plugin.metrics import SchedulerMetrics
+        from sgl_tts.plugin.observer import attach_metrics
 
-        path = f"{settings.metrics_file}.{os.getpid()}" if settings.metrics_file else None
-        metrics = SchedulerMetrics(path, prometheus=bool(getattr(server_args, "enable_metrics", False)))
-        scheduler.sgl_tts_metrics = metrics
-        scheduler.tree_cache.sgl_tts_metrics = metrics
         # what this scheduler process runs with, read back from the process itself
-        metrics.on_start(policy=settings.policy if state is not None else "off",
-                         dedup_tokens=settings.dedup_tokens, seeded_sampling=settings.seeded_sampling,
-                         schedule_policy=server_args.schedule_policy,
-                         max_total_tokens=getattr(scheduler, "max_total_num_tokens", None))
-        logger.info("sgl-tts: scheduler metrics to %s", path or "Prometheus")
-    return result
-
-
-def occupancy(allocator) -> float | None:
-    size = getattr(allocator, "size", None)
-    if not size:
-        return None
-    return 1.0 - allocator.available_size() / size
-
-
-def _after_prefill(batch, scheduler, *args, **kwargs):
-    metrics = getattr(scheduler, "sgl_tts_metrics", None)
-    if metrics is not None and batch is not None:
-        state = getattr(scheduler.policy, "sgl_tts", None)
-        # --enable-mixed-chunk: SGLang mixed the running decode requests into this batch
-        # (``decoding_reqs``) and emptied ``running_batch``: they run, they were not admitted
-        decoding = getattr(batch, "decoding_reqs", None) or []
-        mixed = {id(r) for r in decoding}
-        metrics.on_prefill([r for r in batch.reqs if id(r) not in mixed], waiting=len(scheduler.waiting_queue),
-                           running=len(scheduler.running_batch.reqs) + len(decoding),
-                           deferred=state.last_deferred if state is not None else 0,
-                           occupancy=occupancy(scheduler.token_to_kv_pool_allocator))
-    return batch
-
-
-def _after_next_batch(batch, scheduler, *args, **kwargs):
-    metrics = getattr(scheduler, "sgl_tts_metrics", None)
-    if metrics is not None and batch is not None:
-        metrics.on_batch(getattr(batch.forward_mode, "name", str(batch.forward_mode)), len(batch.reqs),
-                         occupancy=occupancy(scheduler.token_to_kv_pool_allocator), seq_tokens=seq_tokens(batch))
-    return batch
-
-
-def seq_tokens(batch) -> int | None:
-    """The batch's sequence lengths summed: SGLang's ``seq_lens_sum``, which a decode batch leaves
-    unset until its forward pass (then its host copy of the lengths, ``seq_lens_cpu``: no device sync)."""
-    total = getattr(batch, "seq_lens_sum", None)
-    if total is None:
-        lengths = getattr(batch, "seq_lens_cpu", None)
-        total = lengths.sum() if lengths is not None else None
-    return None if total is None else int(total)
-
-
-def _after_evict(result, cache, *args, **kwargs):
-    # the KV tokens the call freed; a call that freed none (a Mamba-state-only evict) is not recorded
-    metrics = getattr(cache, "sgl_tts_metrics", None)
-    tokens = int(getattr(result, "num_tokens_evicted", 0) or 0) if result is not None else 0
-    if metrics is not None and tokens:
-        metrics.on_evict(tokens)
+        attach_metrics(scheduler, path=f"{settings.metrics_file}.{os.getpid()}" if settings.metrics_file else None,
+                       prometheus=bool(getattr(server_args, "enable_metrics", False)),
+                       policy=settings.policy if state is not None else "off", dedup_tokens=settings.dedup_tokens,
+                       seeded_sampling=settings.seeded_sampling, schedule_policy=server_args.schedule_policy)
     return result
 
 
 def register() -> None:
-    """Register the hooks (SGLang applies them after every plugin has registered)."""
+    """Register the hooks (SGLang applies them after every plugin has registered): all of them, or
+    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.observer`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sgl_tts.plugin.observer import OBSERVE_ONLY_ENV, observe_only
+
+    if observe_only():
+        logger.info("sgl-tts: observe-only (%s=1): observation hooks only, stock scheduling", OBSERVE_ONLY_ENV)
     for target, hook, kind in hook_table():
         HookRegistry.register(target, hook, HookType[kind])
 
 
-__all__ = ["EVICT_TARGETS", "TARGETS", "check_attached", "hook_table", "missing_hooks", "register"]
+__all__ = ["EVICT_TARGETS", "TARGETS", "check_attached", "hook_table", "missing_hooks", "register", "scheduling_hooks"]

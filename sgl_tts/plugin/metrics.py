@@ -1,11 +1,17 @@
 """Scheduler observability (seed 001 ch. 6): batch sizes, KV occupancy, prefill tokens per request,
 prefix-cache hit rate, evictions and thrashing, per scheduler process.
 
-:class:`SchedulerMetrics` is fed by the plugin's hooks (``Scheduler.get_new_batch_prefill``,
-``Scheduler.get_next_batch_to_run``, ``RadixCache.evict``) and writes one JSONL record per event to
+:class:`SchedulerMetrics` is fed by the plugin's observation hooks (:mod:`sgl_tts.plugin.observer`:
+``Scheduler.get_new_batch_prefill``, the round timer around ``Scheduler.get_next_batch_to_run``,
+``RadixCache.evict``), in full or observe-only mode, and writes one JSONL record per event to
 ``--tts-metrics-file`` (``<path>.<pid>`` per scheduler process, buffered, flushed at least every
 second); with SGLang's ``--enable-metrics`` the same counters are Prometheus metrics (``sgl_tts_*``)
 on the server's ``/metrics``. ``sgl-tts scheduler-stats FILE...`` summarises the records.
+
+The round timer counts the scheduler rounds that formed a batch, prefill (extend) or decode, and the
+seconds ``get_next_batch_to_run`` took for them: ``sgl_tts_scheduler_rounds`` and
+``sgl_tts_scheduler_round_seconds`` (label ``mode``), and ``round`` / ``round_seconds`` on each
+``batch`` record.
 
 Thrashing follows seed 001 Alg. 1 on prefix blocks: a request's input is cut into ``block_tokens``
 blocks, each identified by a hash of the whole prefix up to its end. When a request is admitted, its
@@ -32,6 +38,7 @@ from typing import Any, Iterable, Sequence
 from sgl_tts.plugin.ordering import as_bytes
 
 MAX_SEEN = 2_000_000   # block hashes remembered (oldest forgotten first)
+ROUND_MODES = ("prefill", "decode")   # the round timer's ``mode`` label
 
 
 class SchedulerMetrics:
@@ -50,7 +57,8 @@ class SchedulerMetrics:
         self._lock = threading.Lock()
         self.totals = {"iterations": 0, "prefill_batches": 0, "admitted": 0, "cached_tokens": 0,
                        "computed_tokens": 0, "evicted_tokens": 0, "recomputed_blocks": 0,
-                       "deferred": 0}
+                       "deferred": 0, "prefill_rounds": 0, "decode_rounds": 0,
+                       "prefill_round_seconds": 0.0, "decode_round_seconds": 0.0}
         self._prom = _prometheus() if prometheus else None
         if self.path is not None:
             atexit.register(self.flush)  # what is buffered when the scheduler exits normally
@@ -105,16 +113,30 @@ class SchedulerMetrics:
         return record
 
     def on_batch(self, mode: str, batch_size: int, *, occupancy: float | None = None,
-                 seq_tokens: int | None = None) -> None:
+                 seq_tokens: int | None = None, round_seconds: float | None = None,
+                 prefill: bool | None = None) -> None:
         """A batch ran (``mode``: SGLang's forward mode name; ``seq_tokens``: its requests' sequence
-        lengths summed, SGLang's ``seq_lens_sum``: a decode row's cost grows with its context)."""
-        self.totals["iterations"] += 1
+        lengths summed, SGLang's ``seq_lens_sum``: a decode row's cost grows with its context).
+        ``round_seconds``: the scheduler's time forming it (the round timer), a prefill round when
+        ``prefill`` (an extend batch), else a decode round."""
+        t = self.totals
+        t["iterations"] += 1
+        record = {"event": "batch", "time": time.time(), "mode": mode, "batch_size": batch_size,
+                  "occupancy": occupancy, "seq_tokens": seq_tokens}
+        if round_seconds is not None:
+            kind = ROUND_MODES[0] if prefill else ROUND_MODES[1]
+            t[kind + "_rounds"] += 1
+            t[kind + "_round_seconds"] += round_seconds
+            record["round"], record["round_seconds"] = kind, round_seconds
         if self._prom:
-            self._prom["batch"].observe(batch_size)
+            p = self._prom
+            p["batch"].observe(batch_size)
             if occupancy is not None:
-                self._prom["occupancy"].set(occupancy)
-        self._write({"event": "batch", "time": time.time(), "mode": mode, "batch_size": batch_size,
-                     "occupancy": occupancy, "seq_tokens": seq_tokens})
+                p["occupancy"].set(occupancy)
+            if round_seconds is not None:
+                p["rounds"][kind].inc()
+                p["round_seconds"][kind].inc(round_seconds)
+        self._write(record)
 
     def on_evict(self, tokens: int) -> None:
         self.totals["evicted_tokens"] += tokens
@@ -192,7 +214,14 @@ def _prometheus() -> dict:
 def _make_prometheus() -> dict:
     from prometheus_client import Counter, Gauge, Histogram
 
+    rounds = Counter("sgl_tts_scheduler_rounds", "scheduler rounds that formed a batch (get_next_batch_to_run)",
+                     ["mode"])
+    round_seconds = Counter("sgl_tts_scheduler_round_seconds", "seconds the scheduler spent forming those batches",
+                            ["mode"])
     return {
+        # one child per mode, made now: both series exist (0) from the start, and an increment is no lookup
+        "rounds": {m: rounds.labels(mode=m) for m in ROUND_MODES},
+        "round_seconds": {m: round_seconds.labels(mode=m) for m in ROUND_MODES},
         "cached": Counter("sgl_tts_prefill_cached_tokens", "prompt tokens served from the prefix cache"),
         "computed": Counter("sgl_tts_prefill_computed_tokens", "prompt tokens prefilled"),
         "recomputed": Counter("sgl_tts_recomputed_blocks", "prefix blocks computed again (thrashing)"),
@@ -239,6 +268,7 @@ def summarize(records: Sequence[dict]) -> dict:
     cached = sum(r["cached_tokens"] for r in prefills)
     computed = sum(r["computed_tokens"] for r in prefills)
     per_req = [q["cached"] + q["computed"] for r in prefills for q in r.get("requests", [])]
+    rounds = {m: [r["round_seconds"] for r in batches if r.get("round") == m] for m in ROUND_MODES}
     return {
         "batches": len(batches),
         "batch_size": {"mean": statistics.fmean(sizes) if sizes else 0.0,
@@ -253,7 +283,10 @@ def summarize(records: Sequence[dict]) -> dict:
                                         "max": max(per_req, default=0)},
         "evicted_tokens": sum(r["tokens"] for r in records if r.get("event") == "evict"),
         "recomputed_blocks": sum(r["recomputed_blocks"] for r in prefills),
+        # the round timer (records written before it have none: 0 rounds)
+        "rounds": {m: len(rounds[m]) for m in ROUND_MODES},
+        "round_seconds": {m: sum(rounds[m]) for m in ROUND_MODES},
     }
 
 
-__all__ = ["SchedulerMetrics", "read_records", "scheduler_files", "summarize"]
+__all__ = ["ROUND_MODES", "SchedulerMetrics", "read_records", "scheduler_files", "summarize"]

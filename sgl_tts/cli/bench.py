@@ -69,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stock and sgl-tts by default; stock-lpm and stock-dfs-weight are stock SGLang under its "
                         "own prefix-aware policies (--schedule-policy lpm / dfs-weight); the sgl-tts+spec... "
                         "sides add speculative beam extension, then LookAhead, then overlapped verification on "
-                        "the sgl-tts servers (the ablation); sgl-tts+locality runs --tts-policy locality on both "
-                        "servers (eviction by next use and resident families first under KV pressure)")
+                        "the sgl-tts servers (the ablation); sgl-tts+locality: --tts-policy locality on both servers")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

@@ -31,7 +31,7 @@ def bench_command(args, split: float | None, output: Path) -> list[str]:
     """``sgl-tts bench`` for one split (``None``: the planner's)."""
     cmd = [sys.executable, "-m", "sgl_tts.cli", "bench", "--device", "cpu", "--n", str(args.n),
            "--algorithms", args.algorithm, "--kv-memory", args.kv_memory, "--prompt-tokens", str(args.prompt_tokens),
-           "--sides", "sgl-tts", "--output", str(output), "--no-progress", "--json"]
+           "--sides", args.side, "--output", str(output), "--no-progress", "--json"]
     if split is not None:
         cmd += ["--sgl-tts-split", str(split)]
     return cmd + shlex.split(args.bench_args)
@@ -49,7 +49,7 @@ def run_split(args, split: float | None) -> dict:
         raise SystemExit(f"{name}: sgl-tts bench exited with {done.returncode}")
     summary = json.loads(done.stdout)
     header = summary["header"]
-    side = summary["rows"][0]["sides"]["sgl-tts"]
+    side = summary["rows"][0]["sides"][args.side]
     chosen = header["splits"]["sgl-tts"]
     return {"split": chosen["generator_share"], "planned": chosen["planned"],
             "pools": header["pools"]["sgl-tts"], "goodput": side["goodput"], "latency": side["latency"],
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="beam_search")
     ap.add_argument("--kv-memory", default="24MiB")
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--side", default="sgl-tts", help="the sgl-tts side to run (e.g. sgl-tts+locality)")
     ap.add_argument("--splits", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     ap.add_argument("--bench-args", default="", help="more sgl-tts bench flags, one quoted string")
     ap.add_argument("--work-dir", default="bench-out/planner_split_check")

@@ -6,13 +6,12 @@ pressure the order is ``prefix-aware``'s exactly."""
 from __future__ import annotations
 
 import random
-
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-from test_scheduler_plugin import Cache, RadixKey, make_req, policy_for, scheduler_for  # noqa: F401
-
 from array import array
 
-from sglang.srt.managers.schedule_batch import ScheduleBatch
+from test_scheduler_plugin import Cache, RadixKey, make_req, policy_for, scheduler_for
+
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402 (after the plugin is loaded)
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 
 from sgl_tts.plugin import residency
 from sgl_tts.plugin.settings import TTSSettings

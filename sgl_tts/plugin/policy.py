@@ -400,16 +400,7 @@ class TTSPolicyState:
     @staticmethod
     def _cached_tokens(tree: Any, req: Any, seq: bytes, length: int) -> int:
         """Tokens of ``seq[:length]`` in the radix cache (SGLang's own prefix match)."""
-        from array import array
-
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        ids = array("q")
-        ids.frombytes(seq[:length * 8])
-        result = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids,
-                                                                  extra_key=getattr(req, "extra_key", None))))
-        return len(result.device_indices)
+        return residency.match(tree, seq[:length * 8], getattr(req, "extra_key", None))[1]
 
     # ---------------------------------------------------------------------- prefill batch
     def on_prefill_batch(self, reqs: Sequence[Any]) -> None:

@@ -43,10 +43,8 @@ class QueueAwareEviction:
     def __init__(self, inner: Any):
         self.inner = inner
         self.epoch = 0
-        self.evictions = 0    # get_priority calls: nonzero once the tree has had to evict
 
     def get_priority(self, node: Any) -> tuple:
-        self.evictions += 1
         need = getattr(node, NEED, None)
         if need is not None and need[0] == self.epoch:
             return (1, -need[1])

@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="download, slim and pack the wheels (here)")
     b.add_argument("--out", default=".wheelhouse", help="output folder (ignore it in git; default .wheelhouse)")
-    b.add_argument("--part-mib", type=float, default=44.0,
-                   help="bytes per part (a device call carries 64 MiB with the working tree; default 44)")
+    b.add_argument("--part-mib", type=float, default=40.0,
+                   help="MiB per part (a device call carries 64 MiB with the working tree, about 20 MiB in Nov. 2026; default 40)")
     b.add_argument("--add", nargs="*", default=[], help="more distributions to carry (at this environment's version)")
     b.add_argument("--list", action="store_true", help="only print what would travel")
     return ap

@@ -48,6 +48,15 @@ EOF
   tar -xf "$STORE/wheels.tar" -C "$STORE/wheels"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STORE"/wheels/*.whl
   say "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE in $((SECONDS - t0)) s"
+  # Byte-compile everything at once, on every core: on the H200 (2026-11-26) each process imported
+  # sglang from source again (21-30 s per process, ~4 s here), as if no .pyc were ever written; a
+  # .pyc written by compileall is read even where writing them is turned off (PYTHONDONTWRITEBYTECODE).
+  local tc=$SECONDS
+  "$PY" -c 'import os, sys
+print("[bringup] python", sys.version.split()[0], "dont_write_bytecode:", sys.dont_write_bytecode, "pycache_prefix:",
+      sys.pycache_prefix, "PYTHONDONTWRITEBYTECODE:", os.environ.get("PYTHONDONTWRITEBYTECODE"), "cpus:", os.cpu_count())'
+  "$PY" -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || true
+  say "byte-compiled $SITE in $((SECONDS - tc)) s"
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
   # One process imports them in turn, each time being what that module adds to those before it (on
   # the H200, 2026-11-26, a process per module spent 81 s importing sglang again and again). With
@@ -67,7 +76,7 @@ print(f"[bringup] sglang {sglang.__version__}, torch {torch.__version__}, cuda {
     "$PY" -X importtime -c "$check" $IMPORTS 2> "$SGLANG_TTS_IMPORTTIME" || rc=$?
     grep -v '^import time:' "$SGLANG_TTS_IMPORTTIME" >&2 || true
     echo "[bringup] slowest imports (cumulative us | module):"
-    grep '^import time:' "$SGLANG_TTS_IMPORTTIME" | awk -F'|' '$2 ~ /[0-9]/ {print $2 "|" $3}' | sort -rn | head -25
+    grep '^import time:' "$SGLANG_TTS_IMPORTTIME" | awk -F'|' '$2 ~ /[0-9]/ {print $2 "|" $3}' | sort -rn | sed -n 1,25p   # not head: under pipefail sort's SIGPIPE failed the install (H200, 2026-11-26)
     return $rc
   fi
 }

@@ -312,9 +312,14 @@ def test_dry_run_prints_a_stock_and_an_sgl_tts_pair(tmp_path, capsys):
         assert "--load-format dummy" in cmd and "--attention-backend triton" in cmd
         assert cmd.startswith("SGLANG_PLUGINS=sgl-tts SGLANG_TTS_OBSERVE_ONLY=1 ") == name.startswith("# stock")   # scheduling plugin-free, observed
         assert ("--tts-policy prefix-aware" in cmd) == (name == "# sgl-tts generator")
-        assert ("--max-running-requests" in cmd) == name.startswith("# sgl-tts")
-    # the planned PRM pool holds one context-length request (SGLang refuses longer inputs)
-    assert "--max-total-tokens 4096 " in cmds["# sgl-tts prm"]
+        # the planned generator batch is a cap; the PRM only prefills, its pool is its limit
+        assert ("--max-running-requests" in cmd) == (name == "# sgl-tts generator")
+    # the H200 run's configuration (issue 37): both models batch all 64 requests of an iteration (the
+    # problem's 300 tokens shared, a path by 4 siblings), and the rest of the budget goes to both
+    # caches by need, which here is the stock split itself (before: a 4,096-token PRM pool, batch 1)
+    pools = {name: int(cmd.split("--max-total-tokens ")[1].split()[0]) for name, cmd in cmds.items()}
+    assert pools["# sgl-tts prm"] == pools["# sgl-tts generator"] == pools["# stock prm"] == 53350
+    assert "--max-running-requests 64 " in cmds["# sgl-tts generator"]
     tok = tmp_path / "qwen2.5-math-1.5b" / "tokenizer"
     assert (tok / "tokenizer.json").exists()
     assert f"--tokenizer-path {tok}" in cmds["# stock generator"] and f"--tokenizer-path {tok}" in cmds["# sgl-tts generator"]

@@ -63,7 +63,9 @@ def test_solve_on_a_hand_checked_cpu_case():
     work = Workload(requests=4, prompt_tokens=8, step_tokens=4, verify_tokens=10)
     plan = solve(gen, prm, costs, work, 400)
     assert (plan.prm_room, plan.gen_room, plan.prm_batch, plan.gen_batch) == (2, 2, 2, 2)
-    assert (plan.prm_kv_bytes, plan.gen_kv_bytes) == (100, 240)
+    # the 60 bytes the batches leave (400 - 100 - 240) go to both pools by need, 100 : 240
+    assert (plan.prm_kv_bytes, plan.gen_kv_bytes) == (int(100 + 60 * 100 / 340), int(400 - (100 + 60 * 100 / 340)))
+    assert (plan.prm_kv_bytes, plan.gen_kv_bytes) == (117, 282)
     assert plan.prm_seconds == pytest.approx(3.0) and plan.gen_seconds == pytest.approx(9.6)
     assert brute_force(gen, prm, costs, work, 400) == (pytest.approx(12.6), 2, 2)
 
@@ -153,7 +155,11 @@ def test_bench_on_the_cpu_plans_the_sgl_tts_side_and_keeps_the_stock_split(tmp_p
     assert header["splits"]["stock"] == {"generator_share": 0.5, "planned": False}
     planned = header["splits"]["sgl-tts"]
     assert planned["planned"] is True and planned["generator_share"] == round(17_825_792 / 25_165_824, 4)
-    assert planned["rooms"]["prm"] == 1 and header["workload"]["requests"] == 64
+    # a PRM whose prefill time is linear in the batch batches one request; what the batches leave is
+    # split by need (3 PRM requests of the shared-prompt workload), and its pool is raised to one context
+    assert planned["batches"]["prm"] == 1 and planned["rooms"]["prm"] == 3
+    assert header["workload"]["requests"] == 64
+    assert (header["workload"]["shared_tokens"], header["workload"]["siblings"]) == (512, 4)
 
 
 def test_plan_on_the_cpu_prints_the_same_split(tmp_path, capsys):

@@ -44,51 +44,98 @@ def test_a_model_folder_counts_its_checkpoint_bytes():
         ModelShape.from_config({"hidden_size": 8})
 
 
+def pool_bytes(model, head, per, b):
+    """Bytes of a pool of ``b`` requests, from the Workload's definition: the head once, then ``b``
+    requests' own parts."""
+    return model.kv_bytes_per_token * (head + b * per)
+
+
 def random_instance(rng):
     cfgs = sorted(CONFIGS.glob("*.json"))
     gen = ModelShape.from_config(rng.choice(cfgs))
     prm = ModelShape.from_config(rng.choice(cfgs))
     hw = rng.choice(list(HARDWARE.values()))
-    work = Workload(requests=rng.randrange(1, 40), prompt_tokens=rng.randrange(16, 600),
-                    step_tokens=rng.randrange(8, 400), verify_tokens=rng.randrange(16, 900))
-    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
-    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
-    budget = kv_pre + kv_dec + rng.randrange(0, 30) * max(kv_pre, kv_dec)
+    prompt, verify = rng.randrange(16, 600), rng.randrange(16, 900)
+    shared = rng.choice([0, rng.randrange(0, min(prompt, verify) + 1)])
+    work = Workload(requests=rng.randrange(1, 40), prompt_tokens=prompt, step_tokens=rng.randrange(8, 400),
+                    verify_tokens=verify, shared_tokens=shared, siblings=rng.choice([1, 1, 2, 4, 8]))
+    # the shared head is held once; a request holds its siblings' share of the rest of the context
+    # and its own part (the generator its step, the PRM what it reads past the generator's context)
+    common = min(prompt, verify)
+    per_pre = (common - shared) / work.siblings + verify - common
+    per_dec = (prompt - shared) / work.siblings + work.step_tokens
+    kv_pre = lambda b: pool_bytes(prm, shared, per_pre, b)  # noqa: E731
+    kv_dec = lambda b: pool_bytes(gen, shared, per_dec, b)  # noqa: E731
+    one = kv_pre(1) + kv_dec(1)
+    budget = int(one + rng.randrange(0, 30) * max(kv_pre(1), kv_dec(1)))
     return gen, prm, hw, work, budget, kv_pre, kv_dec
 
 
-def test_the_search_equals_brute_force_and_sits_on_the_memory_boundary():
+def test_the_search_equals_brute_force_and_splits_the_rest_by_need():
     rng = random.Random(0)
     for _ in range(300):
         gen, prm, hw, work, budget, kv_pre, kv_dec = random_instance(rng)
         plan = solve(gen, prm, hw, work, budget)
-        t, b_pre, b_dec = brute_force(gen, prm, hw, work, budget)
-        assert plan.total_seconds == t and (plan.prm_room, plan.gen_room) == (b_pre, b_dec)
-        used = plan.prm_room * kv_pre + plan.gen_room * kv_dec
-        assert used <= budget < used + kv_dec          # no room left for one more generator request
-        assert plan.prm_batch <= min(plan.prm_room, work.requests)
-        assert plan.gen_batch <= min(plan.gen_room, work.requests)
+        t, _, _ = brute_force(gen, prm, hw, work, budget)
+        assert plan.total_seconds == t
+        # the whole budget is given out, and each pool holds the rooms the plan names
+        assert budget - 2 <= plan.prm_kv_bytes + plan.gen_kv_bytes <= budget
+        assert kv_pre(plan.prm_room) <= plan.prm_kv_bytes + 1 < kv_pre(plan.prm_room + 1)
+        assert kv_dec(plan.gen_room) <= plan.gen_kv_bytes + 1 < kv_dec(plan.gen_room + 1)
+        assert 1 <= plan.prm_batch <= min(plan.prm_room, work.requests)
+        assert 1 <= plan.gen_batch <= min(plan.gen_room, work.requests)
+        # what the best batches leave over goes to both pools in proportion to those batches' needs
+        need_pre, need_dec = kv_pre(plan.prm_batch), kv_dec(plan.gen_batch)
+        assert plan.prm_kv_bytes == pytest.approx(budget * need_pre / (need_pre + need_dec), abs=2)
 
 
 def test_more_memory_never_predicts_more_time():
     rng = random.Random(1)
     for _ in range(50):
         gen, prm, hw, work, budget, kv_pre, kv_dec = random_instance(rng)
-        times = [solve(gen, prm, hw, work, budget + k * kv_dec).total_seconds for k in range(5)]
+        times = [solve(gen, prm, hw, work, budget + int(k * kv_dec(1))).total_seconds for k in range(5)]
         assert times == sorted(times, reverse=True)
 
 
-def test_decode_wants_the_memory_prefill_saturates():
-    """The seed's asymmetry on its 1.5B+1.5B configuration: most of the KV budget goes to the
-    generator, and the verifier is compute bound at the chosen batch."""
+def test_under_pressure_decode_wants_the_memory_prefill_saturates():
+    """The seed's asymmetry on its 1.5B+1.5B configuration, where both models cannot batch a whole
+    iteration (256 requests in 0.4 x 24 GB): most of the KV budget goes to the generator, and the
+    verifier is compute bound at the chosen batch."""
     gen = prm = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
     hw = HARDWARE["RTX4090"]
-    work = Workload(requests=64, prompt_tokens=300, step_tokens=256, verify_tokens=800)
+    work = Workload(requests=256, prompt_tokens=300, step_tokens=256, verify_tokens=800)
     plan, off = plan_pair(gen, prm, hw, work, int(0.4 * 24 * GiB))
-    assert plan.gen_kv_bytes > plan.prm_kv_bytes
+    assert plan.gen_kv_bytes > 2 * plan.prm_kv_bytes and plan.gen_batch > plan.prm_batch
     flops_time = plan.prm_batch * work.verify_tokens * prm.flops_per_token / (hw.tflops * 1e12)
-    assert plan.prm_seconds >= flops_time * (64 // plan.prm_batch) > 0
+    assert plan.prm_seconds >= flops_time * (256 // plan.prm_batch) > 0
     assert off is not None and off.offload_seconds > 0
+
+
+def test_the_h200_run_plan_batches_the_verifier_and_keeps_both_caches():
+    """The failure measured on an H200 (issue 37, docs/BENCHMARKS.md "GPU results"): the seed's model
+    (no cost per forward pass, every request's whole context counted) gives the PRM room for one
+    request, and the server then ran every PRM request alone. With the fixed cost per forward pass
+    and the shared question / sibling paths, both models batch all 64 and the rest of the budget is
+    split between the caches."""
+    import dataclasses
+
+    qwen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    budget = int(0.4 * 24 * GiB)
+    seed_hw = dataclasses.replace(HARDWARE["H200"], forward_seconds=0.0)
+    seed, _ = plan_pair(qwen, qwen, seed_hw, Workload(64, 1275, 254, 1529), budget)
+    assert (seed.prm_room, seed.prm_batch) == (1, 1)
+    work = Workload(64, 1275, 254, 1529, shared_tokens=300, siblings=4)
+    plan, _ = plan_pair(qwen, qwen, HARDWARE["H200"], work, budget)
+    assert (plan.prm_batch, plan.gen_batch) == (64, 64)
+    # a request holds 254 + 975 / 4 tokens of its own: 497.75 of each pool's tokens, 300 shared once
+    per_request = qwen.kv_bytes_per_token * (254 + (1275 - 300) / 4)
+    assert plan.prm_room == plan.gen_room == int((plan.prm_kv_bytes - 300 * qwen.kv_bytes_per_token) // per_request)
+    assert plan.prm_room > 100
+    reserve = max(GiB, int(0.08 * budget))
+    flags = server_flags(plan, qwen, qwen, work, budget, reserve, min_pool_tokens={"generator": 4096, "prm": 4096})
+    assert "--max-running-requests" not in flags["prm"].args()        # the PRM batches what its pool holds
+    assert flags["generator"].max_running_requests == 64
+    assert flags["prm"].chunked_prefill_size == 64 * 1529
 
 
 def _small_gen_large_prm():
@@ -123,12 +170,14 @@ def test_second_server_fraction_is_of_what_the_first_left():
 
 def test_each_pool_holds_its_longest_request_taken_from_the_other_pool():
     gen, prm, work, gpu, reserve, plan = _small_gen_large_prm()
-    assert plan.prm_kv_bytes // prm.kv_bytes_per_token == 600          # one 600-token request
-    flags = server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": 4096, "generator": 4096})
-    assert flags["prm"].max_total_tokens == 4096
-    moved = (4096 - 600) * prm.kv_bytes_per_token
+    pool = plan.prm_kv_bytes // prm.kv_bytes_per_token
+    floor = pool + 4000
+    flags = server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": floor, "generator": 4096})
+    assert flags["prm"].max_total_tokens == floor
+    moved = floor * prm.kv_bytes_per_token - plan.prm_kv_bytes
     assert flags["generator"].max_total_tokens == (plan.gen_kv_bytes - moved) // gen.kv_bytes_per_token
-    assert flags["prm"].max_running_requests == plan.prm_batch    # batches stay as planned
+    assert flags["generator"].max_running_requests == plan.gen_batch    # the generator's batch stays as planned
+    assert flags["prm"].max_running_requests is None
     with pytest.raises(ValueError, match="cannot give each server a pool of its longest request"):
         server_flags(plan, gen, prm, work, gpu, reserve, min_pool_tokens={"prm": 10**6})
 
@@ -161,6 +210,11 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_numbers():
         plan_pair(big, big, HARDWARE["RTX4090"], work, int(0.9 * 24 * GiB))
     with pytest.raises(ValueError, match="must be >= 1"):
         Workload(requests=0, prompt_tokens=1, step_tokens=1, verify_tokens=1)
+    with pytest.raises(ValueError, match=r"shared_tokens must be between 0 and the prompt and verify tokens "
+                                         r"\(100\), got 150"):
+        Workload(requests=8, prompt_tokens=100, step_tokens=64, verify_tokens=200, shared_tokens=150)
+    with pytest.raises(ValueError, match="siblings must be >= 1, got 0"):
+        Workload(requests=8, prompt_tokens=100, step_tokens=64, verify_tokens=200, siblings=0)
     assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("0.4*24GiB") == int(0.4 * 24 * GiB)
     assert parse_bytes("80GB") == 80 * 10 ** 9
     with pytest.raises(ValueError, match="cannot read a size"):
@@ -179,6 +233,11 @@ def test_plan_command_prints_the_split_and_refuses_what_cannot_fit(capsys):
     assert out["generator"]["name"] == "qwen2.5-1.5b" and out["prm"]["name"] == "qwen2.5-7b"
     assert plan["gen_kv_bytes"] + plan["prm_kv_bytes"] <= plan["kv_budget_bytes"]
     assert out["flags"]["generator"][0] == "--mem-fraction-static" and out["choice"] in ("shared", "offload")
+    assert main(["plan", "--generator", qwen15, "--prm", qwen15, "--gpu-memory", "0.4*24GiB", "--shared-tokens", "300",
+                 "--siblings", "4", "--json"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert (out["workload"]["shared_tokens"], out["workload"]["siblings"]) == (300, 4)
+    assert "--max-running-requests" not in out["flags"]["prm"]
     assert main(["plan", "--generator", qwen15, "--prm", qwen15, "--gpu-memory", "0.4*24GiB"]) == 0
     text = capsys.readouterr().out
     assert "| KV pool |" in text and "generator flags: --mem-fraction-static" in text

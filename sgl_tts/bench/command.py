@@ -200,13 +200,17 @@ def prepare(args) -> BenchSetup:
 def planner_args(args, shape: dict, draft: BenchSettings):
     """A copy of ``args`` with the planner's workload filled in from the trace where not given: a
     request in the middle of a solution (``--beams`` the largest n, step the trace's mean, the prompt
-    plus half a mean path cached, the PRM reading prompt + path + step)."""
+    plus half a mean path cached, the PRM reading prompt + path + step), the problem's prompt shared
+    by all and the path by a beam's ``--beam-width`` children."""
     plan_args = copy.copy(args)
     plan_args.beams = args.beams or max(args.n)
     plan_args.step_tokens = args.step_tokens or round(shape["mean_tokens"])
     path = round(shape["mean_steps"] * shape["mean_tokens"] / 2)
     plan_args.prompt_tokens = args.prompt_tokens + path
     plan_args.verify_tokens = args.verify_tokens or args.prompt_tokens + path + plan_args.step_tokens
+    # every request of a search shares the problem's prompt, and a beam's children its path so far
+    plan_args.shared_tokens = args.prompt_tokens if args.shared_tokens is None else args.shared_tokens
+    plan_args.siblings = args.siblings or args.beam_width
     # the longest request the benchmark sends: a path is cut before the context (see the trace)
     plan_args.longest_request = args.longest_request or draft.context_tokens
     return plan_args
@@ -247,6 +251,7 @@ def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, sh
               "sgl-tts": {"generator_share": round(share, 4), "planned": plan is not None}}
     if plan is not None:
         splits["sgl-tts"].update(rooms={"generator": plan.plan.gen_room, "prm": plan.plan.prm_room},
+                                 batches={"generator": plan.plan.gen_batch, "prm": plan.plan.prm_batch},
                                  predicted_seconds=round(plan.plan.total_seconds, 4))
     # a word tokenizer's last ids (<unk>, the PRM's labels and step tag) are never sampled: with
     # a small vocabulary a random model would write them into many steps (an <unk> vanishes

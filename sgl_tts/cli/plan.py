@@ -27,6 +27,12 @@ def add_plan_arguments(ap: argparse.ArgumentParser, *, models_required: bool = T
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
     ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")
+    ap.add_argument("--shared-tokens", type=int, default=None,
+                    help="tokens at the head of every request's context that all share, held once per pool "
+                         "by the radix cache (the question; default 0, or the problem's prompt in sgl-tts bench)")
+    ap.add_argument("--siblings", type=int, default=None,
+                    help="requests that share the rest of their context (a beam's children: the beam width; "
+                         "default 1, or the beam width in sgl-tts bench)")
     ap.add_argument("--longest-request", type=int, default=None,
                     help="tokens of the longest request a server must hold (SGLang refuses a request "
                          "longer than its KV pool; default: each model's context length)")
@@ -93,8 +99,8 @@ def _cpu_main(args) -> int:
         return 0
     mib = lambda b: f"{b / 2 ** 20:.2f} MiB"  # noqa: E731
     print(f"{p.gen.name} (generator) + {p.prm.name} (PRM) on the CPU, KV budget {mib(p.budget)}; {work.requests} "
-          f"requests, prompt {work.prompt_tokens}, step {work.step_tokens}, verify {work.verify_tokens} tokens "
-          f"(costs measured on live servers, {args.cpu_attention} attention)")
+          f"requests, prompt {work.prompt_tokens}, step {work.step_tokens}, verify {work.verify_tokens} tokens"
+          f"{_sharing(work)} (costs measured on live servers, {args.cpu_attention} attention)")
     print("| | generator | PRM |")
     print("| --- | ---: | ---: |")
     print(f"| KV per token | {p.gen.kv_bytes_per_token} B | {p.prm.kv_bytes_per_token} B |")
@@ -106,6 +112,13 @@ def _cpu_main(args) -> int:
     for name in ("generator", "prm"):
         print(f"{name} flags: {' '.join(p.flags[name].args())}")
     return 0
+
+
+def _sharing(work) -> str:
+    """What the workload's requests share, for the header line ('' when nothing)."""
+    parts = ([f"{work.shared_tokens} shared by all"] if work.shared_tokens else []) + \
+        ([f"the rest of a context by {work.siblings} siblings"] if work.siblings > 1 else [])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
     print(f"{gen.name} (generator) + {prm.name} (PRM) on {hw.name}, budget {g(budget)} "
           f"(reserve {g(reserve)}); {work.requests} requests, prompt {work.prompt_tokens}, step "
-          f"{work.step_tokens}, verify {work.verify_tokens} tokens")
+          f"{work.step_tokens}, verify {work.verify_tokens} tokens{_sharing(work)}")
     print("| | generator | PRM |")
     print("| --- | ---: | ---: |")
     print(f"| weights | {g(gen.weight_bytes)} | {g(prm.weight_bytes)} |")

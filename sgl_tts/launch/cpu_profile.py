@@ -366,14 +366,14 @@ def cpu_plan_from_args(args, *, extra: dict[str, Sequence[str]] | None = None, a
     the budget ``--kv-memory``, profiles from the cache or measured (``--remeasure``, ``--profile-dir``).
     Returns a :class:`sgl_tts.launch.cpu_serving.CpuPairPlan`."""
     from sgl_tts.launch.cpu_serving import plan_cpu_pair
-    from sgl_tts.launch.memory import Workload
+    from sgl_tts.launch.memory import workload_from_args
 
     dtype = getattr(args, "dtype", None)
     attention = attention or getattr(args, "cpu_attention", None) or "native"
     costs = pair_costs(args.generator, args.prm, dtype=dtype, attention=attention, extra=extra,
                        remeasure=getattr(args, "remeasure", False), cache_dir=getattr(args, "profile_dir", None),
                        progress=not getattr(args, "no_progress", False))
-    work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
+    work = workload_from_args(args)
     return plan_cpu_pair(args.generator, args.prm, args.kv_memory, work, costs, dtype=dtype)
 
 

@@ -5,12 +5,15 @@ saturates with little KV). Given both models' ``config.json``, a GPU and a workl
 splits the KV budget between them with the seed's roofline-guided search:
 
     T_tot = ceil(N / B_pre) T_pre(B_pre, S) + ceil(N / B_dec) S_dec T_dec(B_dec, S_cache)
-    subject to  B_pre KV_prm(S) + B_dec KV_gen(S_gen) <= M
+    subject to  KV_prm(H + B_pre U_pre) + KV_gen(H + B_dec U_dec) <= M
 
-with ``T = max(FLOPs / P, bytes / BW)`` per batch. A stage given room for B requests may run smaller
+with ``T = max(FLOPs / P, bytes / BW) + t_fwd`` per batch, H the tokens every request shares (the
+question) and U a request's own part (:class:`Workload`); the seed has H = 0 and no t_fwd, which on an
+H200 starved the PRM (issue 37). A stage given room for B requests may run smaller
 batches, so its time is the best over batch sizes up to B (:meth:`Roofline.stage_times`): more memory
 never hurts, the optimum lies on the memory boundary, and the search over B_pre with B_dec on the
-boundary (Eq. 1; ties to the larger B_dec) is exact (tests compare it with brute force). The offload
+boundary (Eq. 1; ties to the larger B_dec) is exact (tests compare it with brute force); memory past
+what the best batches need is split in proportion to their needs. The offload
 alternative keeps only the active model's KV on the GPU and pays the idle one's transfer.
 
 The search takes any cost model per model (:class:`StageCosts`): on a GPU both models'
@@ -30,6 +33,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 GiB = 1 << 30
+# SGLang's fixed cost per forward pass on a GPU, beyond the roofline: measured on an H200 (issue 37,
+# 2026-11-26): 2.9 ms per decode round of the 1.5B generator at batches <= 64 (104.1 s of generator time
+# over 36,174 rounds, the stock side) where the roofline gives at most 0.9 ms. One figure, one GPU:
+# the other profiles share it until they are measured.
+FORWARD_SECONDS = 0.002
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
 
 
@@ -135,13 +143,18 @@ def _checkpoint_bytes(folder: Path | None) -> int:
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """Peak dense bf16 tensor throughput, memory bandwidth, memory and host link of a GPU (vendor
-    specification sheets, no sparsity); ``--measure`` replaces the two ceilings with measured ones."""
+    specification sheets, no sparsity); ``--measure`` replaces the two ceilings with measured ones.
+    ``forward_seconds`` is what every forward pass costs on top of the roofline (kernel launches, the
+    scheduler's round, sampling): without it a batch of one looks as cheap per token as a batch of 64
+    whenever the roofline is compute bound, and the planner starved the PRM on an H200 (issue 37,
+    docs/BENCHMARKS.md "GPU results")."""
 
     name: str
     tflops: float
     bandwidth_gbs: float
     memory_gib: float
     host_link_gbs: float = 25.0
+    forward_seconds: float = FORWARD_SECONDS
 
 
 HARDWARE = {h.name: h for h in (
@@ -190,21 +203,46 @@ def measure_ceilings(device: str = "cuda", *, size: int = 8192, repeats: int = 2
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One search iteration: ``requests`` beams, each verified on ``verify_tokens`` tokens (prompt and
-    path so far) and extended by ``step_tokens`` generated tokens on a ``prompt_tokens`` context."""
+    path so far) and extended by ``step_tokens`` generated tokens on a ``prompt_tokens`` context.
+
+    What the requests share, which a radix cache keeps once per pool: the first ``shared_tokens`` of
+    every context (the question), and the rest of the context within groups of ``siblings`` (a
+    beam's children extend the same path; beam width for beam search and DVTS, 1 when every request
+    has its own path). The defaults (0, 1) count every request's whole context, as the seed does;
+    on the H200 that made the budget look too small for both models at full batch and starved the
+    PRM (issue 37)."""
 
     requests: int
     prompt_tokens: int
     step_tokens: int
     verify_tokens: int
+    shared_tokens: int = 0
+    siblings: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
+            if f.name != "shared_tokens" and getattr(self, f.name) < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if not 0 <= self.shared_tokens <= min(self.prompt_tokens, self.verify_tokens):
+            raise ValueError(f"shared_tokens must be between 0 and the prompt and verify tokens "
+                             f"({min(self.prompt_tokens, self.verify_tokens)}), got {self.shared_tokens}")
+
+    def generator_tokens(self) -> tuple[float, float]:
+        """(tokens held once, tokens per request) of the generator's pool: the shared head, then per
+        request its siblings' share of the rest of the context and its own step."""
+        return self.shared_tokens, (self.prompt_tokens - self.shared_tokens) / self.siblings + self.step_tokens
+
+    def prm_tokens(self) -> tuple[float, float]:
+        """(tokens held once, tokens per request) of the PRM's pool: the shared head, the siblings'
+        share of the context the PRM reads with the generator, and what it reads past it (the step)."""
+        common = min(self.prompt_tokens, self.verify_tokens)
+        return (self.shared_tokens, (common - self.shared_tokens) / self.siblings
+                + self.verify_tokens - common)
 
 
 class Roofline:
-    """Per-batch latency of a model on a GPU: ``max(FLOPs / peak, bytes / bandwidth)``."""
+    """Per-batch latency of a model on a GPU: ``max(FLOPs / peak, bytes / bandwidth)`` plus the
+    GPU profile's fixed cost per forward pass."""
 
     def __init__(self, model: ModelShape, hw: Hardware):
         self.model, self.hw = model, hw
@@ -213,13 +251,13 @@ class Roofline:
         m = self.model
         flops = batch * tokens * m.flops_per_token + 2 * m.layers * m.attn_width * batch * tokens * tokens
         traffic = m.weight_bytes + batch * tokens * m.kv_bytes_per_token
-        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9))
+        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9)) + self.hw.forward_seconds
 
     def decode_step(self, batch: int, cached: float) -> float:
         m = self.model
         flops = batch * m.flops_per_token + 4 * m.layers * m.attn_width * batch * cached
         traffic = m.weight_bytes + batch * cached * m.kv_bytes_per_token
-        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9))
+        return max(flops / (self.hw.tflops * 1e12), traffic / (self.hw.bandwidth_gbs * 1e9)) + self.hw.forward_seconds
 
     def stage_times(self, n: int, cost: Callable[[int], float]) -> tuple[list[float], list[int]]:
         """:func:`stage_times` (kept as a method for old callers)."""
@@ -289,45 +327,70 @@ class Plan:
         return self.prm_seconds + self.gen_seconds + self.offload_seconds
 
 
+def _pool(model: ModelShape, tokens: tuple[float, float]) -> Callable[[float], float]:
+    """Bytes of a pool holding ``b`` requests: the shared head once, then ``b`` times the per-request part."""
+    head, per = tokens
+    return lambda b: model.kv_bytes_per_token * (head + b * per)
+
+
+def _pools(gen: ModelShape, prm: ModelShape, work: Workload):
+    return _pool(prm, work.prm_tokens()), _pool(gen, work.generator_tokens())
+
+
 def solve(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int) -> Plan:
-    """The seed's search: every feasible B_pre, B_dec on the memory boundary (Eq. 1); the minimum
-    total time, ties to the larger B_dec. ``hw``: a GPU (both models' :class:`Roofline`) or each
-    model's own cost model (:class:`StageCosts`, e.g. CPU profiles measured on live servers)."""
-    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
-    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
-    if kv_budget < kv_pre + kv_dec:
+    """The seed's search: every B_pre with B_dec on the memory boundary (Eq. 1, each pool holding
+    its shared tokens once: :class:`Workload`); the minimum total time, ties to the larger B_dec.
+    Memory beyond what the best batches need is then split between the pools in proportion to what
+    each needs: every radix cache keeps more of the paths it will read again, and the predicted time
+    stays the minimum (more room never predicts more time). ``hw``: a GPU (both models'
+    :class:`Roofline`) or each model's own cost model (:class:`StageCosts`, e.g. CPU profiles
+    measured on live servers)."""
+    pre, dec = _pools(gen, prm, work)
+    if kv_budget < pre(1) + dec(1):
         raise ValueError(f"the KV budget ({kv_budget / GiB:.2f} GiB) cannot hold one verifier request "
-                         f"({kv_pre / GiB:.3f} GiB) and one generator request ({kv_dec / GiB:.3f} GiB)")
+                         f"({pre(1) / GiB:.3f} GiB) and one generator request ({dec(1) / GiB:.3f} GiB)")
     n = work.requests
     pre_t, pre_b, dec_t, dec_b = _stage_tables(gen, prm, hw, work)
     best: tuple | None = None
-    for b_pre in range(1, kv_budget // kv_pre + 1):
-        b_dec = (kv_budget - b_pre * kv_pre) // kv_dec
-        if b_dec < 1:
+    for b_pre in range(1, n + 1):   # past N requests the PRM gains nothing the generator would not lose
+        if pre(b_pre) + dec(1) > kv_budget:
             break
-        t = pre_t[min(b_pre, n)] + dec_t[min(b_dec, n)]
-        key = (t, -b_dec, b_pre)
+        b_dec = _room(dec, kv_budget - pre(b_pre))
+        key = (pre_t[b_pre] + dec_t[min(b_dec, n)], -b_dec, b_pre)
         if best is None or key < best[0]:
             best = (key, b_pre, b_dec)
     assert best is not None
     _, b_pre, b_dec = best
-    return Plan("shared", kv_budget, b_pre, b_dec, pre_b[min(b_pre, n)], dec_b[min(b_dec, n)],
-                b_pre * kv_pre, b_dec * kv_dec, pre_t[min(b_pre, n)], dec_t[min(b_dec, n)])
+    batch_pre, batch_dec = pre_b[b_pre], dec_b[min(b_dec, n)]
+    need_pre, need_dec = pre(batch_pre), dec(batch_dec)
+    prm_bytes = need_pre + (kv_budget - need_pre - need_dec) * need_pre / (need_pre + need_dec)
+    gen_bytes = kv_budget - prm_bytes
+    return Plan("shared", kv_budget, _room(pre, prm_bytes), _room(dec, gen_bytes), batch_pre, batch_dec,
+                int(prm_bytes), int(gen_bytes), pre_t[b_pre], dec_t[min(b_dec, n)])
+
+
+def _room(pool: Callable[[float], float], size: float) -> int:
+    """The most requests ``pool`` holds in ``size`` bytes."""
+    head, per = pool(0), pool(1) - pool(0)
+    return max(0, math.floor((size - head) / per + 1e-9))
 
 
 def brute_force(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int
                 ) -> tuple[float, int, int]:
     """The minimum over *every* feasible (B_pre, B_dec) pair (tests check :func:`solve` against it)."""
-    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
-    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    pre, dec = _pools(gen, prm, work)
     n = work.requests
     pre_t, _, dec_t, _ = _stage_tables(gen, prm, hw, work)
     best = None
-    for b_pre in range(1, kv_budget // kv_pre + 1):
-        for b_dec in range(1, (kv_budget - b_pre * kv_pre) // kv_dec + 1):
+    b_pre = 1
+    while pre(b_pre) + dec(1) <= kv_budget:
+        b_dec = 1
+        while pre(b_pre) + dec(b_dec) <= kv_budget:
             key = (pre_t[min(b_pre, n)] + dec_t[min(b_dec, n)], -b_dec, b_pre)
             if best is None or key < best:
                 best = key
+            b_dec += 1
+        b_pre += 1
     assert best is not None
     return best[0], best[2], -best[1]
 
@@ -335,15 +398,14 @@ def brute_force(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", w
 def offload_plan(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload, kv_budget: int) -> Plan:
     """Seed 000 §4.3.2: only the active model's KV on the GPU (each may use the whole budget), the
     idle one's moved to host memory and back each iteration over the host link."""
-    kv_pre = prm.kv_bytes_per_token * work.verify_tokens
-    kv_dec = gen.kv_bytes_per_token * (work.prompt_tokens + work.step_tokens)
+    pre, dec = _pools(gen, prm, work)
     n = work.requests
     pre_t, pre_b, dec_t, dec_b = _stage_tables(gen, prm, hw, work)
-    b_pre = max(1, min(n, kv_budget // kv_pre))
-    b_dec = max(1, min(n, kv_budget // kv_dec))
-    moved = 2 * (pre_b[b_pre] * kv_pre + dec_b[b_dec] * kv_dec)   # out and back, both pools
-    return Plan("offload", kv_budget, b_pre, b_dec, pre_b[b_pre], dec_b[b_dec], b_pre * kv_pre,
-                b_dec * kv_dec, pre_t[b_pre], dec_t[b_dec], moved / (hw.host_link_gbs * 1e9))
+    b_pre = max(1, min(n, _room(pre, kv_budget)))
+    b_dec = max(1, min(n, _room(dec, kv_budget)))
+    moved = 2 * (pre(pre_b[b_pre]) + dec(dec_b[b_dec]))   # out and back, both pools
+    return Plan("offload", kv_budget, b_pre, b_dec, pre_b[b_pre], dec_b[b_dec], int(pre(b_pre)),
+                int(dec(b_dec)), pre_t[b_pre], dec_t[b_dec], moved / (hw.host_link_gbs * 1e9))
 
 
 def _stage_tables(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload):
@@ -406,8 +468,11 @@ def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, g
                              f"({dict(min_pool_tokens or {})} tokens)")
     pools = {"generator": (gen.weight_bytes + kv["generator"], kv["generator"] // gen.kv_bytes_per_token,
                            plan.gen_batch, None),
+             # the PRM only prefills (its requests never grow in the pool): its pool is the limit SGLang
+             # needs, and a cap on running requests below it only serialises the verifier (the H200,
+             # issue 37: a cap of 1 cost 29.8 ms per request against 7.0 ms batched)
              "prm": (prm.weight_bytes + kv["prm"], kv["prm"] // prm.kv_bytes_per_token,
-                     plan.prm_batch, plan.prm_batch * work.verify_tokens)}
+                     None, plan.prm_batch * work.verify_tokens)}
     host = {} if offload is None else {"generator": offload.gen_kv_bytes, "prm": offload.prm_kv_bytes}
     order = [first, "prm" if first == "generator" else "generator"]
     free = gpu_bytes
@@ -415,7 +480,7 @@ def server_flags(plan: Plan, gen: ModelShape, prm: ModelShape, work: Workload, g
     for name in order:
         static, tokens, batch, chunk = pools[name]
         tier = host.get(name)
-        out[name] = ServerFlags(static / free, int(tokens), int(batch), chunk,
+        out[name] = ServerFlags(static / free, int(tokens), None if batch is None else int(batch), chunk,
                                 max(1, math.ceil(tier / 1e9)) if tier else None)
         free -= static + reserve_bytes // 2   # its pools plus its share of the runtime reserve
     return out
@@ -523,6 +588,12 @@ def context_tokens(config: str | os.PathLike) -> int:
         return 0
 
 
+def workload_from_args(args) -> Workload:
+    """The planner's workload from the shared flags (``--shared-tokens`` and ``--siblings`` absent: none)."""
+    return Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens,
+                    getattr(args, "shared_tokens", 0) or 0, getattr(args, "siblings", 1) or 1)
+
+
 def plan_from_args(args) -> PairPlan:
     """The plan the shared flags ask for (``ValueError`` / ``FileNotFoundError`` on bad input)."""
     hw = HARDWARE[args.gpu]
@@ -534,7 +605,7 @@ def plan_from_args(args) -> PairPlan:
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else int(hw.memory_gib * GiB)
     reserve = parse_bytes(args.reserve) if args.reserve else max(GiB, int(0.08 * budget))
     gen, prm = ModelShape.from_config(args.generator), ModelShape.from_config(args.prm)
-    work = Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens)
+    work = workload_from_args(args)
     shared, off = plan_pair(gen, prm, hw, work, budget, reserve_bytes=reserve)
     use_offload = off is not None and off.total_seconds < shared.total_seconds
     longest = getattr(args, "longest_request", None)
@@ -545,6 +616,6 @@ def plan_from_args(args) -> PairPlan:
     return PairPlan(hw, budget, reserve, gen, prm, work, shared, off, flags)
 
 
-__all__ = ["HARDWARE", "CostModel", "GiB", "Hardware", "StageCosts", "stage_costs", "stage_times", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
+__all__ = ["FORWARD_SECONDS", "HARDWARE", "CostModel", "GiB", "Hardware", "StageCosts", "stage_costs", "stage_times", "ModelShape", "Plan", "Roofline", "ServerFlags", "Workload",
            "PairPlan", "brute_force", "plan_from_args", "measure_ceilings",
-           "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve", "static_split_flags"]
+           "offload_plan", "parse_bytes", "plan_pair", "server_flags", "solve", "static_split_flags", "workload_from_args"]

@@ -121,8 +121,12 @@ def test_launch_server_help_lists_and_validates_the_flags():
 
 
 def test_flag_values_reach_server_args_and_the_environment(monkeypatch):
-    monkeypatch.delenv("SGLANG_TTS_POLICY", raising=False)
-    monkeypatch.delenv("SGLANG_TTS_METRICS_FILE", raising=False)
+    # prepare_server_args writes these into os.environ itself: registered with monkeypatch first (set,
+    # then removed) so that they are gone again after the test; a later live server in the same
+    # session would otherwise inherit --tts-dedup-tokens 8
+    for var in ("SGLANG_TTS_POLICY", "SGLANG_TTS_METRICS_FILE", "SGLANG_TTS_DEDUP_TOKENS"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-dedup-tokens", "8",
                               "--tts-metrics-file", "/tmp/tts-metrics"])
     assert (sa.tts_policy, sa.tts_dedup_tokens, sa.tts_metrics_file) == ("prefix-aware", 8, "/tmp/tts-metrics")

@@ -167,6 +167,7 @@ class TTSPolicyState:
         self._sorted = SortedSeqs()                # the waiting sequences, sorted
         self._matched: dict[tuple[int, int], int] = {}   # (request serial, prefix length) -> cached tokens
         self._matched_fp: Any = None               # the radix cache's fingerprint they were matched on
+        self._matched_evictions: Any = None        # and its eviction count (residency.count_evictions)
         # policy "locality" (sgl_tts.plugin.residency): the tree's eviction strategy, set by enable()
         self.residency: residency.QueueAwareEviction | None = None
         self._local: tuple | None = None           # (base plan, tree node counter, local plan)
@@ -354,8 +355,15 @@ class TTSPolicyState:
                                 for f in plan.infos]
         page = max(1, int(getattr(tree, "page_size", 1) or 1))
         fp = tree_fingerprint(tree)
+        evictions = getattr(tree, residency.EVICTIONS, None)
         if fp != self._matched_fp:
-            self._matched = {}
+            if (evictions is not None and evictions == self._matched_evictions and isinstance(fp, tuple)
+                    and isinstance(self._matched_fp, tuple) and fp[2] == self._matched_fp[2]):
+                # nothing evicted since (the same root): a wholly cached prefix still is, only a
+                # partial match can have grown (an admission round at 2,000 waiting: ~5 ms less)
+                self._matched = {k: hit for k, hit in self._matched.items() if hit >= k[1]}
+            else:
+                self._matched = {}
         elif len(self._matched) > 4 * len(plan.reqs) + 64:   # requests long gone: keep this queue's
             serials = {f.serial for f in plan.infos}
             self._matched = {k: v for k, v in self._matched.items() if k[0] in serials}
@@ -382,6 +390,7 @@ class TTSPolicyState:
             if s - hit >= dedup:
                 deferred.add(pos)
         self._matched_fp = tree_fingerprint(tree)   # after matching (a match can split a node)
+        self._matched_evictions = evictions
         return deferred
 
     def _shared_with_last_prefill(self, seq: bytes) -> int:
@@ -418,6 +427,8 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
     policy.sgl_tts = state
     if policy.tree_cache is not None:
         policy.tree_cache.sgl_tts_policy = state
+        if state is not None:
+            residency.count_evictions(policy.tree_cache)
         if state is not None and settings.policy == "locality":
             state.residency = residency.install(policy.tree_cache)
     return state

@@ -62,6 +62,41 @@ def install(tree: Any) -> QueueAwareEviction | None:
     return strategy
 
 
+EVICTIONS = "sgl_tts_evictions"   # on a tree cache: how many times it let go of cached KV so far
+
+
+def count_evictions(tree: Any) -> None:
+    """Count what ``tree`` lets go of (once per tree): each ``evict`` call that freed KV and each
+    node its ``_delete_leaf`` removes (SGLang's session release frees nodes that way, outside
+    ``evict``). The instance's methods wrap the class's, hooks included. Between two equal counts
+    the cache only gained content (insertions and node splits keep every cached token), so a prefix
+    that was wholly cached still is: the deferral check keeps such matches across a cache change
+    instead of matching every family again."""
+    if getattr(tree, EVICTIONS, None) is not None or not callable(getattr(tree, "evict", None)):
+        return
+    setattr(tree, EVICTIONS, 0)
+
+    def bump() -> None:
+        setattr(tree, EVICTIONS, getattr(tree, EVICTIONS) + 1)
+
+    evict = tree.evict
+
+    def counting_evict(*args: Any, **kwargs: Any) -> Any:
+        result = evict(*args, **kwargs)
+        if int(getattr(result, "num_tokens_evicted", 1) or 0):   # a result without the field: count it
+            bump()
+        return result
+
+    tree.evict = counting_evict
+    delete_leaf = getattr(tree, "_delete_leaf", None)
+    if callable(delete_leaf):
+        def counting_delete_leaf(*args: Any, **kwargs: Any) -> Any:
+            bump()
+            return delete_leaf(*args, **kwargs)
+
+        tree._delete_leaf = counting_delete_leaf
+
+
 def under_pressure(tree: Any) -> bool:
     """Less than :data:`PRESSURE_FREE` of the tree's KV pool is free (cheap: two reads)."""
     allocator = getattr(tree, "token_to_kv_pool_allocator", None)
@@ -118,5 +153,5 @@ def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: 
     return resident + others
 
 
-__all__ = ["NEED", "PRESSURE_FREE", "QueueAwareEviction", "install", "mark_needed", "match",
+__all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "QueueAwareEviction", "count_evictions", "install", "mark_needed", "match",
            "resident_first", "under_pressure"]

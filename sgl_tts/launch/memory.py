@@ -327,14 +327,27 @@ class Plan:
         return self.prm_seconds + self.gen_seconds + self.offload_seconds
 
 
-def _pool(model: ModelShape, tokens: tuple[float, float]) -> Callable[[float], float]:
-    """Bytes of a pool holding ``b`` requests: the shared head once, then ``b`` times the per-request part."""
-    head, per = tokens
-    return lambda b: model.kv_bytes_per_token * (head + b * per)
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    """A KV pool's bytes for ``b`` requests: the shared head once, then ``b`` times a request's own part."""
+
+    head: float
+    per: float
+
+    @classmethod
+    def of(cls, model: ModelShape, tokens: tuple[float, float]) -> "_Pool":
+        return cls(model.kv_bytes_per_token * tokens[0], model.kv_bytes_per_token * tokens[1])
+
+    def __call__(self, b: float) -> float:
+        return self.head + b * self.per
+
+    def room(self, size: float) -> int:
+        """The most requests it holds in ``size`` bytes."""
+        return max(0, math.floor((size - self.head) / self.per + 1e-9))
 
 
-def _pools(gen: ModelShape, prm: ModelShape, work: Workload):
-    return _pool(prm, work.prm_tokens()), _pool(gen, work.generator_tokens())
+def _pools(gen: ModelShape, prm: ModelShape, work: Workload) -> tuple[_Pool, _Pool]:
+    return _Pool.of(prm, work.prm_tokens()), _Pool.of(gen, work.generator_tokens())
 
 
 def solve(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int) -> Plan:
@@ -355,7 +368,7 @@ def solve(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: W
     for b_pre in range(1, n + 1):   # past N requests the PRM gains nothing the generator would not lose
         if pre(b_pre) + dec(1) > kv_budget:
             break
-        b_dec = _room(dec, kv_budget - pre(b_pre))
+        b_dec = dec.room(kv_budget - pre(b_pre))
         key = (pre_t[b_pre] + dec_t[min(b_dec, n)], -b_dec, b_pre)
         if best is None or key < best[0]:
             best = (key, b_pre, b_dec)
@@ -365,14 +378,8 @@ def solve(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: W
     need_pre, need_dec = pre(batch_pre), dec(batch_dec)
     prm_bytes = need_pre + (kv_budget - need_pre - need_dec) * need_pre / (need_pre + need_dec)
     gen_bytes = kv_budget - prm_bytes
-    return Plan("shared", kv_budget, _room(pre, prm_bytes), _room(dec, gen_bytes), batch_pre, batch_dec,
+    return Plan("shared", kv_budget, pre.room(prm_bytes), dec.room(gen_bytes), batch_pre, batch_dec,
                 int(prm_bytes), int(gen_bytes), pre_t[b_pre], dec_t[min(b_dec, n)])
-
-
-def _room(pool: Callable[[float], float], size: float) -> int:
-    """The most requests ``pool`` holds in ``size`` bytes."""
-    head, per = pool(0), pool(1) - pool(0)
-    return max(0, math.floor((size - head) / per + 1e-9))
 
 
 def brute_force(gen: ModelShape, prm: ModelShape, hw: "Hardware | StageCosts", work: Workload, kv_budget: int
@@ -401,8 +408,8 @@ def offload_plan(gen: ModelShape, prm: ModelShape, hw: Hardware, work: Workload,
     pre, dec = _pools(gen, prm, work)
     n = work.requests
     pre_t, pre_b, dec_t, dec_b = _stage_tables(gen, prm, hw, work)
-    b_pre = max(1, min(n, _room(pre, kv_budget)))
-    b_dec = max(1, min(n, _room(dec, kv_budget)))
+    b_pre = max(1, min(n, pre.room(kv_budget)))
+    b_dec = max(1, min(n, dec.room(kv_budget)))
     moved = 2 * (pre(pre_b[b_pre]) + dec(dec_b[b_dec]))   # out and back, both pools
     return Plan("offload", kv_budget, b_pre, b_dec, pre_b[b_pre], dec_b[b_dec], int(pre(b_pre)),
                 int(dec(b_dec)), pre_t[b_pre], dec_t[b_dec], moved / (hw.host_link_gbs * 1e9))

@@ -15,6 +15,7 @@ from sgl_tts.bench.dummy_models import write_word_tokenizer
 from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
                                    measure_limit, read_records, run_side, summarize)
 from sgl_tts.launch.cpu_serving import CPU_ENV
+from sgl_tts.launch.live_servers import free_port
 from sgl_tts.search import SearchTag
 
 from test_endpoint import ModelServer
@@ -525,20 +526,12 @@ def fake_sglang(tmp_path, monkeypatch):
     return log
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bench_args(tmp_path, *extra):
     return (["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
                        "0.4*24GiB", "--n", "4", "8", "--problems", "1", "--beam-width", "2", "--prompt-tokens", "10",
                        "--trace-median", "6", "--trace-sigma", "0.5", "--trace-max-tokens", "20",
                        "--trace-max-depth", "6", "--limit-tokens", "4", "--server-args", "",
-                       "--generator-port", str(_free_port()), "--prm-port", str(_free_port()),
+                       "--generator-port", str(free_port()), "--prm-port", str(free_port()),
                        "--models-dir", str(tmp_path / "models"), "--output", str(tmp_path / "run.jsonl"),
                        "--health-timeout", "60", "--no-progress", *extra])
 

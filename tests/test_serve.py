@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from sgl_tts.launch.serve import ServerFailed, ServerSpec, _answers, run_servers
+from sgl_tts.launch.live_servers import ephemeral_port_floor, free_port
 
 STAND_IN = r'''
 import http.server, os, subprocess, sys, threading, time
@@ -26,6 +27,12 @@ print(f"grandchild {child.pid}", flush=True)
 if mode == "never":
     print("loading weights...", flush=True)
     time.sleep(1000)
+if mode == "port-taken":   # as SGLang does: uvicorn cannot bind, the warm-up's retries bury that
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    for k in range(60):
+        print(f"  File \"http_server.py\", line {k}, in _execute_server_warmup", flush=True)
+    sys.exit(1)
 if mode == "crash-early":
     print("ValueError: bad flag", flush=True)
     sys.exit(1)
@@ -45,11 +52,6 @@ if mode == "die":
 time.sleep(1000)
 '''
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -91,6 +93,24 @@ class Log:
 
     def __str__(self):
         return "".join(self.lines)
+
+
+def test_server_ports_stay_below_the_kernels_ephemeral_range_and_are_never_handed_out_twice():
+    """An outgoing connection or SGLang's own port-0 bind (its gloo port) can take an ephemeral port in
+    the minute before a server binds the one it was given: a clean-clone CI lost a server so."""
+    floor = ephemeral_port_floor()
+    ports = [free_port() for _ in range(60)]
+    assert len(set(ports)) == 60
+    assert all(10000 <= p and p + 10000 < floor for p in ports), (floor, sorted(ports)[-3:])
+    low = max(ports) + 1   # a fresh port of three, the first in use, the second's gRPC twin in use
+    with socket.socket() as taken, socket.socket() as twin_taken:
+        taken.bind(("127.0.0.1", low))
+        twin_taken.bind(("127.0.0.1", low + 1 + 10000))
+        assert free_port(low=low, high=low + 3) == low + 2
+    with pytest.raises(RuntimeError, match=rf"no free port pair on 127.0.0.1 in \[{low + 2}, {low + 3}\)"):
+        free_port(low=low + 2, high=low + 3)   # free, but handed out already
+    with pytest.raises(ValueError, match=r"no room for ports in \[5, 5\)"):
+        free_port(low=5, high=5)
 
 
 def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
@@ -181,6 +201,16 @@ def test_a_server_dying_mid_run_stops_the_other(stand_in):
 def test_a_server_exiting_at_start(stand_in):
     with pytest.raises(ServerFailed, match=r"exited with code 1 before it was healthy(.|\n)*ValueError: bad flag"):
         run_servers([stand_in("generator", "crash-early")], health_timeout=30, poll=0.1, out=Log(), grace=2)
+
+
+def test_a_server_that_could_not_bind_its_port_says_so_above_the_warm_up_traceback(stand_in):
+    spec = stand_in("generator", "port-taken")
+    port = spec.command[-2]
+    with pytest.raises(ServerFailed, match=rf"the generator server exited with code 1 before it was healthy; it "
+                                           rf"could not bind its port \(ERROR: +\[Errno 98\] error while attempting "
+                                           rf"to bind on address \('127.0.0.1', {port}\): address already in use\); "
+                                           rf"its last log lines:\n +File .*line 30, in"):
+        run_servers([spec], health_timeout=30, poll=0.1, out=Log(), grace=2)
 
 
 def test_dry_run_prints_the_planned_commands_in_start_up_order(capsys):

@@ -69,10 +69,33 @@ class LiveServer:
             raise ValueError("the ragged CPU attention comes from the sgl-tts plugin: give a policy ('off' will do)")
 
 
-def free_port(host: str = "127.0.0.1", *, low: int = 20000, high: int = 45000) -> int:
-    """A port free on ``host`` in [low, high), as is the port 10,000 above it (SGLang 0.5.15 derives
-    its gRPC port as port + 10000 and refuses one above 65535, so OS-chosen ephemeral ports fail)."""
+_GRPC_OFFSET = 10000          # SGLang 0.5.15 derives its gRPC port as port + 10000
+_handed_out: set[int] = set()  # ports this process has given away (a server may not have bound it yet)
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands to sockets bound to port 0 (outgoing connections, SGLang's own
+    ``get_free_port`` for its NCCL/gloo port): ``ip_local_port_range``'s first number, 32768 if unknown."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", *, low: int = 10000, high: int | None = None) -> int:
+    """A port free on ``host`` in [low, high), as is the port 10,000 above it (SGLang 0.5.15 derives its
+    gRPC port as port + 10000 and refuses one above 65535), that this process has not handed out before.
+
+    ``high`` defaults to 10,000 below the kernel's ephemeral range, so neither port can be taken by an
+    outgoing connection or a port-0 bind between this check and the server's own bind, which takes a
+    minute on a busy CPU. A clean-clone CI lost a server that way: its port, picked in the ephemeral
+    range, was in use by the time uvicorn bound it, and SGLang's warm-up waited 120 s and killed it."""
     import random
+
+    if high is None:
+        high = ephemeral_port_floor() - _GRPC_OFFSET
+    if not 0 < low < high:
+        raise ValueError(f"no room for ports in [{low}, {high})")
 
     def free(port: int) -> bool:
         with socket.socket() as sock:
@@ -85,7 +108,10 @@ def free_port(host: str = "127.0.0.1", *, low: int = 20000, high: int = 45000) -
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(low, high)
-        if free(port) and free(port + 10000):
+        if port in _handed_out:
+            continue
+        if free(port) and free(port + _GRPC_OFFSET):
+            _handed_out.add(port)
             return port
     raise RuntimeError(f"no free port pair on {host} in [{low}, {high})")
 

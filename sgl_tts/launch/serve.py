@@ -62,6 +62,7 @@ class ManagedServer:
         self.spec = spec
         self.out = out or sys.stdout
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.bind_error: str | None = None   # uvicorn's "address already in use": buried by the warm-up's
         self.proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True,
                                      env={**os.environ, **(env or {})})
@@ -73,6 +74,9 @@ class ManagedServer:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.tail.append(line)
+            if self.bind_error is None and "error while attempting to bind" in line:
+                # SGLang's warm-up then retries for 120 s and fills the tail with its traceback
+                self.bind_error = line
             say(f"[{self.spec.name}] {line}", self.out)
 
     def alive(self) -> bool:
@@ -88,7 +92,9 @@ class ManagedServer:
     def failure(self, what: str) -> ServerFailed:
         self._reader.join(timeout=1)
         last = "\n".join(f"  {line}" for line in self.tail) or "  (no output)"
-        return ServerFailed(f"the {self.spec.name} server {what}; its last log lines:\n{last}")
+        cause = (f"; it could not bind its port ({self.bind_error.strip()})"
+                 if self.bind_error and self.bind_error not in self.tail else "")
+        return ServerFailed(f"the {self.spec.name} server {what}{cause}; its last log lines:\n{last}")
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM to the whole process group, SIGKILL after ``grace`` seconds. The group is

@@ -184,14 +184,24 @@ def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_cha
         last.sampling_params.custom_params).beam]) == 1
     pol.calc_priority(shuffled)
     assert shuffled[0] is last and state.sorts == 3
-    # a retracted request comes back with output: its bytes are recomputed
+    # a retracted request comes back with output: SGLang's reset_for_retract (the plugin's hook)
+    # drops its info, even where it stands in the queue as before; its bytes are recomputed
     back = shuffled[3]
     back.output_ids.extend([1, 2])
+    back.reset_for_retract()
+    assert not hasattr(back, tts_policy.INFO)
     pol.calc_priority(shuffled)
     assert state.sorts == 4 and getattr(back, tts_policy.INFO).seq == tts_policy.tokens_of(back)
+    # a request that was away for a round comes back with more output: checked as a new one
+    away = shuffled.pop(5)
+    pol.calc_priority(shuffled)
+    away.output_ids.extend([3])
+    shuffled.append(away)
+    pol.calc_priority(shuffled)
+    assert state.sorts == 6 and getattr(away, tts_policy.INFO).seq == tts_policy.tokens_of(away)
 
 
-def _random_rounds(parents, rounds, seed, *, count_evictions=True):
+def _random_rounds(parents, rounds, seed, *, count_evictions=True, dedup=32):
     """Admit some, add arrivals, retract some, evict some of the cache: each round, the order of the
     state carried across rounds and of a fresh state on the same queue and cache. Returns the carried
     policy's state and the rounds where the two orders differ."""
@@ -199,7 +209,8 @@ def _random_rounds(parents, rounds, seed, *, count_evictions=True):
 
     rng = random.Random(seed)
     cache = Cache()
-    pol = policy_for(cache)
+    settings = TTSSettings("prefix-aware", dedup)
+    pol = policy_for(cache, settings=settings)
     if not count_evictions:   # the eviction count stays 0 whatever is evicted
         del cache.tree.evict, cache.tree._delete_leaf
     prompt = [rng.randrange(200) for _ in range(40)]
@@ -224,7 +235,7 @@ def _random_rounds(parents, rounds, seed, *, count_evictions=True):
             near = seq(rng.choice(queue))
             running = ScheduleBatch(reqs=[make_req(f"run{rnd}", near[:-1] + [rng.randrange(200)])])
         pol.calc_priority(queue, running)
-        fresh_pol = policy_for(cache)
+        fresh_pol = policy_for(cache, settings=settings)
         fresh_pol.sgl_tts._group_rank = dict(pol.sgl_tts._group_rank)
         fresh_pol.sgl_tts._counter = itertools.count(len(pol.sgl_tts._group_rank))
         copy = list(queue)
@@ -239,20 +250,24 @@ def _random_rounds(parents, rounds, seed, *, count_evictions=True):
             queue = queue[len(admitted):]
         elif action < 0.5:
             queue += arrivals(rng.randrange(1, 4))
-        elif action < 0.65 and queue:
-            queue[rng.randrange(len(queue))].output_ids.extend([rng.randrange(200)])
+        elif action < 0.65 and queue:   # retracted (SGLang's reset_for_retract) with more output
+            back = queue[rng.randrange(len(queue))]
+            back.output_ids.extend([rng.randrange(200)])
+            back.reset_for_retract()
         elif action < 0.8:   # memory pressure: the least recently used leaves go, family prefixes too
             cache.tree.evict(EvictParams(num_tokens=rng.randrange(1, 120)))
         # else: an unchanged round
     return pol.sgl_tts, differ
 
 
-@pytest.mark.parametrize("parents, rounds, seed", [(5, 25, 7), (40, 60, 8), (40, 60, 9)])
-def test_the_cached_order_equals_a_fresh_order_over_random_rounds(parents, rounds, seed):
-    """Every round the state carried across rounds (its cached plan, each family's walk, the sorted
-    sequences, the radix matches, kept across insertions while nothing was evicted) gives exactly
-    what a fresh policy state gives on the same queue and cache."""
-    state, differ = _random_rounds(parents, rounds, seed)
+@pytest.mark.parametrize("parents, rounds, seed, dedup", [(5, 25, 7, 32), (40, 60, 8, 32), (40, 60, 9, 32),
+                                                          (40, 80, 10, 3)])
+def test_the_cached_order_equals_a_fresh_order_over_random_rounds(parents, rounds, seed, dedup):
+    """Every round the state carried across rounds (its cached plan, the buckets' families and their
+    walks, the sorted sequences, the radix matches, kept across insertions while nothing was evicted)
+    gives exactly what a fresh policy state gives on the same queue and cache (dedup 3: partial
+    matches that grow past the threshold)."""
+    state, differ = _random_rounds(parents, rounds, seed, dedup=dedup)
     assert differ == []
     assert state.sorts < state.rounds
     assert state.walks.hits > state.walks.misses > 0   # re-sorts reused most families' walks

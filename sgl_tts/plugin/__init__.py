@@ -18,6 +18,8 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   ``ScheduleBatch.retract_decode`` (around), with the policy on: speculative requests are stopped
   when normal work was refused room, a stop never hides a natural finish, and retraction takes
   speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.preemption`);
+- ``Req.reset_for_retract`` (after): a retracted request's cached order information goes (it comes
+  back to the waiting queue with more output; the order does not re-read requests that stayed);
 - ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` (around), with the policy on: waiting
   requests' ``num_matched_prefix_tokens`` are filled before ``/v1/loads`` reads them;
 - ``Scheduler.set_internal_state`` (around): ``{"tts_set_class": {...}}`` on SGLang's
@@ -62,6 +64,7 @@ TARGETS = {
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
     "finish_state": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+    "reset_retract": "sglang.srt.managers.schedule_batch.Req.reset_for_retract",
     "loads": "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer."
              "get_num_waiting_uncached_tokens",
     "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
@@ -119,6 +122,7 @@ def scheduling_hooks() -> list[tuple[str, object, str]]:
         (TARGETS["prefill"], preemption.after_prefill, "AFTER"),   # before the observer's prefill hook
         (TARGETS["retract"], preemption.retract_decode, "AROUND"),
         (TARGETS["finish_state"], preemption.update_finish_state, "AROUND"),
+        (TARGETS["reset_retract"], policy.forget_on_retract, "AFTER"),
         (TARGETS["loads"], policy.fill_matched_prefixes, "AROUND"),
         (TARGETS["set_state"], policy.set_internal_state, "AROUND"),
         (TARGETS["set_state_reply"], policy.set_internal_state_reply, "AROUND"),

@@ -106,6 +106,26 @@ def test_the_cache_key_follows_the_model_and_settings_and_a_corrupt_file_is_name
     assert load_or_measure(gen, cache_dir=tmp_path) == good   # a cached profile is read, nothing started
 
 
+def test_the_grid_gives_way_to_the_models_context():
+    """A point's longest request: a prompt of C - decode_tokens // 2 tokens and decode_tokens + 1 new
+    ones; SGLang answers 400 for a prompt past the model's context and generates at most context - 2
+    tokens in all (the shipped tiny models have 512 positions: `sgl-tts serve --device cpu` failed
+    measuring them at context 512 and 1024)."""
+    from sgl_tts.launch.memory import context_tokens
+    from sgl_tts.models import shipped_model
+
+    grid = ProfileGrid()
+    assert grid.contexts == (128, 512, 1024) and grid.within(0) is grid and grid.within(4096) is grid
+    assert grid.within(512).contexts == (128, 501) and grid.within(512).batches == grid.batches
+    assert grid.within(100).contexts == (89,)                   # every context gives way to the one that fits
+    with pytest.raises(ValueError, match="a model of 20 tokens of context has no room"):
+        grid.within(20)
+    gen = shipped_model("generator")
+    assert context_tokens(gen) == 512
+    native = server_settings(None, "native")
+    assert profile_key(gen, native, grid.within(512)) != profile_key(gen, native)   # what load_or_measure keys by
+
+
 @pytest.mark.server
 @pytest.mark.timeout(300)
 def test_a_short_live_measurement_is_positive_and_grows_with_the_batch(tiny_model_path):

@@ -78,6 +78,21 @@ class ProfileGrid:
     def points(self) -> int:
         return len(self.batches) * len(self.contexts)
 
+    def within(self, context: int) -> "ProfileGrid":
+        """This grid for a model of ``context`` tokens (0: unknown, the grid as is): a point's longest
+        request is a prompt of ``C - decode_tokens // 2`` tokens asking for ``decode_tokens + 1`` more.
+        SGLang 0.5.15 refuses a prompt past the model's context (400 Bad Request) and cuts the new
+        tokens at ``context - 1 - prompt - 1``, so longer contexts give way to the longest that fits
+        (the shipped tiny models have 512 positions: (128, 512, 1024) becomes (128, 501))."""
+        if context <= 0:
+            return self
+        longest = context - (self.decode_tokens - self.decode_tokens // 2) - 3
+        if longest <= self.decode_tokens:
+            raise ValueError(f"a model of {context} tokens of context has no room for a profile's requests "
+                             f"({self.decode_tokens} decode tokens)")
+        contexts = tuple(sorted({min(c, longest) for c in self.contexts}))
+        return self if contexts == self.contexts else dataclasses.replace(self, contexts=contexts)
+
 
 DEFAULT_GRID = ProfileGrid()
 
@@ -300,6 +315,7 @@ def measure_profile(model: str | os.PathLike, *, dtype: str | None = None, atten
     from sgl_tts.machine import describe
 
     settings = server_settings(dtype, attention)
+    grid = grid.within(context_tokens(model))
     shape = ModelShape.from_config(model, kv_dtype=dtype)
     cfg = json.loads(((Path(model) / "config.json") if Path(model).is_dir() else Path(model)).read_text())
     # room for the whole point twice over: nothing measured is ever evicted and prefilled again
@@ -335,7 +351,10 @@ def load_or_measure(model: str | os.PathLike, *, dtype: str | None = None, atten
     """``model``'s profile from the cache (``cache_dir``, default :data:`PROFILE_DIR`), measured and
     saved when it is missing or ``remeasure`` is set. A corrupt cached file raises
     :class:`ProfileError` (it is not silently replaced: ``remeasure`` does that)."""
+    from sgl_tts.launch.memory import context_tokens
+
     settings = server_settings(dtype, attention)
+    grid = grid.within(context_tokens(model))
     path = Path(cache_dir or PROFILE_DIR).expanduser() / f"{profile_key(model, settings, grid)}.json"
     if path.exists() and not remeasure:
         profile = CpuProfile.load(path)

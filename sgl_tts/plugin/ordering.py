@@ -44,30 +44,6 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
-class PrefixCache:
-    """:func:`common_prefix` remembered per pair of sequences from one round to the next (the same
-    families' prefixes are compared again every round; ``bytes`` cache their hash, and a lookup of
-    the same objects compares by identity). Pairs a round did not use are dropped at the next
-    :meth:`next_round`."""
-
-    def __init__(self):
-        self._now: dict[tuple[bytes, bytes], int] = {}
-        self._before: dict[tuple[bytes, bytes], int] = {}
-
-    def next_round(self) -> None:
-        self._before, self._now = self._now, {}
-
-    def __call__(self, a: bytes, b: bytes) -> int:
-        pair = (a, b)
-        shared = self._now.get(pair)
-        if shared is None:
-            shared = self._before.get(pair)
-            if shared is None:
-                shared = common_prefix(a, b)
-            self._now[pair] = shared
-        return shared
-
-
 class _Node:
     __slots__ = ("depth", "children", "leaf", "key", "parent", "todo")
 
@@ -240,6 +216,16 @@ class WalkMemo:
 
 
 _MISSING = object()
+
+
+class PrefixCache(WalkMemo):
+    """:func:`common_prefix` remembered per pair of sequences from one round to the next (the same
+    families' prefixes are compared again every round; ``bytes`` cache their hash, and a lookup of
+    the same objects compares by identity), with :class:`WalkMemo`'s lifetime: pairs a round did not
+    use go at the next :meth:`next_round`."""
+
+    def __call__(self, a: bytes, b: bytes) -> int:
+        return self.get((a, b), lambda: common_prefix(a, b))
 
 
 def family_order(seqs: Sequence[bytes], keys: Sequence[Any], families: Sequence[Any],

@@ -41,7 +41,7 @@ import itertools
 import logging
 import operator
 import time
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, Sequence
 
 from sgl_tts.plugin import residency
 from sgl_tts.plugin.ordering import FamilyWalk, WalkMemo, as_bytes, common_prefix
@@ -139,11 +139,9 @@ class SortedSeqs:
         self.seqs: list[bytes] = []
         self._serials: dict[int, bytes] = {}
 
-    def update(self, infos: Sequence[RequestInfo], serials: set[int] | None = None) -> list[bytes]:
-        """The sorted sequences of ``infos`` (the list is kept: do not change it); ``serials``: their
-        serials, when the caller has them."""
-        if serials is None:
-            serials = set(map(_SERIAL, infos))
+    def update(self, infos: Sequence[RequestInfo], serials: AbstractSet[int]) -> list[bytes]:
+        """The sorted sequences of ``infos``, whose serials are ``serials`` (the list is kept: do not
+        change it)."""
         known = self._serials
         gone = known.keys() - serials
         new = serials - known.keys()

@@ -396,6 +396,38 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys, extra, message):
     assert code == 1 and out.err == f"sgl-tts bench: error: {message}\n"
 
 
+def test_the_reports_header_is_the_runs_that_measured():
+    """A report describes the runs its records came from: the first run's plan and pools, every run's
+    machine, date and command (each once, in the order they ran); it names the invocation that rebuilt
+    it only when that is none of the runs, and which settings differ when the runs disagree."""
+    from sgl_tts.bench.command import measured_header, run_record
+
+    def header(machine, date, command, pools=53350):
+        return {"generator": "g", "prm": "p", "budget": "9.6 GiB", "machine": machine, "date": date,
+                "command": command, "pools": {"prm": pools}}
+
+    gpu1 = header("H200", "2026-11-27", "sgl-tts bench --stop-after 400")
+    gpu2 = header("H200", "2026-11-27", "sgl-tts bench --stop-after 140")
+    # rebuilt on a CPU by a later checkout whose planner gives other pools
+    cpu = header("2-core CPU", "2026-11-28", "sgl-tts bench --report-only", pools=4096)
+    records = [run_record(gpu1), {"kind": "search"}, run_record(gpu2), {"kind": "search"}]
+    got = measured_header(cpu, records)
+    assert (got["machine"], got["date"], got["command"]) == ("H200", "2026-11-27", "sgl-tts bench --stop-after 400")
+    assert got["commands"] == ["sgl-tts bench --stop-after 400", "sgl-tts bench --stop-after 140"]
+    assert got["pools"] == {"prm": 53350}   # the run's plan, not the rebuilding checkout's
+    assert got["rebuilt"] == {"machine": "2-core CPU", "date": "2026-11-28", "command": "sgl-tts bench --report-only"}
+    assert "differ" not in got and "kind" not in got and cpu["pools"] == {"prm": 4096}
+    # the run that measured reports itself: nothing rebuilt
+    assert "rebuilt" not in measured_header(gpu2, records)
+    # two machines and two plans: both machines named, in order, and the differing setting named
+    other = header("A100", "2026-11-26", "x", pools=9000)
+    mixed = measured_header(cpu, [run_record(other), run_record(gpu1)])
+    assert (mixed["machine"], mixed["date"]) == ("A100; H200", "2026-11-26; 2026-11-27")
+    assert mixed["differ"] == ["pools"] and mixed["pools"] == {"prm": 9000}
+    # records written before run records existed: this invocation's header, nothing claimed
+    assert measured_header(cpu, [{"kind": "search"}]) is cpu
+
+
 def test_report_only_needs_records(tmp_path, capsys):
     code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--n", "8",
                        "--models-dir", str(tmp_path), "--output", str(tmp_path / "none.jsonl"), "--report-only"])
@@ -612,6 +644,21 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     # a third run has nothing to do: no server starts, the same report
     assert _bench(tmp_path) == 0
     assert len(_launches(fake_sglang)) == len(launches) + 2
+    # each run wrote where, when and how it ran; a report rebuilt on another machine still names the
+    # machine that measured, and says where it was rebuilt
+    from sgl_tts.machine import describe
+    runs = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines() if '"kind": "run"' in x]
+    assert len(runs) == 3 and {r["machine"] for r in runs} == {describe()}
+    capsys.readouterr()
+    monkeypatch.setattr("sgl_tts.machine.describe", lambda: "a laptop")
+    assert _bench(tmp_path, "--report-only") == 0
+    md = (tmp_path / "run.md").read_text()
+    assert f"- machine: {runs[0]['machine']}\n" in md
+    assert "- command: " + "; then ".join(f"`{r['command']}`" for r in runs) + "\n" in md
+    rebuilt = [line for line in md.splitlines() if line.startswith("- report rebuilt")]
+    assert len(rebuilt) == 1 and ", a laptop, `sgl-tts bench --generator" in rebuilt[0]
+    assert rebuilt[0].endswith("--report-only`")
+    assert json.loads((tmp_path / "run.summary.json").read_text())["header"]["machine"] == runs[0]["machine"]
 
 
 def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, fake_sglang, capsys):

@@ -102,6 +102,40 @@ def settings_from_args(args, context_default: int | None, planned_batch: int,
                          tuple(banned_token_ids))
 
 
+PROVENANCE = ("machine", "date", "command")
+
+
+def run_record(header: dict) -> dict:
+    """The ``run`` record a run that measures writes first: its whole header (machine, date, command,
+    budget, plan, pools, trace), so a report rebuilt elsewhere (``--report-only``) or by a later
+    checkout describes the run that measured, not the invocation rebuilding it."""
+    return {"kind": "run", **header}
+
+
+def measured_header(header: dict, records: Sequence[dict]) -> dict:
+    """The header of the runs the records came from: the first run's, with every run's machine and
+    date (each distinct value once, in order, joined by "; ") and ``commands`` (every run's;
+    ``command`` is the first); ``differ`` names the other keys on which later runs disagree with the
+    first (their figures are then not of one setting); ``rebuilt`` names this invocation when it is
+    none of the runs (a report rebuilt on another machine or day). Records without ``run`` records
+    (written before 2026-11-27) keep ``header``: this invocation's description."""
+    runs = [{k: v for k, v in r.items() if k != "kind"} for r in records if r.get("kind") == "run"]
+    if not runs:
+        return header
+    out = dict(runs[0])
+    for key in ("machine", "date"):
+        out[key] = "; ".join(dict.fromkeys(str(r[key]) for r in runs))
+    out["commands"] = list(dict.fromkeys(r["command"] for r in runs))
+    out["command"] = out["commands"][0]
+    differ = sorted({k for r in runs[1:] for k in r.keys() | runs[0].keys()
+                     if k not in PROVENANCE and r.get(k) != runs[0].get(k)})
+    if differ:
+        out["differ"] = differ
+    if all({k: r[k] for k in PROVENANCE} != {k: header[k] for k in PROVENANCE} for r in runs):
+        out["rebuilt"] = {k: header[k] for k in PROVENANCE}
+    return out
+
+
 def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> dict:
     """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows."""
     rows = summarize(records, settings)
@@ -118,8 +152,14 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
     table = format_report(rows)
     lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "",
              f"- machine: {header['machine']}", f"- date: {header['date']}",
-             f"- command: `{header['command']}`", f"- device: {header.get('device', 'cuda')}",
-             f"- memory budget: {header['budget']}"]
+             "- command: " + "; then ".join(f"`{c}`" for c in header.get("commands") or [header["command"]]),
+             f"- device: {header.get('device', 'cuda')}", f"- memory budget: {header['budget']}"]
+    if header.get("rebuilt"):
+        r = header["rebuilt"]
+        lines.append(f"- report rebuilt from the records: {r['date']}, {r['machine']}, `{r['command']}`")
+    if header.get("differ"):
+        lines.append(f"- **the runs differ in {', '.join(header['differ'])}**: below is the first run's; "
+                     "the figures mix settings")
     if header.get("workload") is not None:
         lines.append(f"- planner workload: {header['workload']}")
     if header.get("splits"):
@@ -361,5 +401,6 @@ class SideRunner:
                     out=sys.stderr if self.args.json else None)   # with --json stdout carries only the JSON
 
 
-__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header", "model_folder",
+__all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header",
+           "measured_header", "run_record", "model_folder",
            "planner_args", "prepare", "report", "server_extra", "settings_from_args", "side_specs", "summary_json"]

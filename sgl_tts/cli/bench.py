@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
-    from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, prepare, report, side_specs,
-                                       summary_json)
+    from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, measured_header, prepare,
+                                       report, run_record, side_specs, summary_json)
     from sgl_tts.bench.goodput import BenchError, RecordWriter, read_records, summarize
     from sgl_tts.frontend import end_stream_executors
     from sgl_tts.launch.serve import ServerFailed, print_commands, sigterm_stops_servers
@@ -130,8 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def show(records) -> None:
         """The report on stdout: the Markdown table, or with --json the summary."""
-        text = report(records, settings, output, header)
-        print(json.dumps(summary_json(records, settings, header), indent=1) if args.json else text, flush=True)
+        shown = measured_header(header, records)
+        text = report(records, settings, output, shown)
+        print(json.dumps(summary_json(records, settings, shown), indent=1) if args.json else text, flush=True)
 
     try:
         records = read_records(output, settings)
@@ -143,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         show(records)
         return 0
     writer = RecordWriter(output, settings, records)
+    writer(run_record(header))
     runner = SideRunner(args, setup, specs, writer)
     # one SIGTERM handler for every side: a signal between two sides stops the command the same way
     try:

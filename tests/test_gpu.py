@@ -89,19 +89,23 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
         def long(s):
             tag = SearchTag("gpu2", 0, -1, 0)
             s += "Compute 1+1.\n\n"
-            s += sgl_tts.gen("x", max_tokens=4000, ignore_eos=True, custom_params=tag.custom_params(),
+            # the tiny generator's context is 512 tokens: a longer request is refused with a 400
+            # (context length), never aborted (the likely failure on the H200, 2026-11-27). 480
+            # decode steps without CUDA graphs (milliseconds each) outlast the abort at 0.3 s
+            s += sgl_tts.gen("x", max_tokens=480, ignore_eos=True, custom_params=tag.custom_params(),
                              rid=tag.rid("long"))
 
         done = {}
         t = threading.Thread(target=lambda: done.setdefault("state", long.run(backend=server)))
         t.start()
         import time
-        time.sleep(1.0)
+        time.sleep(0.3)
         server.abort_group("gpu2")
         t.join(timeout=60)
         assert not t.is_alive()
         meta = done["state"].get_meta_info("x") or {}
-        assert (meta.get("finish_reason") or {}).get("type") == "abort"
+        assert (meta.get("finish_reason") or {}).get("type") == "abort", \
+            f"not aborted: {meta.get('finish_reason')} after {meta.get('completion_tokens')} tokens"
     finally:
         prm_backend.shutdown()
         server.shutdown()
@@ -121,11 +125,15 @@ def test_serve_starts_the_tiny_pair_and_both_answer(tmp_path):
     import time
     import urllib.request
 
+    from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
     from sgl_tts.models import shipped_model
 
+    # the lent machines' SGLang comes from the wheelhouse, without FA3's kernels, flashinfer's cubins
+    # or xgrammar: SGLang's defaults would not start there (what the benchmark and smoke test pass)
     cmd = [sys.executable, "-m", "sgl_tts.cli", "serve", "--generator", str(shipped_model("generator")),
            "--prm", str(shipped_model("prm")), "--gpu", "H200", "--gpu-memory", "16GiB",
-           "--generator-port", "31000", "--prm-port", "31001", "--health-timeout", "300"]
+           "--generator-port", "31000", "--prm-port", "31001", "--health-timeout", "300",
+           "--server-args", DEFAULT_SERVER_ARGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 400

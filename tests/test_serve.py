@@ -229,6 +229,24 @@ def test_dry_run_prints_the_planned_commands_in_start_up_order(capsys):
     assert "the weights alone do not fit" in capsys.readouterr().err
 
 
+def test_server_args_go_last_to_both_servers_and_a_bad_quote_is_named(capsys):
+    """``--server-args`` reaches both servers after the planned flags (SGLang takes the last of a
+    repeated flag), e.g. the kernels a wheelhouse GPU machine has; an unclosed quote is refused."""
+    from sgl_tts.cli import main
+
+    configs = Path(__file__).parent / "data" / "configs"
+    base = ["serve", "--generator", str(configs / "qwen2.5-1.5b.json"), "--prm", str(configs / "qwen2.5-1.5b.json"),
+            "--gpu", "H200", "--gpu-memory", "16GiB", "--dry-run"]
+    assert main([*base, "--server-args", "--attention-backend triton --max-running-requests 8"]) == 0
+    cmds = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+    assert len(cmds) == 2
+    for cmd in cmds:
+        assert cmd.endswith(" --attention-backend triton --max-running-requests 8")
+    assert cmds[0].index("--max-running-requests 64") < cmds[0].index("--max-running-requests 8")  # the planner's, then the user's
+    assert main([*base, "--server-args", "--served-model-name 'a b"]) == 1
+    assert capsys.readouterr().err == "sgl-tts serve: error: --server-args: No closing quotation\n"
+
+
 def test_replicas_dry_run_starts_k_generators_then_the_router_on_the_generator_port(capsys):
     from sgl_tts.cli import main
 

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "\"--cache-threshold 0.5 --balance-abs-threshold 32\")")
     ap.add_argument("--replica-ports", default=None,
                     help="comma-separated ports of the replicas (default: --generator-port + 100, + 101, ...)")
+    ap.add_argument("--server-args", default="",
+                    help="more SGLang flags for both servers, one quoted string, after the planned ones "
+                         "(e.g. \"--attention-backend triton --sampling-backend pytorch\" where SGLang's "
+                         "default kernels are not installed, as on the wheelhouse's GPU machines)")
     ap.add_argument("--health-timeout", type=float, default=600.0)
     ap.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
     return ap

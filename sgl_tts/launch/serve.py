@@ -387,9 +387,14 @@ def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpe
     plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu",
                          cpu_attention=attention)
     prm_plugin = TTSSettings(cpu_attention=attention) if attention != "native" else None
+    try:
+        more = shlex.split(args.server_args)
+    except ValueError as exc:   # an unclosed quote
+        raise ValueError(f"--server-args: {exc}") from None
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
-                        first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin)
+                        first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin,
+                        extra={"generator": more, "prm": more})
     if args.replicas == 1:
         return specs
     ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports

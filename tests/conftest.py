@@ -41,12 +41,12 @@ def pytest_unconfigure(config):
         faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True, file=config.stash[_EXIT_FD])
 
 
-FAILURES_AT_ONCE = "SGL_TTS_FAILURES_AT_ONCE"
+FAILURES_AT_ONCE = "SGLANG_TTS_FAILURES_AT_ONCE"
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
-    """With SGL_TTS_FAILURES_AT_ONCE=1 (the GPU lease's tests phase, tools/gpu/short-lease.sh), a
+    """With SGLANG_TTS_FAILURES_AT_ONCE=1 (the GPU lease's tests phase, tools/gpu/short-lease.sh), a
     failure's traceback is printed the moment it fails: pytest prints them only at the end, and a run
     that the lease's cap cuts short would say which tests failed but never why (2026-11-27)."""
     if report.failed and os.environ.get(FAILURES_AT_ONCE):

@@ -119,20 +119,20 @@ def test_no_module_over_700_lines_and_no_function_over_80():
 
 
 def test_failures_at_once_prints_a_failures_traceback_before_the_next_test_runs(tmp_path):
-    """The GPU lease's tests phase sets SGL_TTS_FAILURES_AT_ONCE: a failure's reason must be out
+    """The GPU lease's tests phase sets SGLANG_TTS_FAILURES_AT_ONCE: a failure's reason must be out
     before the next test starts, since the lease's cap may end pytest before its summary."""
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport  # noqa: F401\n")
     (tmp_path / "test_two.py").write_text(
         "def test_fails():\n    assert 2 + 2 == 5, 'the reason'\n\n\n"
         "def test_next():\n    print('NEXT RUNS', flush=True)\n")
-    env = {**os.environ, "SGL_TTS_FAILURES_AT_ONCE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "SGLANG_TTS_FAILURES_AT_ONCE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-v", str(tmp_path)],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300).stdout
     early = out.index("---- test_two.py::test_fails failed (call) ----")
     assert early < out.index("the reason") < out.index("---- end of test_two.py::test_fails ----") \
         < out.index("NEXT RUNS") < out.index("= FAILURES =")
     # without the variable, the reason waits for the summary, as pytest has it
-    del env["SGL_TTS_FAILURES_AT_ONCE"]
+    del env["SGLANG_TTS_FAILURES_AT_ONCE"]
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-v", str(tmp_path)],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300).stdout
     assert "---- test_two.py::test_fails" not in out and out.index("NEXT RUNS") < out.index("the reason")

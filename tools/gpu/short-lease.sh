@@ -42,9 +42,9 @@ tests() {
   local c; c=$(cap 400 30)
   say "gpu-marked tests (at most $c s; the wheelhouse's smoke test is the smoke above)"
   # a per-test timeout under the cap, and each failure's traceback printed as it fails
-  # (SGL_TTS_FAILURES_AT_ONCE, tests/conftest.py): pytest prints them only in its summary, which the
+  # (SGLANG_TTS_FAILURES_AT_ONCE, tests/conftest.py): pytest prints them only in its summary, which the
   # cap may cut off (2026-11-27: two failures came back without their reasons)
-  SGL_TTS_FAILURES_AT_ONCE=1 timeout -k 10 "$c" python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
+  SGLANG_TTS_FAILURES_AT_ONCE=1 timeout -k 10 "$c" python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
       --timeout $(( c / 2 > 200 ? 200 : c / 2 )) tests/test_gpu.py tests/test_memory.py tests/test_reward_head.py
   say "tests exit $?"
 }

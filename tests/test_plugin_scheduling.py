@@ -153,6 +153,32 @@ def test_a_prefill_batch_defers_its_siblings_for_one_round_only():
 
 
 # -------------------------------------------------------------------------- 4: cached ordering state
+def test_the_last_rounds_requests_are_held_so_their_ids_cannot_be_reused():
+    """Infos are looked up by id(): a request that left the queue must stay alive until the next
+    round replaces the lookup, or a new request at its address would get its info. And forgetting a
+    request (retraction, re-class) reaches every live policy state, not only the one that ordered it."""
+    import gc
+    import weakref
+
+    cache = Cache()
+    pol, other = policy_for(cache), policy_for(cache)
+    queue = [make_req(f"h{i}", tokens(i, 12), SearchTag("h", 1, i, i)) for i in range(4)]
+    pol.calc_priority(queue)
+    other.calc_priority(list(queue))
+    gone = weakref.ref(queue.pop())
+    gc.collect()
+    assert gone() is not None                   # held by both states' last rounds
+    pol.calc_priority(queue)
+    other.calc_priority(list(queue))
+    gc.collect()
+    assert gone() is None                       # the next rounds let it go
+    back = queue[0]
+    assert id(back) in pol.sgl_tts._known and id(back) in other.sgl_tts._known
+    back.output_ids.extend([5])
+    back.reset_for_retract()
+    assert id(back) not in pol.sgl_tts._known and id(back) not in other.sgl_tts._known
+
+
 def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_changes():
     rng = random.Random(1)
     cache = Cache()
@@ -235,6 +261,13 @@ def _random_rounds(parents, rounds, seed, *, count_evictions=True, dedup=32):
             near = seq(rng.choice(queue))
             running = ScheduleBatch(reqs=[make_req(f"run{rnd}", near[:-1] + [rng.randrange(200)])])
         pol.calc_priority(queue, running)
+        # the requests the deferral checks, by its definition: every one after the aged, not
+        # speculative, that shares at least dedup tokens with the one placed before it
+        plan = pol.sgl_tts._plan
+        if plan.cand_version == -1:
+            assert plan.cand_pos == [p for p in range(plan.first_deferrable, len(plan.infos))
+                                     if plan.infos[p].rank != tts_policy.SPECULATIVE and plan.shared_prev[p] >= dedup]
+            assert plan.cand_keys == [(plan.infos[p].serial, plan.shared_prev[p]) for p in plan.cand_pos]
         fresh_pol = policy_for(cache, settings=settings)
         fresh_pol.sgl_tts._group_rank = dict(pol.sgl_tts._group_rank)
         fresh_pol.sgl_tts._counter = itertools.count(len(pol.sgl_tts._group_rank))

@@ -128,7 +128,7 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     ({"max_depth": 0}, "max_depth must be a positive integer, got 0"),
     ({"semantics": "search-and-learn", "speculative": "exact"},
      "semantics='search-and-learn' runs search-and-learn's own loop; speculative and overlap_verification"),
-    ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact, exact-no-lookahead, truncate"),
+    ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact, exact-no-lookahead, truncate, auto"),
     ({"program": "best_of_n", "overlap_verification": True},
      "speculative and overlap_verification are settings of beam_search and dvts"),
 ])

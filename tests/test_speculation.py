@@ -355,7 +355,7 @@ def test_speculative_potential_follows_selectspec_bins():
 def test_bad_policies_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="unknown speculation mode 'fast'"):
         Speculation(mode="fast")
-    with pytest.raises(ValueError, match=r"unknown speculation 'fast'; choose one of \['exact', 'exact-no-lookahead', 'truncate'\]"):
+    with pytest.raises(ValueError, match=r"unknown speculation 'fast'; choose one of \['exact', 'exact-no-lookahead', 'truncate', 'auto'\]"):
         Speculation.of("fast")
     # a name is its policy: the ablation's middle step differs from the full policy in LookAhead only
     assert Speculation.of("exact-no-lookahead") == Speculation(lookahead=False)

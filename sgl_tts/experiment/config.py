@@ -62,7 +62,9 @@ class RunConfig:
         speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
             with LookAhead verification (see :mod:`sgl_tts.search.pipeline`); ``exact-no-lookahead``:
-            exact, without LookAhead verification.
+            exact, without LookAhead verification; ``auto``: exact, each branch started only where a
+            measured decode curve says it pays (:mod:`sgl_tts.search.speculation_cost`; a config
+            carries no curve yet, so ``auto`` here starts none and reports why).
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         accept_threshold: beam search positive early exit: stop after the first depth at which a
             finished trajectory scores at least this (``None``: off).

@@ -293,6 +293,9 @@ class SearchResult:
         tree: the search's tree (MCTS: its :class:`sgl_tts.mcts.MCTSTree`, to inspect or draw).
         requests_aborted: requests the search gave up that the server answered as aborted (MCTS:
             cancelled rollouts' expansions; 0 where a program does not count them).
+        branches_started, branches_declined, branches_stopped: speculative branches started, not
+            started because the cost controller (``speculative="auto"``) judged they would not pay,
+            and stopped at a depth's barrier; ``stood_down``: the declined ones by reason.
     """
 
     answer: str | None
@@ -308,6 +311,10 @@ class SearchResult:
     exit_reason: str | None = None
     tree: Any = dataclasses.field(default=None, repr=False, compare=False)
     requests_aborted: int = 0
+    branches_started: int = 0
+    branches_declined: int = 0
+    branches_stopped: int = 0
+    stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, answer: str | None, answers: dict[str, str | None], trajectories: list[Trajectory], costs: Any,
@@ -315,7 +322,9 @@ class SearchResult:
         """A result whose costs come from a :class:`sgl_tts.search.pipeline.Costs`."""
         return cls(answer, answers, trajectories, costs.tokens_normal + costs.tokens_speculative, seconds,
                    costs.tokens_speculative, costs.tokens_reused, costs.seconds_generating,
-                   costs.seconds_verifying, costs.prm_requests)
+                   costs.seconds_verifying, costs.prm_requests, branches_started=costs.branches_started,
+                   branches_declined=costs.branches_declined, branches_stopped=costs.branches_stopped,
+                   stood_down=dict(costs.stood_down))
 
     @property
     def tokens_kept(self) -> int:

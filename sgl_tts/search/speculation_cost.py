@@ -1,0 +1,137 @@
+"""When a speculative branch pays for itself (issue 33): a measured decode-cost curve and the rule
+that starts a branch only when its expected saving exceeds its expected cost.
+
+FlashTTS's speculative beam extension assumes that a slot a finished step frees is free capacity:
+true where a decode step costs the same at any batch (memory-bound decoding on a GPU at small and
+medium batches), false on a CPU or at large batches, where every extra row makes every step of the
+depth slower. So the decision is made from a measured :class:`DecodeCurve`, the time of one decode
+step of the generator against its running batch.
+
+The rule (:meth:`SpeculationController.decide`), per decode step a branch runs:
+
+- **cost**: every request of the batch waits for the step, so the depth's barrier (its last step's
+  end) moves by ``marginal(b) = step(b + 1) - step(b)``, ``b`` the running batch;
+- **saving**: the branch generated one token of child ``j``'s next step. If the child takes it over
+  (chance ``p``), the next depth does not generate it: in a linear regime (every row costs its share)
+  that saves the token's share of a step, ``step(n) / n`` at the next depth's batch ``n``; in a flat
+  regime the depth lasts as long as its longest step, and the token shortens it only when that child
+  is the straggler (about 1 in ``n``): ``step(n) / n`` again.
+
+Both grow with the steps the branch runs, so that count cancels: **start iff
+``p * step(n) / n > marginal(b)``**. A flat curve (``marginal`` ~ 0) speculates whenever a branch
+may be taken; a curve through the origin (``step(b) = c * b``: every row costs ``c``) never does
+(``p * c > c`` needs ``p > 1``); a fixed cost per step (``step(b) = a + c * b``) speculates while
+``p * (a / n + c) > c``. A tie does not start: the rule is meant never to lose.
+
+``p``: the chance the branch's beam is kept and its child takes it over. SelectSpec's bins give the
+branch count from the parent's score; this module takes ``p`` from the caller
+(:class:`sgl_tts.search.pipeline.StepPipeline` uses the potential over the bins).
+
+What it does not know yet (issue 33 goes on): the curve is given, not measured from the live server;
+``b`` is the search's own rows in flight, not the server's whole batch; the verifier's slowdown when it
+shares the device is a yes/no (``verifier_shares_device``: branches still running at the barrier are
+stopped), not a measured cost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+#: why a branch was not started (``SearchResult.stood_down`` counts them)
+COSTS_MORE = "costs more than it saves"
+NO_CURVE = "no measured decode curve"
+STARTED = "saves more than it costs"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCurve:
+    """Seconds per decode step of the generator against its running batch, measured at a few batch
+    sizes; linear between them, and beyond the last with the last two points' slope (below the first,
+    the first point's time)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self):
+        pts = tuple((int(b), float(s)) for b, s in self.points)
+        if not pts:
+            raise ValueError("a decode curve needs at least one (batch, seconds) point")
+        if any(b < 1 for b, _ in pts) or any(not s > 0 for _, s in pts):
+            raise ValueError(f"a decode curve's batches must be >= 1 and its seconds > 0, got {pts}")
+        if any(b1 >= b2 for (b1, _), (b2, _) in zip(pts, pts[1:])):
+            raise ValueError(f"a decode curve's batches must increase, got {[b for b, _ in pts]}")
+        object.__setattr__(self, "points", pts)
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[int, float]]) -> "DecodeCurve":
+        return cls(tuple(points))
+
+    def step(self, batch: float) -> float:
+        """Seconds of one decode step at ``batch`` running requests."""
+        pts = self.points
+        if len(pts) == 1 or batch <= pts[0][0]:   # one point: a flat curve
+            return pts[0][1]
+        at = bisect.bisect_left([b for b, _ in pts], batch)
+        (b1, s1), (b2, s2) = (pts[-2], pts[-1]) if at >= len(pts) else (pts[at - 1], pts[at])
+        return max(0.0, s1 + (s2 - s1) * (batch - b1) / (b2 - b1))
+
+    def marginal(self, batch: int) -> float:
+        """Seconds one more running request adds to a decode step at ``batch`` (never below 0)."""
+        return max(0.0, self.step(batch + 1) - self.step(batch))
+
+    def per_row(self, batch: int) -> float:
+        """A request's share of a decode step at ``batch``: ``step(batch) / batch``."""
+        batch = max(1, batch)
+        return self.step(batch) / batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchDecision:
+    """Whether to start one speculative branch, and the two sides of the rule (seconds per decode
+    step the branch runs)."""
+
+    start: bool
+    reason: str
+    saving: float
+    cost: float
+
+
+class SpeculationController:
+    """Starts a speculative branch only when its expected saving exceeds its expected cost (module
+    docstring), and says whether running branches stop at the depth's barrier.
+
+    Args:
+        curve: the generator's measured decode curve; ``None``: nothing is measured, so nothing is
+            started (``speculative="auto"`` never guesses).
+        verifier_shares_device: the PRM runs on the same device (always on a CPU): a branch still
+            running when the depth's last step ends would slow the verification the search waits
+            for, so :meth:`stop_at_barrier` says to stop it.
+    """
+
+    def __init__(self, curve: DecodeCurve | None, *, verifier_shares_device: bool = False):
+        self.curve = curve
+        self.verifier_shares_device = verifier_shares_device
+
+    def decide(self, take_chance: float, running: int, next_batch: int) -> BranchDecision:
+        """One branch whose child takes it over with chance ``take_chance``, with ``running``
+        requests already in the batch and ``next_batch`` requests expected at the next depth."""
+        if not 0.0 <= take_chance <= 1.0:
+            raise ValueError(f"take_chance must lie in [0, 1], got {take_chance}")
+        if self.curve is None:
+            return BranchDecision(False, NO_CURVE, 0.0, 0.0)
+        saving = take_chance * self.curve.per_row(next_batch)
+        cost = self.curve.marginal(max(1, running))
+        if saving > cost * (1 + 1e-9) + 1e-15:   # a tie (up to rounding) does not start
+            return BranchDecision(True, STARTED, saving, cost)
+        return BranchDecision(False, COSTS_MORE, saving, cost)
+
+    def stop_at_barrier(self) -> bool:
+        """Whether branches still running at the depth's barrier are stopped: when the verifier shares
+        the device and extra rows cost it time (a flat curve costs nothing)."""
+        if not self.verifier_shares_device:
+            return False
+        return self.curve is None or any(self.curve.marginal(b) > 0 for b, _ in self.curve.points)
+
+
+__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "STARTED", "SpeculationController"]

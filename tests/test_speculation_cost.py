@@ -1,0 +1,110 @@
+"""The speculation cost controller (issue 33, sgl_tts.search.speculation_cost): its decisions against
+the rule's definition on scripted decode curves, and a controlled search that keeps exactly the
+plain search's beams whether it speculates, stands down or stops branches at the barrier."""
+
+from __future__ import annotations
+
+import pytest
+
+from programs.beam_search import beam_search
+from programs.dvts import dvts
+from sgl_tts.search.pipeline import SPECULATION_PRESETS, Speculation
+from sgl_tts.search.speculation_cost import (COSTS_MORE, NO_CURVE, STARTED, DecodeCurve,
+                                              SpeculationController)
+from test_speculation import QUESTIONS, SETTINGS, kept, run
+
+FLAT = DecodeCurve.of([(1, 0.02), (64, 0.02)])            # memory-bound: a row costs nothing
+THROUGH_ORIGIN = DecodeCurve.of([(1, 0.01), (64, 0.64)])  # every row costs 10 ms, no fixed cost
+
+
+def affine(a: float, c: float) -> DecodeCurve:
+    return DecodeCurve.of([(1, a + c), (2, a + 2 * c), (128, a + 128 * c)])
+
+
+def test_a_curve_interpolates_between_its_points_and_extends_its_last_slope():
+    curve = DecodeCurve.of([(1, 0.010), (4, 0.016), (16, 0.040)])
+    assert curve.step(1) == 0.010 and curve.step(0) == 0.010          # below the first point: held
+    assert curve.step(2) == pytest.approx(0.012) and curve.step(4) == pytest.approx(0.016)
+    assert curve.step(10) == pytest.approx(0.028)                      # 0.016 + 6 * 0.002
+    assert curve.step(20) == pytest.approx(0.048)                      # the last slope, 0.002 a row
+    assert curve.marginal(4) == pytest.approx(0.002) and curve.per_row(16) == pytest.approx(0.0025)
+    assert DecodeCurve.of([(8, 0.05)]).step(100) == 0.05               # one point: flat
+    assert DecodeCurve.of([(1, 0.05), (2, 0.01)]).step(10) == 0.0      # a falling fit never goes below 0
+    with pytest.raises(ValueError, match="at least one"):
+        DecodeCurve.of([])
+    with pytest.raises(ValueError, match="must increase"):
+        DecodeCurve.of([(4, 0.1), (4, 0.2)])
+    with pytest.raises(ValueError, match=r"batches must be >= 1 and its seconds > 0"):
+        DecodeCurve.of([(1, 0.0)])
+
+
+def test_a_flat_curve_speculates_a_curve_through_the_origin_never():
+    flat, linear = SpeculationController(FLAT), SpeculationController(THROUGH_ORIGIN)
+    for p in (0.01, 0.25, 0.5, 1.0):
+        for running in (1, 7, 63):
+            assert flat.decide(p, running, 8).start
+            got = linear.decide(p, running, 8)
+            # p * c > c needs p > 1: a sure take-over only ties, and a tie does not start
+            assert not got.start and got.reason == COSTS_MORE
+            assert got.saving == pytest.approx(p * 0.01) and got.cost == pytest.approx(0.01)
+    assert not flat.decide(0.0, 1, 8).start                            # no chance: nothing to save
+
+
+@pytest.mark.parametrize("a, c", [(0.02, 0.001), (0.005, 0.002), (0.1, 0.0001), (0.0, 0.003)])
+def test_a_fixed_cost_per_step_speculates_exactly_while_p_times_a_over_n_plus_c_exceeds_c(a, c):
+    """step(b) = a + c b: a branch's token saves p (a + c n) / n at the next depth's batch n and costs
+    c per step it runs (the module's rule, re-derived here for this curve)."""
+    ctl = SpeculationController(affine(a, c))
+    for p in (0.1, 0.25, 0.5, 0.75, 1.0):
+        for n in (1, 2, 8, 64):
+            for running in (1, 4, 32):
+                want = p * (a / n + c) > c * (1 + 1e-9) + 1e-15
+                got = ctl.decide(p, running, n)
+                assert got.start == want, (p, n, running)
+                assert got.reason == (STARTED if want else COSTS_MORE)
+
+
+def test_without_a_curve_nothing_starts_and_the_reason_says_so():
+    got = SpeculationController(None).decide(1.0, 1, 8)
+    assert (got.start, got.reason) == (False, NO_CURVE)
+    with pytest.raises(ValueError, match=r"take_chance must lie in \[0, 1\], got 1.5"):
+        SpeculationController(FLAT).decide(1.5, 1, 8)
+
+
+def test_branches_stop_at_the_barrier_only_where_the_verifier_shares_a_device_rows_cost_time_on():
+    assert not SpeculationController(THROUGH_ORIGIN).stop_at_barrier()          # the PRM elsewhere
+    assert SpeculationController(THROUGH_ORIGIN, verifier_shares_device=True).stop_at_barrier()
+    assert not SpeculationController(FLAT, verifier_shares_device=True).stop_at_barrier()
+    assert SpeculationController(None, verifier_shares_device=True).stop_at_barrier()   # unknown: stop
+    assert SPECULATION_PRESETS["auto"] == Speculation(controlled=True)
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_a_controlled_search_keeps_the_plain_searchs_beams_whatever_it_decides(program):
+    """The same trajectories and answers as the plain search on the heavy-tailed scripted program:
+    speculating on a flat curve (branches started and reused), standing down on a curve through the
+    origin and without a curve (nothing speculative generated, every branch declined with its
+    reason), and stopping running branches at the barrier where the verifier shares the device."""
+    started = stopped = 0
+    for q in QUESTIONS:
+        plain, _, _ = run(program, q, **SETTINGS)
+        flat, _, backend = run(program, q, speculative=Speculation(controlled=True, curve=FLAT), **SETTINGS)
+        assert kept(flat) == kept(plain) and flat.answers == plain.answers and backend.running() == 0
+        assert flat.branches_declined == 0 and flat.stood_down == {}
+        assert plain.tokens_generated == flat.tokens_normal + flat.tokens_reused
+        started += flat.branches_started
+        for policy, reason in ((Speculation(controlled=True, curve=THROUGH_ORIGIN), COSTS_MORE), ("auto", NO_CURVE)):
+            got, _, backend = run(program, q, speculative=policy, **SETTINGS)
+            assert kept(got) == kept(plain) and got.answers == plain.answers and backend.running() == 0
+            assert got.tokens_speculative == 0 and got.branches_started == 0
+            assert got.branches_declined > 0 and got.stood_down == {reason: got.branches_declined}
+            assert got.tokens_generated == plain.tokens_generated
+        # flat up to 4 rows, then every row costs: speculates at this search's small batches, and
+        # the verifier shares the device, so what still runs at a barrier is stopped
+        knee = DecodeCurve.of([(1, 0.02), (4, 0.02), (64, 0.62)])
+        shared = Speculation(controlled=True, curve=knee, verifier_shares_device=True)
+        got, _, backend = run(program, q, speculative=shared, **SETTINGS)
+        assert kept(got) == kept(plain) and got.answers == plain.answers and backend.running() == 0
+        assert plain.tokens_generated == got.tokens_normal + got.tokens_reused
+        stopped += got.branches_stopped
+    assert started > 0 and stopped > 0

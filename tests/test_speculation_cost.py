@@ -10,7 +10,7 @@ from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.search.pipeline import SPECULATION_PRESETS, Speculation
 from sgl_tts.search.speculation_cost import (COSTS_MORE, NO_CURVE, STARTED, DecodeCurve,
-                                              SpeculationController)
+                                              SpeculationController, TakeOverChance)
 from test_speculation import QUESTIONS, SETTINGS, kept, run
 
 FLAT = DecodeCurve.of([(1, 0.02), (64, 0.02)])            # memory-bound: a row costs nothing
@@ -38,6 +38,16 @@ def test_a_curve_interpolates_between_its_points_and_extends_its_last_slope():
         DecodeCurve.of([(1, 0.0)])
 
 
+def test_a_curve_is_read_off_a_measured_cpu_profile_at_one_context():
+    from sgl_tts.launch.cpu_profile import CpuProfile
+
+    prof = CpuProfile("tiny", "key", "machine", "cpu", 2, "0.5.15", "2026-11-27", {}, (1, 4, 16), (128, 512), 16,
+                      ((0.1, 0.4), (0.4, 1.6), (1.6, 6.4)), ((0.010, 0.012), (0.016, 0.024), (0.040, 0.072)))
+    curve = DecodeCurve.from_profile(prof, 320)   # halfway between the contexts
+    assert curve.points == ((1, pytest.approx(0.011)), (4, pytest.approx(0.020)), (16, pytest.approx(0.056)))
+    assert SpeculationController(curve).decide(0.5, 4, 8).reason == COSTS_MORE   # 0.5 * 0.032 / 8 = 0.002 < 0.003
+
+
 def test_a_flat_curve_speculates_a_curve_through_the_origin_never():
     flat, linear = SpeculationController(FLAT), SpeculationController(THROUGH_ORIGIN)
     for p in (0.01, 0.25, 0.5, 1.0):
@@ -62,6 +72,17 @@ def test_a_fixed_cost_per_step_speculates_exactly_while_p_times_a_over_n_plus_c_
                 got = ctl.decide(p, running, n)
                 assert got.start == want, (p, n, running)
                 assert got.reason == (STARTED if want else COSTS_MORE)
+
+
+def test_the_take_over_chance_starts_at_selectspecs_reading_and_learns_each_bins_keep_rate():
+    chance = TakeOverChance(4)
+    assert [chance.chance(m) for m in (1, 2, 4)] == [0.25, 0.5, 1.0]   # nothing seen: potential / bins
+    for potential, kept in ((4, True), (4, False), (1, False), (1, False)):
+        chance.observe(potential, kept)
+    # (kept + base) / (seen + 1), base = 1 kept of 4 seen
+    assert chance.chance(4) == pytest.approx((1 + 0.25) / 3)
+    assert chance.chance(1) == pytest.approx(0.25 / 3)
+    assert chance.chance(2) == pytest.approx(0.25)                      # unseen: the overall rate
 
 
 def test_without_a_curve_nothing_starts_and_the_reason_says_so():

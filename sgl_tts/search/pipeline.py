@@ -50,7 +50,7 @@ from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
                             aggregate, is_final, read_step)
-from sgl_tts.search.speculation_cost import DecodeCurve, SpeculationController
+from sgl_tts.search.speculation_cost import DecodeCurve, SpeculationController, TakeOverChance
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +287,7 @@ class StepPipeline:
         self.bins = (speculation.bins if speculation and speculation.bins else bins)
         self.controller = (SpeculationController(speculation.curve, verifier_shares_device=speculation.verifier_shares_device)
                            if speculation and speculation.controlled else None)
+        self._take_over = TakeOverChance(self.bins)             # learned from this search's selections
         self.seed = seed
         self.costs = Costs()
         self.t0 = time.perf_counter() if t0 is None else t0   # trajectories' times count from here
@@ -417,7 +418,7 @@ class StepPipeline:
         while free > 0 and self._queue:
             potential, j, _, c, depth, limit = heapq.heappop(self._queue)
             if self.controller is not None:
-                decision = self.controller.decide(min(1.0, -potential / self.bins), running, next_batch)
+                decision = self.controller.decide(self._take_over.chance(-potential), running, next_batch)
                 if not decision.start:
                     self.costs.branches_declined += 1
                     self.costs.stood_down[decision.reason] = self.costs.stood_down.get(decision.reason, 0) + 1
@@ -514,6 +515,9 @@ class StepPipeline:
         branch 0. Every other branch of this depth is aborted; every candidate state retires."""
         beams: list[Beam] = []
         adopted: list[int] = []
+        chosen = {c.index for c, _ in kept}
+        for c in self._current:   # what the controller's take-over chances learn from
+            self._take_over.observe(speculative_potential(c.beam.prior, self.bins), c.index in chosen)
         for c, children in kept:
             brs = self._branches.pop(c.index, [])
             closes = not c.grown.continues

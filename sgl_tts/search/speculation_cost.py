@@ -23,9 +23,9 @@ may be taken; a curve through the origin (``step(b) = c * b``: every row costs `
 (``p * c > c`` needs ``p > 1``); a fixed cost per step (``step(b) = a + c * b``) speculates while
 ``p * (a / n + c) > c``. A tie does not start: the rule is meant never to lose.
 
-``p``: the chance the branch's beam is kept and its child takes it over. SelectSpec's bins give the
-branch count from the parent's score; this module takes ``p`` from the caller
-(:class:`sgl_tts.search.pipeline.StepPipeline` uses the potential over the bins).
+``p``: the chance the branch's beam is kept (its child then takes it over). SelectSpec's bins give
+the branch count from the parent's score; :class:`TakeOverChance` learns the keep rate of each bin
+from the search's own selections (before the first, the potential over the bins).
 
 What it does not know yet (issue 33 goes on): the curve is given, not measured from the live server;
 ``b`` is the search's own rows in flight, not the server's whole batch; the verifier's slowdown when it
@@ -67,6 +67,13 @@ class DecodeCurve:
     def of(cls, points: Sequence[tuple[int, float]]) -> "DecodeCurve":
         return cls(tuple(points))
 
+    @classmethod
+    def from_profile(cls, profile, context: float) -> "DecodeCurve":
+        """The curve of a measured cost profile (a :class:`sgl_tts.launch.cpu_profile.CpuProfile`, or
+        anything with ``batches`` and ``decode_step(batch, cached)``) at ``context`` cached tokens
+        per request: the profile's decode steps at its batch sizes."""
+        return cls(tuple((b, profile.decode_step(b, context)) for b in profile.batches))
+
     def step(self, batch: float) -> float:
         """Seconds of one decode step at ``batch`` running requests."""
         pts = self.points
@@ -84,6 +91,29 @@ class DecodeCurve:
         """A request's share of a decode step at ``batch``: ``step(batch) / batch``."""
         batch = max(1, batch)
         return self.step(batch) / batch
+
+
+class TakeOverChance:
+    """The chance that a branch is taken over, by its beam's speculative potential (SelectSpec's
+    bin), learned from the search's own selections: ``(kept + base) / (seen + 1)`` over the
+    candidates of that potential seen so far, ``base`` the keep rate of all candidates so far (before
+    any selection: the potential over the bins, SelectSpec's own reading). A branch is taken over
+    exactly when its beam is kept (a kept beam has a child for each of its branches)."""
+
+    def __init__(self, bins: int):
+        self.bins = max(1, bins)
+        self._seen: dict[int, int] = {}
+        self._kept: dict[int, int] = {}
+
+    def observe(self, potential: int, kept: bool) -> None:
+        """One candidate of this ``potential`` was (or was not) kept at selection."""
+        self._seen[potential] = self._seen.get(potential, 0) + 1
+        self._kept[potential] = self._kept.get(potential, 0) + int(kept)
+
+    def chance(self, potential: int) -> float:
+        seen_all = sum(self._seen.values())
+        base = sum(self._kept.values()) / seen_all if seen_all else min(1.0, potential / self.bins)
+        return (self._kept.get(potential, 0) + base) / (self._seen.get(potential, 0) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,4 +164,5 @@ class SpeculationController:
         return self.curve is None or any(self.curve.marginal(b) > 0 for b, _ in self.curve.points)
 
 
-__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "STARTED", "SpeculationController"]
+__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "STARTED", "SpeculationController",
+           "TakeOverChance"]

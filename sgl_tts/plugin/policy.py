@@ -300,9 +300,8 @@ class TTSPolicyState:
         others (new, back, re-classed) go through :meth:`info`, which checks their output length."""
         ids = list(map(id, queue))
         infos = list(map(self._known.get, ids))
-        if any(map(operator.is_, infos, itertools.repeat(None))):
-            for i in itertools.compress(range(len(queue)), map(operator.is_, infos, itertools.repeat(None))):
-                infos[i] = self.info(queue[i])
+        for i in itertools.compress(range(len(queue)), map(operator.is_, infos, itertools.repeat(None))):
+            infos[i] = self.info(queue[i])
         return infos, ids
 
     def forget(self, req: Any) -> None:

@@ -409,7 +409,7 @@ class StepPipeline:
             heapq.heappush(self._queue, (-count, j, self._queued, c, depth, limit))
             self._queued += 1
 
-    def _fill(self, free: int, running: int = 0, next_batch: int = 1) -> None:
+    def _fill(self, free: int, running: int, next_batch: int) -> None:
         """Start queued branches in the ``free`` slots (FlashTTS keeps the batch at its size: a slot a
         finished step frees goes to the branches of the beams with the highest potential, a beam's
         branches in child order). Under a controller, a branch starts only if it pays at ``running``
@@ -515,9 +515,10 @@ class StepPipeline:
         branch 0. Every other branch of this depth is aborted; every candidate state retires."""
         beams: list[Beam] = []
         adopted: list[int] = []
-        chosen = {c.index for c, _ in kept}
-        for c in self._current:   # what the controller's take-over chances learn from
-            self._take_over.observe(speculative_potential(c.beam.prior, self.bins), c.index in chosen)
+        if self.controller is not None:   # what the controller's take-over chances learn from
+            chosen = {c.index for c, _ in kept}
+            for c in self._current:
+                self._take_over.observe(speculative_potential(c.beam.prior, self.bins), c.index in chosen)
         for c, children in kept:
             brs = self._branches.pop(c.index, [])
             closes = not c.grown.continues

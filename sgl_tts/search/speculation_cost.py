@@ -39,7 +39,7 @@ import bisect
 import dataclasses
 from typing import Sequence
 
-#: why a branch was not started (``SearchResult.stood_down`` counts them)
+#: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started)
 COSTS_MORE = "costs more than it saves"
 NO_CURVE = "no measured decode curve"
 STARTED = "saves more than it costs"

@@ -129,6 +129,9 @@ def test_10000_requests_aborted_group_by_group_all_answer_and_leave_nothing(live
         print(f"\npy-spy could not sample the scheduler ({spy}): the scheduler-cost check is skipped")
     print(f"\nscheduler in Scheduler.abort_request: {spy['in_abort_request_s']} s of {spy['sampled_s']} s "
           f"sampled (one AbortReq per request: {per_request_first_group:.2f} s for the first group)")
+    if flight.resent:
+        print(f"{len(flight.resent)} requests were reset before the server accepted them and sent again, "
+              f"e.g. {flight.resent[:3]}")
     print(f"10,000 requests in {elapsed:.0f} s (queued in {stages['queue']:.0f} s, {GROUPS} group aborts "
           f"in {stages['aborts']:.0f} s): {counts}; per group (s): "
           + ", ".join(f"{r['all_answered_s']:.2f}" for r in rows))

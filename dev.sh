@@ -56,6 +56,27 @@ build_env() {
   log "environment ready"
 }
 
+# Installed by the pins but left out: jsonschema imports rfc3987-syntax only inside
+# suppress(ImportError) (IRI format checks, which nothing here asks for; jupyter-events pulls it in),
+# and building its Lark grammar at import cost every SGLang process 4.3 s of CPU on this 2-core
+# machine (-X importtime, 2026-11-27): a live server is three such processes. Removed from an
+# environment built before this list too (the venv key hashes only the pins).
+PRUNE=(rfc3987-syntax)
+
+prune_env() {
+  local name dir
+  for name in "${PRUNE[@]}"; do
+    dir=$(compgen -G "$venv/lib/python*/site-packages/${name//-/_}-*.dist-info" || true)
+    [[ -n "$dir" ]] || continue
+    exec 8>"$cache/.lock-$key"
+    flock 8
+    if compgen -G "$venv/lib/python*/site-packages/${name//-/_}-*.dist-info" >/dev/null; then
+      pip_clean uninstall -q -y "$name" >&2
+    fi
+    exec 8>&-
+  done
+}
+
 install_project() {
   # Editable install of this clone (for the `sgl-tts` script and entry points); skipped when the
   # environment already points here and pyproject.toml is unchanged.
@@ -74,6 +95,7 @@ install_project() {
 }
 
 [[ -f "$venv/.complete" ]] || build_env
+prune_env
 install_project
 
 cmd=${1:-}

@@ -36,6 +36,18 @@ def test_pins_are_the_ones_installed_and_the_lock_covers_pyproject():
     assert transformers.__version__ == "5.12.1"
 
 
+def test_the_environment_leaves_out_what_every_sglang_process_would_pay_for():
+    # dev.sh's PRUNE: jsonschema (what pulls it in) works without it, and an SGLang import no longer
+    # builds its grammar
+    import importlib.util
+
+    import jsonschema
+
+    assert importlib.util.find_spec("rfc3987_syntax") is None
+    assert "iri" not in jsonschema.FormatChecker().checkers
+    jsonschema.validate({"a": 1}, {"type": "object"}, format_checker=jsonschema.FormatChecker())
+
+
 def test_readme_main_command_compares_the_methods(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"

@@ -134,7 +134,9 @@ def _tree(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     """Beam search's and DVTS's shared arguments."""
     out = dict(_common(cfg, question), prm=prm, num_beams=cfg.n, beam_width=cfg.beam_width,
                max_depth=cfg.max_depth, step_tokens=_steps(cfg), aggregation=cfg.aggregation)
-    if cfg.speculative != "off":
+    if cfg.speculative == "auto":
+        out.update(speculative=cfg.auto_speculation())
+    elif cfg.speculative != "off":
         out.update(speculative=cfg.speculative)
     if cfg.overlap_verification:
         out.update(overlap_verification=True)

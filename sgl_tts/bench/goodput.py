@@ -50,55 +50,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgl_tts.backends.endpoint import SGLangEndpoint
+from sgl_tts.bench.sides import (ALL_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES,  # noqa: F401
+                                 is_stock, run_config, side_curve)
 from sgl_tts.bench.trace import StepTrace
 from sgl_tts.frontend import end_stream_executors
 from sgl_tts.search import STEP_DELIMITER, SearchTag
 
 logger = logging.getLogger(__name__)
-
-SIDES = ("stock", "sgl-tts")   # the default sides
-# The stock sides: SGLang's own scheduling (the plugin observe-only), under each scheduling policy a user would try for prefix
-# reuse before a plugin (issue 32): its default (fcfs), lpm (longest prefix match first) and
-# dfs-weight (a depth-first walk of the radix tree, weighted by waiting requests). None: SGLang's default.
-STOCK_POLICIES: dict[str, str | None] = {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight"}
-# Each side's run settings (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
-# "sgl-tts"), then speculative beam extension (exact mode), then LookAhead verification, then
-# overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program's
-# settings differ, given as :class:`~sgl_tts.experiment.RunConfig` fields (the registry maps them).
-SIDE_OPTIONS: dict[str, dict[str, Any]] = {
-    "stock": {},
-    "stock-lpm": {},
-    "stock-dfs-weight": {},
-    "sgl-tts": {},
-    "sgl-tts+spec": {"speculative": "exact-no-lookahead"},
-    "sgl-tts+spec+lookahead": {"speculative": "exact"},
-    "sgl-tts+spec+lookahead+overlap": {"speculative": "exact", "overlap_verification": True},
-    "sgl-tts+locality": {},
-}
-# The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
-# unless named here; a side named here runs that policy on both servers (the PRM's queue and radix
-# cache are under the same pressure as the generator's, issue 32).
-SERVER_POLICIES: dict[str, str] = {"sgl-tts+locality": "locality"}
-ALL_SIDES = tuple(SIDE_OPTIONS)
-
-
-def is_stock(side: str) -> bool:
-    """A side on stock SGLang's servers (no scheduling plugin: sgl-tts observe-only), as opposed to
-    the sgl-tts servers."""
-    return side in STOCK_POLICIES
-
-
-def run_config(side: str, algorithm: str, n: int, settings: "BenchSettings", trace: StepTrace):
-    """``sgl-tts run``'s settings for one side's searches of ``algorithm`` at budget ``n``: the program's
-    arguments come from its registry record, as ``sgl-tts run`` gives them."""
-    from sgl_tts.experiment import RunConfig
-
-    cfg = RunConfig(program=algorithm, n=n, beam_width=settings.beam_width, max_depth=trace.max_depth,
-                    step_tokens=[trace.max_tokens], temperature=settings.temperature, seed=settings.seed,
-                    progress=False, **SIDE_OPTIONS[side])
-    cfg.validate()
-    return cfg
-
 
 ALGORITHMS = ("beam_search", "dvts")
 DEFAULT_N = (8, 16, 32, 64, 128, 256, 512)
@@ -391,6 +349,16 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         configs = {(a, n): run_config(side, a, n, settings, trace) for a in settings.algorithms for n in settings.n}
     except RunError as exc:
         raise BenchError(f"side {side}: {exc}") from None
+    if SIDE_OPTIONS[side].get("speculative") == "auto":   # its decode curve, before the first search
+        from sgl_tts.launch.cpu_profile import ProfileError
+
+        try:
+            measured = side_curve(generator_url, settings, trace)
+        except ProfileError as exc:
+            raise BenchError(f"side {side}: its decode curve: {exc}") from None
+        write({"kind": "curve", "side": side, "points": [list(p) for p in measured.curve.points],
+               "context": measured.context, "date": measured.date, "path": measured.path})
+        configs = {k: dataclasses.replace(c, speculation_curve=measured.path) for k, c in configs.items()}
     registry = StepRegistry()
     gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
                         tokenizer_path=generator_tokenizer, banned_token_ids=settings.banned_token_ids)
@@ -432,6 +400,8 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                "waited_generating": result.seconds_generating, "waited_verifying": result.seconds_verifying,
                "tokens_generated": int(result.tokens_generated), "tokens_kept": int(result.tokens_kept),
                "tokens_speculative": int(result.tokens_speculative), "tokens_reused": int(result.tokens_reused),
+               "branches": {"started": result.branches_started, "declined": result.branches_declined,
+                            "stopped": result.branches_stopped, "stood_down": dict(result.stood_down)},
                "prm_requests": int(result.prm_requests),
                "trajectories": len(result.trajectories),
                "trajectory_tokens": sum(t.tokens for t in result.trajectories),

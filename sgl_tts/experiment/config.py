@@ -63,8 +63,13 @@ class RunConfig:
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
             with LookAhead verification (see :mod:`sgl_tts.search.pipeline`); ``exact-no-lookahead``:
             exact, without LookAhead verification; ``auto``: exact, each branch started only where a
-            measured decode curve says it pays (:mod:`sgl_tts.search.speculation_cost`; a config
-            carries no curve yet, so ``auto`` here starts none and reports why).
+            measured decode curve says it pays (:mod:`sgl_tts.search.speculation_cost`).
+        speculation_curve: ``auto``'s decode curve: ``measure`` (the generator server's, measured when
+            the run starts and cached per server: :mod:`sgl_tts.launch.decode_curve`; a CPU backend
+            has none, so no branch starts), ``none``, or a JSON file with ``points: [[batch, seconds],
+            ...]``.
+        verifier_shares_device: ``auto`` stops running branches at a depth's barrier when the PRM
+            shares the generator's device: ``yes``, ``no`` or ``auto`` (both on one host).
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         accept_threshold: beam search positive early exit: stop after the first depth at which a
             finished trajectory scores at least this (``None``: off).
@@ -115,6 +120,8 @@ class RunConfig:
     sort_completed: bool = False
     speculative: str = "off"
     overlap_verification: bool = False
+    speculation_curve: str = "measure"
+    verifier_shares_device: str = "auto"
     accept_threshold: float | None = None
     parallel: int = 1
     c_puct: float = 1.0
@@ -142,7 +149,8 @@ class RunConfig:
     # Settings that do not change any result (a run may resume under different values of these). The
     # dataset's path is one: a resumed run checks each written problem's question instead.
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
-        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine")
+        "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine",
+        "speculation_curve", "verifier_shares_device")
     # Settings added after runs were written: at their default they stay out of the run key, so an
     # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too:
     # beam search's semantics, filter_duplicates, sort_completed and accept_threshold, MCTS's settings.
@@ -151,7 +159,7 @@ class RunConfig:
         "speculative": "off", "overlap_verification": False}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).
     SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
-        "speculative": ("off", "exact", "exact-no-lookahead"), "overlap_verification": (False, True)}
+        "speculative": ("off", "exact", "exact-no-lookahead", "auto"), "overlap_verification": (False, True)}
 
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
@@ -197,6 +205,20 @@ class RunConfig:
         if (self.speculative != "off" or self.overlap_verification) and self.program not in ("beam_search", "dvts"):
             bad("speculative and overlap_verification are settings of beam_search and dvts",
                 "speculative", "overlap_verification", "program")
+        if self.verifier_shares_device not in ("auto", "yes", "no"):
+            bad(f"verifier_shares_device must be auto, yes or no, got {self.verifier_shares_device!r}",
+                "verifier_shares_device")
+        if (self.speculation_curve, self.verifier_shares_device) != ("measure", "auto") and self.speculative != "auto":
+            bad("speculation_curve and verifier_shares_device are settings of speculative: auto",
+                "speculation_curve", "verifier_shares_device", "speculative")
+        if self.speculation_curve not in ("measure", "none"):
+            from sgl_tts.search.speculation_cost import DecodeCurve
+
+            try:
+                DecodeCurve.load(self.speculation_curve)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                bad(f"speculation_curve {self.speculation_curve!r}: not a decode curve file ({exc}); "
+                    "give measure, none or a JSON file with points: [[batch, seconds], ...]", "speculation_curve")
         others: dict[str, list[str]] = {}   # another program's own settings, off their defaults
         for k, (owner, default) in registry.own_settings().items():
             if owner != self.program and getattr(self, k) != default:
@@ -241,9 +263,40 @@ class RunConfig:
             fields["seeds"] = SEED_SCHEME
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
+    @property
+    def shares_device(self) -> bool:
+        """Whether the PRM runs on the generator's device (``verifier_shares_device``; ``auto``: both
+        served from one host, a CPU backend being this one)."""
+        if self.verifier_shares_device != "auto":
+            return self.verifier_shares_device == "yes"
+        return _host(self.generator) == _host(self.prm)
+
+    def auto_speculation(self):
+        """``speculative: auto`` as the programs' policy: exact speculation under the cost controller,
+        on the curve of ``speculation_curve`` (``measure`` left unresolved, or ``none``: no curve, so
+        nothing starts and the searches say why)."""
+        from sgl_tts.search.pipeline import Speculation
+        from sgl_tts.search.speculation_cost import DecodeCurve
+
+        curve = None if self.speculation_curve in ("measure", "none") else DecodeCurve.load(self.speculation_curve)
+        return Speculation(controlled=True, curve=curve, verifier_shares_device=self.shares_device)
+
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
         """The keyword arguments of the chosen program for one question (its registry record's)."""
         return registry.program(self.program).arguments(self, question, prm)
+
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+
+
+def _host(where: str | None) -> str:
+    """The host serving a model: a URL's host (this machine's names as one), else this machine."""
+    if where and "://" in where:
+        from urllib.parse import urlsplit
+
+        host = urlsplit(where).hostname or ""
+        return "local" if host in _LOCAL_HOSTS else host
+    return "local"
 
 
 SEED_SCHEME = "depth-parent-ordinal"

@@ -3,6 +3,7 @@ append each result as it finishes, summarise (the command line: :mod:`sgl_tts.cl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -60,6 +61,28 @@ def check_prm(prm, question: str, where: str) -> None:
                        f"--prm-kind and that its server is up") from exc
 
 
+def with_decode_curve(cfg: RunConfig, stream=sys.stdout) -> RunConfig:
+    """``cfg`` with ``speculation_curve: measure`` resolved: the generator server's decode curve
+    (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server), by its file. A
+    generator that is not a server (the CPU backend) has none: ``auto`` then starts no branch."""
+    if cfg.speculative != "auto" or cfg.speculation_curve != "measure":
+        return cfg
+    if not (cfg.generator and "://" in cfg.generator):
+        logger.warning("speculative: auto has no server to measure a decode curve on (the generator is %s): "
+                       "no speculative branch will start", cfg.generator or "the CPU backend")
+        return cfg
+    from sgl_tts.launch.cpu_profile import ProfileError
+    from sgl_tts.launch.decode_curve import curve_for_server
+
+    try:
+        measured = curve_for_server(cfg.generator)
+    except ProfileError as exc:
+        raise RunError(f"speculative: auto: {exc}", ("speculation_curve",)) from None
+    print(f"decode curve of {cfg.generator} ({measured.date}, {measured.path}): "
+          + ", ".join(f"batch {b}: {1e3 * t:.1f} ms" for b, t in measured.curve.points), file=stream)
+    return dataclasses.replace(cfg, speculation_curve=str(measured.path))
+
+
 def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple[Summary, list[dict]]:
     """Run ``cfg`` and return its summary and every record in the output (old and new).
 
@@ -68,6 +91,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
     """
     from sgl_tts.search.runner import run_continuously
 
+    cfg = with_decode_curve(cfg, stream)
     problems = read_problems(cfg.problems, cfg.limit)
     out_path = Path(cfg.output)
     done = read_results(out_path, cfg.run_key(), problems)

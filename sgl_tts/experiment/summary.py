@@ -35,6 +35,8 @@ class Summary:
     seconds_generating: float = 0.0  # summed over problems: waiting for steps (step-wise searches)
     seconds_verifying: float = 0.0   # waiting for scores once a depth's last step ended
     exits: dict[str, int] = dataclasses.field(default_factory=dict)   # MCTS: problems per exit reason
+    # speculative branches (speculative: auto): started, declined (by reason), stopped at a barrier
+    branches: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
@@ -66,6 +68,11 @@ class Summary:
         if self.seconds_generating or self.seconds_verifying:
             lines.append(f"waiting per problem: generator {self.seconds_generating / max(1, self.problems):.2f} s, "
                          f"verifier {self.seconds_verifying / max(1, self.problems):.2f} s")
+        if self.branches:
+            b = self.branches
+            lines.append(f"speculative branches: {b['started']} started, {b['stopped']} stopped at a barrier, "
+                         f"{b['declined']} not started ("
+                         + (", ".join(f"{why}: {k}" for why, k in sorted(b["stood_down"].items())) or "-") + ")")
         if self.exits:
             lines.append("exits: " + ", ".join(f"{k} {v}" for k, v in sorted(self.exits.items())))
         return "\n".join(lines)
@@ -114,7 +121,19 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
         tokens_reused=sum(r.get("tokens_reused", 0) for r in records),
         seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),
         seconds_verifying=sum(r.get("seconds_verifying", 0.0) for r in records),
-        exits=dict(collections.Counter(r["exit_reason"] for r in records if "exit_reason" in r)))
+        exits=dict(collections.Counter(r["exit_reason"] for r in records if "exit_reason" in r)),
+        branches=_branches([r["branches"] for r in records if "branches" in r]))
+
+
+def _branches(per_problem: Sequence[dict]) -> dict[str, Any]:
+    """The speculative branches of every problem, summed (empty when none speculated)."""
+    if not per_problem:
+        return {}
+    reasons: collections.Counter = collections.Counter()
+    for b in per_problem:
+        reasons.update(b.get("stood_down", {}))
+    return {k: sum(b.get(k, 0) for b in per_problem) for k in ("started", "declined", "stopped")} | {
+        "stood_down": dict(reasons)}
 
 
 def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathLike, title: str) -> Path:

@@ -27,16 +27,20 @@ may be taken; a curve through the origin (``step(b) = c * b``: every row costs `
 the branch count from the parent's score; :class:`TakeOverChance` learns the keep rate of each bin
 from the search's own selections (before the first, the potential over the bins).
 
-What it does not know yet (issue 33 goes on): the curve is given, not measured from the live server;
-``b`` is the search's own rows in flight, not the server's whole batch; the verifier's slowdown when it
-shares the device is a yes/no (``verifier_shares_device``: branches still running at the barrier are
-stopped), not a measured cost.
+The curve is measured on the generator's own server (:mod:`sgl_tts.launch.decode_curve`; ``sgl-tts
+run --speculative auto`` does it when the run starts). What it does not know yet: ``b`` is the
+search's own rows in flight, not the server's whole batch; the verifier's slowdown when it shares the
+device is a yes/no (``verifier_shares_device``: branches still running at the barrier are stopped),
+not a measured cost.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import json
+import os
 from typing import Sequence
 
 #: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started)
@@ -74,6 +78,13 @@ class DecodeCurve:
         per request: the profile's decode steps at its batch sizes."""
         return cls(tuple((b, profile.decode_step(b, context)) for b in profile.batches))
 
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "DecodeCurve":
+        """The curve of a JSON file with ``points: [[batch, seconds], ...]`` (what
+        :mod:`sgl_tts.launch.decode_curve` caches); read once per file version."""
+        st = os.stat(path)
+        return _load(os.fspath(path), st.st_mtime_ns, st.st_size)
+
     def step(self, batch: float) -> float:
         """Seconds of one decode step at ``batch`` running requests."""
         pts = self.points
@@ -91,6 +102,12 @@ class DecodeCurve:
         """A request's share of a decode step at ``batch``: ``step(batch) / batch``."""
         batch = max(1, batch)
         return self.step(batch) / batch
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: str, mtime_ns: int, size: int) -> DecodeCurve:
+    with open(path, encoding="utf-8") as fh:
+        return DecodeCurve.of([tuple(p) for p in json.load(fh)["points"]])
 
 
 class TakeOverChance:

@@ -1,0 +1,69 @@
+"""What each side of ``sgl-tts bench`` runs: the stock sides (SGLang's own scheduling policies), the
+sgl-tts sides (the plugin, and the program settings of the speculation ablation), each side's
+``sgl-tts run`` settings, and the decode curve an ``auto`` side decides on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sgl_tts.bench.goodput import BenchSettings
+    from sgl_tts.bench.trace import StepTrace
+    from sgl_tts.launch.decode_curve import MeasuredCurve
+
+SIDES = ("stock", "sgl-tts")   # the default sides
+# The stock sides: SGLang's own scheduling (the plugin observe-only), under each scheduling policy a user would try for prefix
+# reuse before a plugin (issue 32): its default (fcfs), lpm (longest prefix match first) and
+# dfs-weight (a depth-first walk of the radix tree, weighted by waiting requests). None: SGLang's default.
+STOCK_POLICIES: dict[str, str | None] = {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight"}
+# Each side's run settings (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
+# "sgl-tts"), then speculative beam extension (exact mode), then LookAhead verification, then
+# overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program's
+# settings differ, given as :class:`~sgl_tts.experiment.RunConfig` fields (the registry maps them).
+SIDE_OPTIONS: dict[str, dict[str, Any]] = {
+    "stock": {},
+    "stock-lpm": {},
+    "stock-dfs-weight": {},
+    "sgl-tts": {},
+    "sgl-tts+spec": {"speculative": "exact-no-lookahead"},
+    "sgl-tts+spec+lookahead": {"speculative": "exact"},
+    "sgl-tts+spec+lookahead+overlap": {"speculative": "exact", "overlap_verification": True},
+    "sgl-tts+locality": {},
+    # exact speculation under the cost controller (issue 33), on the generator's measured decode curve
+    "sgl-tts+auto": {"speculative": "auto"},
+}
+# The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
+# unless named here; a side named here runs that policy on both servers (the PRM's queue and radix
+# cache are under the same pressure as the generator's, issue 32).
+SERVER_POLICIES: dict[str, str] = {"sgl-tts+locality": "locality"}
+ALL_SIDES = tuple(SIDE_OPTIONS)
+
+
+def is_stock(side: str) -> bool:
+    """A side on stock SGLang's servers (no scheduling plugin: sgl-tts observe-only), as opposed to
+    the sgl-tts servers."""
+    return side in STOCK_POLICIES
+
+
+def run_config(side: str, algorithm: str, n: int, settings: "BenchSettings", trace: "StepTrace"):
+    """``sgl-tts run``'s settings for one side's searches of ``algorithm`` at budget ``n``: the program's
+    arguments come from its registry record, as ``sgl-tts run`` gives them."""
+    from sgl_tts.experiment import RunConfig
+
+    cfg = RunConfig(program=algorithm, n=n, beam_width=settings.beam_width, max_depth=trace.max_depth,
+                    step_tokens=[trace.max_tokens], temperature=settings.temperature, seed=settings.seed,
+                    progress=False, **SIDE_OPTIONS[side])
+    cfg.validate()
+    return cfg
+
+
+def side_curve(generator_url: str, settings: "BenchSettings", trace: "StepTrace") -> "MeasuredCurve":
+    """``speculative: auto``'s decode curve for a side: the generator server's
+    (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server and machine) at a
+    search's mean context (the prompt and half the trace's depth of median steps)."""
+    from sgl_tts.launch.decode_curve import curve_for_server
+
+    context = int(settings.prompt_tokens + trace.median_tokens * trace.max_depth / 2)
+    if settings.context_tokens:
+        context = min(context, settings.context_tokens // 2)
+    return curve_for_server(generator_url, context=max(32, context))

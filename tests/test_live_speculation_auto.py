@@ -1,0 +1,68 @@
+"""``speculative: auto`` on the live CPU servers (issue 33): the generator's decode curve measured on
+its own server and cached, and ``sgl-tts run``'s beam search under the controller, which keeps
+exactly the plain search's trajectories. On this CPU a row costs time (the curve rises with the
+batch): auto stood down on every branch when measured (2026-11-27: 216 of 216 declined). That a
+controlled search keeps the plain search's beams while it does start branches is
+tests/test_speculation_cost.py's (scripted curves)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from sgl_tts.experiment import RunConfig, run
+from sgl_tts.launch.decode_curve import curve_for_server
+from sgl_tts.search.speculation_cost import COSTS_MORE
+
+pytestmark = pytest.mark.server
+
+
+def test_the_decode_curve_is_measured_on_the_server_and_then_read_from_the_cache(live, tmp_path):
+    url = live.url("generator")
+    first = curve_for_server(url, batches=(1, 4, 16), context=128, cache_dir=tmp_path)
+    assert [b for b, _ in first.curve.points] == [1, 4, 16] and all(s > 0 for _, s in first.curve.points)
+    # a CPU decode step grows with the batch: 16 rows take longer than 1
+    assert first.curve.step(16) > first.curve.step(1)
+    assert first.server["model_path"] == str(live.specs["generator"].model) and first.context == 128
+    saved = os.stat(first.path).st_mtime_ns
+    again = curve_for_server(url, batches=(1, 4, 16), context=128, cache_dir=tmp_path)
+    assert again == first and os.stat(first.path).st_mtime_ns == saved        # read, not measured
+    other = curve_for_server(url, batches=(1, 2), context=128, cache_dir=tmp_path)
+    assert other.path != first.path and [b for b, _ in other.curve.points] == [1, 2]
+    assert json.loads(open(first.path).read())["points"] == [list(p) for p in first.curve.points]
+
+
+def _trajectories(records):
+    return [[(t["steps"], t["step_scores"], t["answer"]) for t in r["trajectories"]] for r in records]
+
+
+def test_auto_keeps_the_plain_searchs_trajectories_and_stands_down_where_rows_cost_time(live, tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path / "cache"))   # the measured curve goes here
+    base = RunConfig(program="beam_search", n=8, beam_width=2, max_depth=10, limit=3, in_flight=3, seed=5,
+                     progress=False, generator=live.url("generator"), prm=live.url("prm"))
+    origin = tmp_path / "through-origin.json"   # every row costs 10 ms: never pays
+    origin.write_text(json.dumps({"points": [[1, 0.01], [64, 0.64]]}))
+    out = {}
+    for name, opts in (("plain", {}), ("measured", {"speculative": "auto"}),
+                       ("origin", {"speculative": "auto", "speculation_curve": str(origin)})):
+        _, records = run(dataclasses.replace(base, output=str(tmp_path / f"{name}.jsonl"), **opts))
+        out[name] = records
+    for name in ("measured", "origin"):
+        assert _trajectories(out[name]) == _trajectories(out["plain"]), name
+    assert all("branches" not in r for r in out["plain"])
+    # measure resolved to the server's curve, cached under SGLANG_TTS_CACHE
+    assert len(list((tmp_path / "cache" / "curves").glob("*.json"))) == 1
+    branches = {name: [r["branches"] for r in out[name]] for name in ("measured", "origin")}
+    origin_b = branches["origin"]
+    assert sum(b["started"] for b in origin_b) == 0 and sum(b["declined"] for b in origin_b) > 0
+    assert all(b["stood_down"] == {COSTS_MORE: b["declined"]} for b in origin_b)
+    # the measured CPU curve decided every branch on cost (a curve was there: none stood down for
+    # the want of one); how many it started depends on this machine's curve, so it is printed
+    measured = branches["measured"]
+    assert sum(b["started"] + b["declined"] for b in measured) > 0
+    assert all(set(b["stood_down"]) <= {COSTS_MORE} for b in measured)
+    print(f"\nmeasured CPU curve: {sum(b['started'] for b in measured)} branches started, "
+          f"{sum(b['declined'] for b in measured)} declined, {sum(b['stopped'] for b in measured)} stopped")

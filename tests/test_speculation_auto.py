@@ -1,0 +1,139 @@
+"""``speculative: auto`` as a run setting (issue 33, D1): the decode curve a run decides on (a file, or
+``measure``: the generator server's, cached per server), whether the verifier shares the device,
+the policy the programs get, and the branches every record and summary report. The curve measured
+on a live server is tests/test_live_speculation_auto.py's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from sgl_tts.experiment import RunConfig, RunError
+from sgl_tts.experiment.driver import with_decode_curve
+from sgl_tts.experiment.summary import summarize
+from sgl_tts.launch.decode_curve import MeasuredCurve, curve_key
+from sgl_tts.search.pipeline import Speculation
+from sgl_tts.search.speculation_cost import COSTS_MORE, NO_CURVE, DecodeCurve
+
+
+def _curve_file(tmp_path, points, name="curve.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"points": points}))
+    return str(path)
+
+
+def test_a_curve_file_is_read_and_read_again_once_rewritten(tmp_path):
+    path = _curve_file(tmp_path, [[1, 0.01], [8, 0.03]])
+    assert DecodeCurve.load(path).points == ((1, 0.01), (8, 0.03))
+    st = os.stat(path)
+    with open(path, "w") as fh:   # same size, later time: a new version of the file
+        json.dump({"points": [[1, 0.02], [8, 0.03]]}, fh)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert DecodeCurve.load(path).points == ((1, 0.02), (8, 0.03))
+    with pytest.raises(ValueError, match="must increase"):
+        DecodeCurve.load(_curve_file(tmp_path, [[8, 0.01], [1, 0.03]], "bad.json"))
+
+
+@pytest.mark.parametrize("settings, message, named", [
+    (dict(speculation_curve="none"), "settings of speculative: auto", "speculation_curve"),
+    (dict(verifier_shares_device="yes", speculative="exact"), "settings of speculative: auto", "verifier_shares_device"),
+    (dict(speculative="auto", verifier_shares_device="maybe"), "must be auto, yes or no, got 'maybe'",
+     "verifier_shares_device"),
+    (dict(speculative="auto", speculation_curve="/no/such/curve.json"), "not a decode curve file", "speculation_curve"),
+])
+def test_bad_auto_settings_are_refused_naming_the_setting(settings, message, named):
+    with pytest.raises(RunError, match=message) as err:
+        RunConfig(program="beam_search", n=4, beam_width=2, **settings).validate()
+    assert named in err.value.settings
+
+
+@pytest.mark.parametrize("generator, prm, shares", [
+    (None, None, True),                                                   # both CPU backends here
+    ("http://127.0.0.1:30000", "http://localhost:30001", True),          # one host, two names
+    ("http://gpu-a:30000", "http://gpu-a:30001", True),
+    ("http://gpu-a:30000", "http://gpu-b:30001", False),
+    ("http://gpu-a:30000", None, False),                                 # the PRM on this machine
+])
+def test_the_verifier_shares_the_device_when_both_are_served_from_one_host(generator, prm, shares):
+    cfg = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", generator=generator, prm=prm)
+    assert cfg.shares_device is shares
+    for given, want in (("yes", True), ("no", False)):
+        assert RunConfig(program="beam_search", speculative="auto", generator=generator, prm=prm,
+                         verifier_shares_device=given).shares_device is want
+
+
+def test_auto_gives_the_programs_the_controller_on_the_files_curve(tmp_path):
+    path = _curve_file(tmp_path, [[1, 0.01], [64, 0.2]])
+    cfg = RunConfig(program="dvts", n=8, beam_width=2, speculative="auto", speculation_curve=path,
+                    verifier_shares_device="no")
+    cfg.validate()
+    spec = cfg.program_arguments("1+1?", None)["speculative"]
+    assert spec == Speculation(controlled=True, curve=DecodeCurve.of([(1, 0.01), (64, 0.2)]),
+                               verifier_shares_device=False)
+    # unresolved (measure) or none: the controller with no curve, which starts nothing
+    for unresolved in ("measure", "none"):
+        got = RunConfig(program="dvts", n=8, beam_width=2, speculative="auto",
+                        speculation_curve=unresolved).program_arguments("1+1?", None)["speculative"]
+        assert got.controlled and got.curve is None and got.verifier_shares_device
+    # the other modes keep their names (the programs' presets)
+    assert RunConfig(program="dvts", n=8, beam_width=2, speculative="exact").program_arguments("q", None)[
+        "speculative"] == "exact"
+
+
+def test_the_curve_settings_leave_the_run_key_alone_and_auto_resumes_an_exact_run(tmp_path):
+    base = RunConfig(program="beam_search", n=4, beam_width=2)
+    auto = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto",
+                     speculation_curve=_curve_file(tmp_path, [[1, 0.01]]), verifier_shares_device="no")
+    assert auto.run_key() == base.run_key() == RunConfig(program="beam_search", n=4, beam_width=2,
+                                                          speculative="exact").run_key()
+    assert RunConfig(program="beam_search", n=4, beam_width=2, speculative="truncate").run_key() != base.run_key()
+
+
+def test_measure_is_resolved_only_for_auto_on_a_server(caplog):
+    plain = RunConfig(program="beam_search", n=4, beam_width=2, speculative="exact")
+    assert with_decode_curve(plain) is plain
+    cpu = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto")
+    with caplog.at_level(logging.WARNING, logger="sgl_tts.experiment.driver"):
+        assert with_decode_curve(cpu) is cpu
+    assert "no server to measure a decode curve on (the generator is the CPU backend)" in caplog.text
+    given = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", speculation_curve="none",
+                      generator="http://127.0.0.1:1")
+    assert with_decode_curve(given) is given   # a given curve (or none) is never measured
+    down = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", generator="http://127.0.0.1:1")
+    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info"):
+        with_decode_curve(down)
+
+
+def test_records_and_the_summary_report_the_branches():
+    def record(i, branches=None):
+        rec = {"index": i, "reference": None, "answer": "1", "answers": {"majority": "1"}, "subsampled": {},
+               "tokens_generated": 10, "tokens_kept": 5, "seconds": 1.0, "pass": True,
+               "trajectories": [{"tokens": 5, "seconds": 1.0, "answer": "1"}]}
+        if branches:
+            rec["branches"] = branches
+        return rec
+
+    records = [record(0, {"started": 3, "declined": 5, "stopped": 1, "stood_down": {COSTS_MORE: 5}}),
+               record(1, {"started": 0, "declined": 2, "stopped": 0, "stood_down": {COSTS_MORE: 1, NO_CURVE: 1}}),
+               record(2)]
+    s = summarize(records, 4, "beam_search")
+    assert s.branches == {"started": 3, "declined": 7, "stopped": 1, "stood_down": {COSTS_MORE: 6, NO_CURVE: 1}}
+    assert (f"speculative branches: 3 started, 1 stopped at a barrier, 7 not started "
+            f"({COSTS_MORE}: 6, {NO_CURVE}: 1)") in s.table()
+    assert summarize(records[2:], 4, "beam_search").branches == {}
+
+
+def test_a_measured_curve_round_trips_and_its_key_follows_the_server():
+    m = MeasuredCurve(DecodeCurve.of([(1, 0.01), (2, 0.012)]), {"model_path": "/m/gen", "max_total_tokens": 100},
+                      {"cpu": "x", "cores": 2, "sglang": "0.5.15"}, 256, 16, "2026-11-27")
+    assert MeasuredCurve.from_json(json.loads(json.dumps(m.to_json())), "p.json") == \
+        MeasuredCurve(m.curve, m.server, m.machine, 256, 16, "2026-11-27", "p.json")
+    key = curve_key(m.server, (1, 2), 256, 16)
+    assert key.startswith("gen-") and key == curve_key(dict(m.server), (1, 2), 256, 16)
+    assert key != curve_key({**m.server, "max_total_tokens": 200}, (1, 2), 256, 16)
+    assert key != curve_key(m.server, (1, 2, 4), 256, 16) != curve_key(m.server, (1, 2), 512, 16)
+    with pytest.raises(Exception, match="format"):
+        MeasuredCurve.from_json({**m.to_json(), "format": 0})

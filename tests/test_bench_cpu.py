@@ -22,7 +22,8 @@ pytestmark = pytest.mark.server
 
 PORTS = range(31100, 31200)   # this test's share of the machine's ports
 SIDE_FIELDS = {"problems", "goodput", "latency", "generator_seconds", "verifier_seconds", "tokens_generated",
-               "tokens_kept", "generator_hit_rate", "prm_hit_rate", "tokens_speculative", "tokens_reused"}
+               "tokens_kept", "generator_hit_rate", "prm_hit_rate", "tokens_speculative", "tokens_reused",
+               "branches_started", "branches_declined"}
 
 
 def _free_ports(count: int) -> list[int]:

@@ -233,6 +233,11 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
         records.append({**_record(spec, 8, problem, tokens=tokens, seconds=seconds),
                         "waited_generating": seconds * 0.9, "waited_verifying": seconds * 0.1,
                         "tokens_speculative": 50 * (problem + 1), "tokens_reused": 30 * (problem + 1)})
+    # a controlled side that declined every branch: no speculative tokens, its declines counted
+    for problem, (tokens, seconds) in enumerate([(100, 1.0), (300, 3.0)]):
+        records.append({**_record("sgl-tts+auto", 8, problem, tokens=tokens, seconds=seconds),
+                        "branches": {"started": 0, "declined": 4 + 2 * problem, "stopped": 0,
+                                     "stood_down": {"costs more than it saves": 4 + 2 * problem}}})
     (row,) = summarize(records, cfg)
     # stock: (2*100 + 2*300) tokens over (2*2 + 2*6) trajectory-seconds = 50 tok/s; sgl-tts 100 tok/s
     assert row.sides["stock"].goodput == pytest.approx(50.0)
@@ -249,6 +254,9 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
                         "75.0% | 50.0% | 800 (b=4) | 12% | match |")
     # generator: the mean of (seconds - waited for the PRM) = (0.9 + 2.7) / 2; speculative 75 (45 reused)
     assert lines[4] == (f"| beam_search | 8 | {spec} | 2 | 100.0 | 2.00x | 2.00 | 1.80 | 0.20 | 400 | 75 (45) | "
+                        "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
+    assert row.sides["sgl-tts+auto"].branches_declined == 5 and row.sides["sgl-tts+auto"].branches_started == 0
+    assert lines[5] == ("| beam_search | 8 | sgl-tts+auto | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 0 (0); 5 declined | "
                         "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
 
 
@@ -811,11 +819,12 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
                                          args.get("overlap_verification", False))
     for algorithm in cfg.algorithms:
         # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality (a server policy only)
-        # and sgl-tts+auto (the controller; its curve is measured when the side starts: none here)
+        # sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
+        # sgl-tts+overlap (overlapped verification alone)
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, False), (None, False), (None, False), (None, False), (Speculation(lookahead=False), False),
             (Speculation(), False), (Speculation(), True), (None, False),
-            (Speculation(controlled=True, verifier_shares_device=True), False)]
+            (Speculation(controlled=True, verifier_shares_device=True), False), (None, True)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

@@ -449,6 +449,8 @@ class SideRow:
     prm_hit_rate: float
     tokens_speculative: float = 0.0   # mean per search, of tokens_generated
     tokens_reused: float = 0.0        # of those, taken over by a kept child
+    branches_started: float = 0.0     # speculative branches per search (a controlled side: started,
+    branches_declined: float = 0.0    # and declined as costing more than they save)
 
 
 @dataclasses.dataclass
@@ -475,7 +477,9 @@ def _side_row(recs: list[dict]) -> SideRow:
     return SideRow(k, sum(r["trajectory_tokens"] for r in recs) / secs if secs > 0 else 0.0,
                    mean(lambda r: r["seconds"]), gen_s, ver_s, mean(lambda r: r["tokens_generated"]),
                    mean(lambda r: r["tokens_kept"]), rate("generator"), rate("prm"),
-                   mean(lambda r: r.get("tokens_speculative", 0)), mean(lambda r: r.get("tokens_reused", 0)))
+                   mean(lambda r: r.get("tokens_speculative", 0)), mean(lambda r: r.get("tokens_reused", 0)),
+                   mean(lambda r: r.get("branches", {}).get("started", 0)),
+                   mean(lambda r: r.get("branches", {}).get("declined", 0)))
 
 
 def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRow]:
@@ -534,7 +538,10 @@ def format_report(rows: Sequence[ReportRow]) -> str:
             vs = f"{r.goodput / stock.goodput:.2f}x" if stock and stock.goodput > 0 else "-"
             limit = f"{row.limit_goodput:.0f} (b={row.limit_batch})" if row.limit_goodput else "-"
             of_limit = f"{r.goodput / row.limit_goodput:.0%}" if row.limit_goodput else "-"
-            spec = f"{r.tokens_speculative:.0f} ({r.tokens_reused:.0f})" if r.tokens_speculative else "-"
+            spec = (f"{r.tokens_speculative:.0f} ({r.tokens_reused:.0f})"
+                    if r.tokens_speculative or r.branches_declined else "-")
+            if r.branches_declined:   # a controlled side: the branches it did not start
+                spec += f"; {r.branches_declined:.0f} declined"
             kept = ("-" if row.match is None else "match" if row.match
                     else "DIFFER: problems " + ", ".join(map(str, row.mismatched)))
             lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {r.goodput:.1f} | {vs} | "

@@ -31,6 +31,8 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+locality": {},
     # exact speculation under the cost controller (issue 33), on the generator's measured decode curve
     "sgl-tts+auto": {"speculative": "auto"},
+    # overlapped verification alone (a beam's PRM request as soon as its step ends; no speculation)
+    "sgl-tts+overlap": {"overlap_verification": True},
 }
 # The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
 # unless named here; a side named here runs that policy on both servers (the PRM's queue and radix

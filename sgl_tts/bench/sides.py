@@ -33,6 +33,8 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+auto": {"speculative": "auto"},
     # overlapped verification alone (a beam's PRM request as soon as its step ends; no speculation)
     "sgl-tts+overlap": {"overlap_verification": True},
+    # the setting to recommend: speculation where the curve says it pays, verification overlapped
+    "sgl-tts+auto+overlap": {"speculative": "auto", "overlap_verification": True},
 }
 # The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
 # unless named here; a side named here runs that policy on both servers (the PRM's queue and radix

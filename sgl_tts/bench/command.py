@@ -28,8 +28,7 @@ from typing import Sequence
 from sgl_tts.bench import server_counters
 from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.bench.sides import SIDE_OPTIONS, side_curve
-from sgl_tts.launch.cpu_profile import ProfileError
-from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchError, BenchSettings,
+from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchSettings,
                                    RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
                                    summarize)
 
@@ -382,10 +381,7 @@ class SideRunner:
                 if SIDE_OPTIONS[side].get("speculative") == "auto":
                     # its decode curve (cached; run_side reads it back) is measured before the side's
                     # counters start: the curve's prompts are not the side's work
-                    try:
-                        side_curve(urls["generator"], settings, settings.step_trace())
-                    except ProfileError as exc:
-                        raise BenchError(f"side {side}: its decode curve: {exc}") from None
+                    side_curve(side, urls["generator"], settings, settings.step_trace())
                 before = server_counters.server_counters(urls["generator"])
                 unfinished = run_side(side, urls["generator"], urls["prm"], settings,
                                       prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),

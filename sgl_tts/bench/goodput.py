@@ -350,12 +350,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     except RunError as exc:
         raise BenchError(f"side {side}: {exc}") from None
     if SIDE_OPTIONS[side].get("speculative") == "auto":   # its decode curve, before the first search
-        from sgl_tts.launch.cpu_profile import ProfileError
-
-        try:
-            measured = side_curve(generator_url, settings, trace)
-        except ProfileError as exc:
-            raise BenchError(f"side {side}: its decode curve: {exc}") from None
+        measured = side_curve(side, generator_url, settings, trace)
         write({"kind": "curve", "side": side, "points": [list(p) for p in measured.curve.points],
                "context": measured.context, "date": measured.date, "path": measured.path})
         configs = {k: dataclasses.replace(c, speculation_curve=measured.path) for k, c in configs.items()}

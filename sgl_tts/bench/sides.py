@@ -61,13 +61,19 @@ def run_config(side: str, algorithm: str, n: int, settings: "BenchSettings", tra
     return cfg
 
 
-def side_curve(generator_url: str, settings: "BenchSettings", trace: "StepTrace") -> "MeasuredCurve":
-    """``speculative: auto``'s decode curve for a side: the generator server's
+def side_curve(side: str, generator_url: str, settings: "BenchSettings", trace: "StepTrace") -> "MeasuredCurve":
+    """``speculative: auto``'s decode curve for ``side``: the generator server's
     (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server and machine) at a
-    search's mean context (the prompt and half the trace's depth of median steps)."""
+    search's mean context (the prompt and half the trace's depth of median steps). A curve that
+    cannot be measured raises :class:`~sgl_tts.bench.goodput.BenchError` naming the side."""
+    from sgl_tts.bench.goodput import BenchError
+    from sgl_tts.launch.cpu_profile import ProfileError
     from sgl_tts.launch.decode_curve import curve_for_server
 
     context = int(settings.prompt_tokens + trace.median_tokens * trace.max_depth / 2)
     if settings.context_tokens:
         context = min(context, settings.context_tokens // 2)
-    return curve_for_server(generator_url, context=max(32, context))
+    try:
+        return curve_for_server(generator_url, context=max(32, context))
+    except ProfileError as exc:
+        raise BenchError(f"side {side}: its decode curve: {exc}") from None

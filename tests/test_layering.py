@@ -209,7 +209,7 @@ def test_an_engine_process_loads_no_sglang():
 
 # ------------------------------------------------------------------------------- the command line
 COMMAND_MODULES = ("demo", "info", "scheduler_stats", "train_tiny", "run", "plan", "serve", "bench", "load",
-                   "serve_search", "scale_out", "bench_frontend", "wheelhouse", "smoke", "quality")
+                   "serve_search", "scale_out", "bench_frontend", "wheelhouse", "smoke", "quality", "workload")
 
 
 def test_the_cli_package_loads_no_torch_sglang_nor_command():

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from sgl_tts.bench.load import (LoadSettings, format_report, headline, poisson_arrivals, quantile, run_block,
-                                side_program, summarize)
+from sgl_tts.bench.load import (LoadSettings, compare_at, format_parts, format_report, headline, load_problems,
+                                poisson_arrivals, quantile, run_block, side_program, summarize, summarize_parts)
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_at_their_rate():
@@ -53,6 +53,65 @@ def test_summary_and_headline_worked_by_hand():
     text = format_report(summarize(records))
     assert "| 1 | mcts | 2 | 6.0 | 8.0 | 0.222 (not sustained) | 50% ± 71 |" in text
     assert "At 0.5/s (the highest rate vanilla MCTS sustains)" in text
+
+
+def test_parts_of_a_mixed_stream_worked_by_hand():
+    def r(side, hard, correct, exit_reason, tokens, depth=None, rollouts=None):
+        return {**rec(side, 0.1, 0, 1, correct, exit_reason, tokens), "hard": hard, "depth": depth,
+                "rollouts": rollouts}
+
+    records = [r("mcts+pe+ne", True, False, "futile", 40, depth=1, rollouts=0),
+               r("mcts+pe+ne", True, False, "futile", 300, depth=3, rollouts=2),
+               r("mcts+pe+ne", True, True, "accepted", 500, depth=10, rollouts=1),
+               r("mcts+pe+ne", False, True, "accepted", 400, depth=10, rollouts=1),
+               {**rec("mcts+pe+ne", 0.1, 0, 1, False, "budget", 100)}]   # an old record: a test problem
+    parts = {(p.side, p.part): p for p in summarize_parts(records)}
+    h, t = parts[("mcts+pe+ne", "hard")], parts[("mcts+pe+ne", "test")]
+    assert (h.jobs, h.accuracy, h.tokens, h.exits) == (3, pytest.approx(1 / 3), 280, {"futile": 2, "accepted": 1})
+    # the two futile searches: trees 1 and 3 deep, 0 and 2 rollouts returned
+    assert (h.futile_depth, h.futile_rollouts) == (2.0, 1.0)
+    assert (t.jobs, t.accuracy, t.tokens, t.exits, t.futile_depth) == (2, 0.5, 250, {"accepted": 1, "budget": 1}, None)
+    text = format_parts(list(parts.values()))
+    assert "| 0.1 | mcts+pe+ne | hard | 3 | 33% ± 54 | 280 | accepted 1, futile 2 | 2.0 | 1.0 |" in text
+    assert "| 0.1 | mcts+pe+ne | test | 2 | 50% ± 71 | 250 | accepted 1, budget 1 |  |  |" in text
+
+
+def test_full_system_against_pe_alone_worked_by_hand():
+    records = [rec("mcts+pe", 1.0, 0, 4, True, "accepted"), rec("mcts+pe", 1.0, 1, 9, True, "budget"),
+               rec("mcts+pe+ne+boost", 1.0, 0, 2, True, "accepted"), rec("mcts+pe+ne+boost", 1.0, 1, 3, True, "futile")]
+    rows = summarize(records)
+    c = compare_at(rows, 1.0, "mcts+pe")
+    # PE: latencies 4, 8 (p99 7.96), 2 jobs over 9 s; full: 2, 2 (p99 2), 2 jobs over 3 s
+    assert c["p99_lower"] == pytest.approx(7.96 / 2) and c["throughput_higher"] == pytest.approx(3.0)
+    assert compare_at(rows, 0.5, "mcts+pe") is None
+    assert "At 1/s against PE alone: p99 3.98x lower, throughput 3.00x higher; accuracy 100% -> 100% (within" \
+        in format_report(rows)
+
+
+def test_workloads_and_their_errors(tmp_path):
+    from sgl_tts.tiny import task
+
+    assert load_problems(LoadSettings(problems=4, workload="mixed")) == task.mixed_split(4)
+    assert load_problems(LoadSettings(problems=3)) == task.test_split()[:3]
+    path = task.write_jsonl(task.hard_split(5), tmp_path / "h.jsonl")
+    assert load_problems(LoadSettings(problems=5, workload=str(path))) == task.hard_split(5)
+    with pytest.raises(ValueError, match=r"h.jsonl holds 5 problems, the run asks for 6"):
+        load_problems(LoadSettings(problems=6, workload=str(path)))
+    with pytest.raises(ValueError, match=r"workload must be one of test, hard, mixed or a .jsonl file, got 'hardest'"):
+        LoadSettings(workload="hardest")
+    # the records written before workloads existed (docs/benchmarks/cpu_mcts_load*.jsonl) keep their key
+    assert LoadSettings(problems=32).key() == "fd484b0160b1"
+    assert LoadSettings(problems=16, rates=(0.2, 0.8)).key() == "df98a90c9b6d"
+    assert LoadSettings(problems=16, workload="mixed").key() != LoadSettings(problems=16).key()
+
+
+def test_load_command_refuses_a_missing_workload_before_starting_servers(tmp_path, capsys):
+    from sgl_tts.cli.load import main
+
+    assert main(["--workload", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sgl-tts load: error: [Errno 2] No such file or directory") and "none.jsonl" in err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_each_side_runs_its_program_with_its_exits():
@@ -101,10 +160,16 @@ def test_a_block_per_side_on_the_live_servers_answers_every_problem_and_leaves_n
     prm = StepTagPRM(SGLangEndpoint(live.url("prm")))
     s = LoadSettings(problems=3, max_jobs=2, rollouts=4, expansion_width=2, max_depth=6, beams=4,
                      threshold=0.6)
-    problems = task.test_split()[:3]
+    problems = task.mixed_split(3)   # test, hard, test
     for side in ("beam_search", "mcts+pe+ne+boost"):
         got = run_block(side, 4.0, problems, url, prm, s)
         assert sorted(r["problem"] for r in got) == [0, 1, 2]
         assert all(r["finished"] >= r["started"] >= r["arrival"] and r["reference"] is not None for r in got)
+        assert {r["problem"]: (r["hard"], r["level"]) for r in got} == {0: (False, 1), 1: (True, 5), 2: (False, 2)}
+        for r in got:   # how far each search got: beam search has no tree
+            if side == "beam_search":
+                assert (r["rollouts"], r["nodes"], r["depth"]) == (None, None, None)
+            else:
+                assert 1 <= r["depth"] <= s.max_depth and r["nodes"] >= r["depth"] and r["rollouts"] <= s.rollouts
         ld = settled_loads(url)
         assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0), ld

@@ -58,6 +58,8 @@ class LoadSettings:
         temperature: sampling temperature.
         seed: sampling and arrival seed.
         sides: which sides to run, in order.
+        workload: the problems, in arrival order: a split of :func:`sgl_tts.tiny.task.split`
+            (``test``, ``hard``, ``mixed``: the two alternating) or a JSONL file ``sgl-tts workload`` wrote.
     """
 
     rates: tuple[float, ...] = (0.25, 0.5, 1.0)
@@ -75,8 +77,14 @@ class LoadSettings:
     temperature: float = 0.8
     seed: int = 0
     sides: tuple[str, ...] = SIDES
+    workload: str = "test"
 
     def __post_init__(self):
+        from sgl_tts.tiny import task
+
+        if self.workload not in task.SPLITS and not self.workload.endswith(".jsonl"):
+            raise ValueError(f"workload must be one of {', '.join(task.SPLITS)} or a .jsonl file, got "
+                             f"{self.workload!r}")
         bad = [s for s in self.sides if s not in SIDES]
         if bad:
             raise ValueError(f"unknown side {bad[0]!r}; choose from {', '.join(SIDES)}")
@@ -93,7 +101,21 @@ class LoadSettings:
     def key(self) -> str:
         """What a record must match to be reused (everything but the sides and rates to run)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("sides", "rates")}
+        if fields["workload"] == "test":
+            del fields["workload"]   # the runs recorded before workloads existed keep their key
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_problems(s: LoadSettings) -> list:
+    """The first ``s.problems`` problems of the settings' workload."""
+    from sgl_tts.tiny import task
+
+    if s.workload in task.SPLITS:
+        return task.split(s.workload, s.problems)
+    probs = task.read_jsonl(s.workload)
+    if len(probs) < s.problems:
+        raise ValueError(f"{s.workload} holds {len(probs)} problems, the run asks for {s.problems}")
+    return probs[:s.problems]
 
 
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
@@ -171,13 +193,19 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
             sched.finish(job)
             return
         sched.finish(job)
+        tree = res.tree
         rec = {"side": side, "rate": rate, "problem": index, "key": s.key(),
+               "level": getattr(p, "level", None), "hard": _is_hard(p),
                "arrival": round(job.arrival - t0, 4), "started": round(job.started - t0, 4),
                "finished": round(job.finished - t0, 4), "latency": round(job.finished - job.arrival, 4),
                "answer": res.answer, "reference": None if p.answer is None else str(p.answer),
                "correct": p.answer is not None and res.answer == str(p.answer),
                "tokens": res.tokens_generated, "exit_reason": res.exit_reason, "boosted": job.boosted,
-               "cancelled": len(res.tree.cancelled) if res.tree is not None else 0}
+               "cancelled": len(tree.cancelled) if tree is not None else 0,
+               # how far the search got: rollouts returned, nodes made, the deepest node
+               "rollouts": len(tree.returned) if tree is not None else None,
+               "nodes": len(tree.nodes) - 1 if tree is not None else None,
+               "depth": max(n.depth for n in tree.nodes) if tree is not None else None}
         records[index] = rec
         if on_done is not None:
             on_done(rec)
@@ -206,7 +234,29 @@ def run_block(side: str, rate: float, problems: Sequence[Any], generator_url: st
     return [r for r in records if r is not None]
 
 
+def _is_hard(problem) -> bool:
+    from sgl_tts.tiny import task
+
+    return isinstance(problem, task.Problem) and task.is_hard(problem)
+
+
 # ------------------------------------------------------------------------------------- report
+@dataclasses.dataclass(frozen=True)
+class PartRow:
+    """One side and rate on one part of a mixed stream (``hard`` or ``test`` problems)."""
+
+    side: str
+    rate: float
+    part: str
+    jobs: int
+    accuracy: float
+    tolerance: float
+    tokens: float
+    exits: dict[str, int]
+    futile_depth: float | None    # mean deepest node of the searches the negative exit stopped
+    futile_rollouts: float | None  # mean rollouts they had returned
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadRow:
     side: str
@@ -226,6 +276,29 @@ class LoadRow:
         return self.throughput >= 0.9 * self.rate
 
 
+def _tolerance(acc: float, n: int) -> float:
+    """Two binomial standard errors."""
+    return 2 * math.sqrt(max(acc * (1 - acc), 1e-12) / n)
+
+
+def summarize_parts(records: Sequence[dict]) -> list[PartRow]:
+    """Per side, rate and part (``hard``/``test``; records without ``hard`` are test problems)."""
+    blocks: dict[tuple[str, float, str], list[dict]] = collections.defaultdict(list)
+    for r in records:
+        blocks[(r["side"], r["rate"], "hard" if r.get("hard") else "test")].append(r)
+    rows = []
+    for (side, rate, part), recs in blocks.items():
+        acc = sum(r["correct"] for r in recs) / len(recs)
+        futile = [r for r in recs if r["exit_reason"] == "futile" and r.get("depth") is not None]
+        rows.append(PartRow(side, rate, part, len(recs), acc, _tolerance(acc, len(recs)),
+                            sum(r["tokens"] for r in recs) / len(recs),
+                            dict(collections.Counter(r["exit_reason"] or "completed" for r in recs)),
+                            sum(r["depth"] for r in futile) / len(futile) if futile else None,
+                            sum(r["rollouts"] for r in futile) / len(futile) if futile else None))
+    order = {s: i for i, s in enumerate(SIDES)}
+    return sorted(rows, key=lambda r: (r.rate, order[r.side], r.part))
+
+
 def summarize(records: Sequence[dict]) -> list[LoadRow]:
     blocks: dict[tuple[str, float], list[dict]] = collections.defaultdict(list)
     for r in records:
@@ -236,12 +309,23 @@ def summarize(records: Sequence[dict]) -> list[LoadRow]:
         span = max(r["finished"] for r in recs) - min(r["arrival"] for r in recs)
         acc = sum(r["correct"] for r in recs) / len(recs)
         rows.append(LoadRow(side, rate, len(recs), quantile(lat, 0.5), quantile(lat, 0.99),
-                            len(recs) / span if span > 0 else 0.0, acc,
-                            2 * math.sqrt(max(acc * (1 - acc), 1e-12) / len(recs)),
+                            len(recs) / span if span > 0 else 0.0, acc, _tolerance(acc, len(recs)),
                             sum(r["tokens"] for r in recs) / len(recs),
                             dict(collections.Counter(r["exit_reason"] or "completed" for r in recs))))
     order = {s: i for i, s in enumerate(SIDES)}
     return sorted(rows, key=lambda r: (r.rate, order[r.side]))
+
+
+def compare_at(rows: Sequence[LoadRow], rate: float, base: str, full: str = "mcts+pe+ne+boost") -> dict | None:
+    """``full`` against ``base`` at one rate: p99 lower, throughput higher, accuracy within tolerance."""
+    b = next((r for r in rows if r.side == base and r.rate == rate), None)
+    f = next((r for r in rows if r.side == full and r.rate == rate), None)
+    if b is None or f is None:
+        return None
+    return {"rate": rate, "base": base, "p99_lower": b.p99 / f.p99 if f.p99 else None,
+            "throughput_higher": f.throughput / b.throughput if b.throughput else None,
+            "accuracy": (b.accuracy, f.accuracy),
+            "accuracy_within_tolerance": f.accuracy >= b.accuracy - max(b.tolerance, f.tolerance)}
 
 
 def headline(rows: Sequence[LoadRow], base: str = "mcts", full: str = "mcts+pe+ne+boost") -> dict | None:
@@ -275,6 +359,27 @@ def format_report(rows: Sequence[LoadRow]) -> str:
                      f"p99 {h['p99_lower']:.2f}x lower, throughput {h['throughput_higher']:.2f}x higher with "
                      f"PE+NE+boosting; accuracy {100 * h['accuracy'][0]:.0f}% -> {100 * h['accuracy'][1]:.0f}% "
                      f"({'within' if h['accuracy_within_tolerance'] else 'OUTSIDE'} the binomial tolerance)")
+    for rate in sorted({r.rate for r in rows}):
+        c = compare_at(rows, rate, "mcts+pe")
+        if c is not None and c["p99_lower"] and c["throughput_higher"]:
+            lines.append(f"At {rate:g}/s against PE alone: p99 {c['p99_lower']:.2f}x lower, throughput "
+                         f"{c['throughput_higher']:.2f}x higher; accuracy {100 * c['accuracy'][0]:.0f}% -> "
+                         f"{100 * c['accuracy'][1]:.0f}% ({'within' if c['accuracy_within_tolerance'] else 'OUTSIDE'} "
+                         f"the binomial tolerance)")
+    return "\n".join(lines)
+
+
+def format_parts(parts: Sequence[PartRow]) -> str:
+    """The mixed stream's two parts side by side: accuracy, tokens and exits (where the negative exit
+    stopped searches: how deep their trees were and how many rollouts had returned)."""
+    lines = ["| rate (/s) | side | part | jobs | accuracy | tokens/job | exits | futile at depth | rollouts before futile |",
+             "| ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in parts:
+        exits = ", ".join(f"{k} {v}" for k, v in sorted(r.exits.items()))
+        fd = "" if r.futile_depth is None else f"{r.futile_depth:.1f}"
+        fr = "" if r.futile_rollouts is None else f"{r.futile_rollouts:.1f}"
+        lines.append(f"| {r.rate:g} | {r.side} | {r.part} | {r.jobs} | {100 * r.accuracy:.0f}% ± "
+                     f"{100 * r.tolerance:.0f} | {r.tokens:.0f} | {exits} | {fd} | {fr} |")
     return "\n".join(lines)
 
 
@@ -363,7 +468,7 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
     jsonl = out.with_suffix(".jsonl")
     records = read_records(jsonl, s.key())
     done = {(r["side"], r["rate"]) for r in records}
-    problems = task.test_split()[:s.problems]
+    problems = load_problems(s)
     servers = None
     try:
         gen_url, prm_at = generator_url, prm_url
@@ -397,11 +502,16 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
     finally:
         if servers is not None:
             servers.stop_all()
-    rows = summarize([r for r in records if r["side"] in s.sides and r["rate"] in s.rates])
-    out.with_suffix(".md").write_text(format_report(rows) + "\n")
+    mine = [r for r in records if r["side"] in s.sides and r["rate"] in s.rates]
+    rows = summarize(mine)
+    text = format_report(rows) + "\n"
+    if any(r.get("hard") for r in mine):
+        text += "\nBy part of the stream:\n\n" + format_parts(summarize_parts(mine)) + "\n"
+    out.with_suffix(".md").write_text(text)
     plot_report(rows, out.with_suffix(".png"), f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts (CPU, tiny models)")
     return rows
 
 
-__all__ = ["LoadRow", "LoadSettings", "SIDES", "format_report", "headline", "plot_report",
+__all__ = ["LoadRow", "LoadSettings", "PartRow", "SIDES", "compare_at", "format_parts", "format_report", "headline",
+           "load_problems", "plot_report", "summarize_parts",
            "poisson_arrivals", "quantile", "run_block", "run_load", "side_config", "side_program", "summarize"]

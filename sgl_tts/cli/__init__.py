@@ -67,6 +67,9 @@ COMMANDS: dict[str, Command] = {
                           "train the tiny generator + PRM for the arithmetic task (see its --help)"),
     "quality": Command("sgl_tts.cli.quality",
                        "measure single/majority/best-of-N/beam search/PRM AUC (see its --help)"),
+    "workload": Command("sgl_tts.cli.workload",
+                        "write a problem set (test, hard, mixed) as JSONL; --measure: greedy/sample accuracy, "
+                        "PRM step AUC, first-step cut-off for MCTS's selective futility check (see its --help)"),
 }
 
 

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beams", type=int, default=d.beams)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--workload", default=d.workload,
+                   help="the problems in arrival order: test (the test split), hard (sgl-tts workload --split "
+                        "hard), mixed (the two alternating) or a JSONL file sgl-tts workload wrote")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, from " + ", ".join(SIDES))
     p.add_argument("--generator-url", default=None, help="a running generator (default: start the tiny "
                    "generator with the plugin on the CPU)")
@@ -39,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sgl_tts.bench.load import LoadSettings, format_report, run_load
+    from sgl_tts.bench.load import LoadSettings, format_report, load_problems, run_load
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -49,12 +52,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_depth=args.max_depth, step_tokens=args.step_tokens, threshold=args.threshold,
                          aggregation=args.aggregation, first_step_cutoff=args.first_step_cutoff,
                          beams=args.beams, beam_width=args.beam_width, temperature=args.temperature,
-                         seed=args.seed,
+                         seed=args.seed, workload=args.workload,
                          sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
-    except ValueError as exc:
+        load_problems(s)   # a workload file that is missing or not problems fails before any server starts
+    except (ValueError, OSError) as exc:
         print(f"sgl-tts load: error: {exc}", file=sys.stderr)
         return 2
     rows = run_load(s, args.output, generator_url=args.generator_url, prm_url=args.prm_url,
                     progress=not args.no_progress)
     print(format_report(rows))
+    print(f"(records, and the table by part of the stream: {args.output}.jsonl, {args.output}.md)")
     return 0

@@ -55,7 +55,16 @@ LEVELS: dict[int, Level] = {
     4: Level(ops=9, max_operand=99),
 }
 
+# Harder than anything trained on: multipliers up to 30 (training and the test split use 2-9), 9
+# operations. The shipped generator is right greedily on ~45% of them and a T=0.8 sample on ~12%; the
+# PRM still separates its sampled steps (step AUC ~0.9): `sgl-tts workload --measure`, docs/TINY_MODELS.md.
+# Kept apart from LEVELS: test_split() and train_stream() draw "all levels", and must not change.
+HARD_LEVELS: dict[int, Level] = {
+    5: Level(ops=9, max_operand=99, max_multiplier=30),
+}
+
 TEST_SEED = "sgl-tts-arith-test-v1"
+HARD_SEED = "sgl-tts-arith-hard-v1"
 TRAIN_SEED = "sgl-tts-arith-train-v1"
 TEST_SIZE = 500
 
@@ -124,8 +133,16 @@ def prompt(question: str) -> str:
     return question + STEP_SEPARATOR
 
 
+def level_spec(level: int) -> Level:
+    """A level's definition, from :data:`LEVELS` or :data:`HARD_LEVELS`."""
+    spec = LEVELS.get(level) or HARD_LEVELS.get(level)
+    if spec is None:
+        raise ValueError(f"unknown level {level}; levels are {sorted(LEVELS)} and hard {sorted(HARD_LEVELS)}")
+    return spec
+
+
 def make_problem(rng: random.Random, level: int) -> Problem:
-    spec = LEVELS[level]
+    spec = level_spec(level)
     value = rng.randint(1, spec.max_operand)
     start = value
     ops = []
@@ -152,9 +169,10 @@ def make_problem(rng: random.Random, level: int) -> Problem:
 def generate(count: int, seed: int | str, levels: Sequence[int] = tuple(LEVELS),
              exclude: Iterable[str] = ()) -> list[Problem]:
     """``count`` distinct problems from ``seed``, levels in turn; questions in ``exclude`` are skipped."""
+    if not levels:
+        raise ValueError("no levels given")
     for lv in levels:
-        if lv not in LEVELS:
-            raise ValueError(f"unknown level {lv}; levels are {sorted(LEVELS)}")
+        level_spec(lv)
     rng = random.Random(str(seed))
     seen = set(exclude)
     out: list[Problem] = []
@@ -175,6 +193,48 @@ def test_split(levels: Sequence[int] = tuple(LEVELS)) -> list[Problem]:
     return generate(TEST_SIZE, TEST_SEED, levels)
 
 
+def hard_split(count: int = 200) -> list[Problem]:
+    """Problems of the hard levels (:data:`HARD_LEVELS`) from their own fixed seed; never a test question."""
+    return generate(count, HARD_SEED, tuple(HARD_LEVELS), exclude=(p.question for p in test_split()))
+
+
+def mixed_split(count: int) -> list[Problem]:
+    """``count`` problems alternating test split and hard split (test first): the mixed stream that
+    ``sgl-tts load --workload mixed`` serves. Its first ``2k`` are the test split's first ``k`` and the
+    hard split's first ``k``."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    tests, hards = test_split()[:(count + 1) // 2], hard_split(max(count // 2, 1))
+    out: list[Problem] = []
+    for i in range(count):
+        out.append(tests[i // 2] if i % 2 == 0 else hards[i // 2])
+    return out
+
+
+SPLITS = ("test", "hard", "mixed")
+
+
+def split(name: str, count: int | None = None) -> list[Problem]:
+    """A named problem set: ``test`` (the 500-problem test split), ``hard`` (:func:`hard_split`) or
+    ``mixed`` (:func:`mixed_split`); the first ``count`` (all of ``test``, 200 of the others, if None)."""
+    if count is not None and count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if name == "test":
+        probs = test_split()
+        if count is not None and count > len(probs):
+            raise ValueError(f"the test split has {len(probs)} problems, asked for {count}")
+        return probs[:count]
+    if name == "hard":
+        return hard_split(200 if count is None else count)
+    if name == "mixed":
+        return mixed_split(200 if count is None else count)
+    raise ValueError(f"unknown split {name!r}; choose from {', '.join(SPLITS)}")
+
+
+def is_hard(problem: Problem) -> bool:
+    return problem.level in HARD_LEVELS
+
+
 def train_stream(seed: int | str = TRAIN_SEED, levels: Sequence[int] = tuple(LEVELS)) -> Iterator[Problem]:
     """An endless stream of training problems that never repeats a test question."""
     test_questions = {p.question for p in test_split()}
@@ -192,6 +252,26 @@ def write_jsonl(problems: Sequence[Problem], path: str | Path, prefix: str = "ar
         for i, p in enumerate(problems):
             f.write(json.dumps(p.to_record(f"{prefix}-{i:04d}")) + "\n")
     return path
+
+
+def read_jsonl(path: str | Path) -> list[Problem]:
+    """Problems from a file :func:`write_jsonl` wrote (``start``, ``ops``, ``level`` per line); a line
+    without them is named."""
+    path = Path(path)
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            p = Problem.from_record(rec)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{n}: not a task problem ({type(exc).__name__}: {exc}); "
+                             f"write problems with sgl-tts workload") from None
+        if "answer" in rec and str(rec["answer"]) != str(p.answer):
+            raise ValueError(f"{path}:{n}: answer {rec['answer']} does not match its operations ({p.answer})")
+        out.append(p)
+    return out
 
 
 # ------------------------------------------------------------------------------------- checker

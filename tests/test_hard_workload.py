@@ -187,3 +187,17 @@ def test_workload_command_writes_the_split_and_refuses_bad_arguments(tmp_path, c
     assert "sgl-tts workload: error: count must be >= 1, got 0" in capsys.readouterr().err
     assert main(["--split", "hard", "--count", "3", "--measure", "--max-reach", "1.5"]) == 2
     assert "--max-reach must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_the_recorded_workloads_are_what_the_command_writes(tmp_path):
+    """docs/results/{hard,mixed}_workload.jsonl (the load run's problems) are reproducible from
+    `sgl-tts workload --split hard|mixed --count 200 --out FILE`."""
+    from pathlib import Path
+
+    from sgl_tts.cli.workload import main
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for name in ("hard", "mixed"):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["--split", name, "--count", "200", "--out", str(out)]) == 0
+        assert out.read_bytes() == (docs / f"{name}_workload.jsonl").read_bytes(), name

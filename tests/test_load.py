@@ -86,8 +86,11 @@ def test_parts_of_a_mixed_stream_worked_by_hand():
     assert (h.futile_depth, h.futile_rollouts) == (2.0, 1.0)
     assert (t.jobs, t.accuracy, t.tokens, t.exits, t.futile_depth) == (2, 0.5, 250, {"accepted": 1, "budget": 1}, None)
     text = format_parts(list(parts.values()))
-    assert "| 0.1 | mcts+pe+ne | hard | 3 | 33% ± 54 | 280 | accepted 1, futile 2 | 2.0 | 1.0 |" in text
-    assert "| 0.1 | mcts+pe+ne | test | 2 | 50% ± 71 | 250 | accepted 1, budget 1 |  |  |" in text
+    assert "| 0.1 | mcts+pe+ne | hard | 3 | 33% ± 54 | 280 | accepted 1, futile 2 | 0 | 2.0 | 1.0 |" in text
+    assert "| 0.1 | mcts+pe+ne | test | 2 | 50% ± 71 | 250 | accepted 1, budget 1 | 0 |  |  |" in text
+    wrong = summarize_parts([r("mcts+pe", True, False, "accepted", 400), r("mcts+pe", True, True, "accepted", 400),
+                             r("mcts+pe", True, False, "budget", 900)])
+    assert wrong[0].accepted_wrong == 1
 
 
 def test_full_system_against_pe_alone_worked_by_hand():

@@ -255,6 +255,7 @@ class PartRow:
     exits: dict[str, int]
     futile_depth: float | None    # mean deepest node of the searches the negative exit stopped
     futile_rollouts: float | None  # mean rollouts they had returned
+    accepted_wrong: int = 0       # searches the positive exit accepted with a wrong answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +299,8 @@ def summarize_parts(records: Sequence[dict]) -> list[PartRow]:
                             sum(r["tokens"] for r in recs) / len(recs),
                             dict(collections.Counter(r["exit_reason"] or "completed" for r in recs)),
                             sum(r["depth"] for r in futile) / len(futile) if futile else None,
-                            sum(r["rollouts"] for r in futile) / len(futile) if futile else None))
+                            sum(r["rollouts"] for r in futile) / len(futile) if futile else None,
+                            sum(r["exit_reason"] == "accepted" and not r["correct"] for r in recs)))
     order = {s: i for i, s in enumerate(SIDES)}
     return sorted(rows, key=lambda r: (r.rate, order[r.side], r.part))
 
@@ -377,16 +379,17 @@ def format_report(rows: Sequence[LoadRow]) -> str:
 
 
 def format_parts(parts: Sequence[PartRow]) -> str:
-    """The mixed stream's two parts side by side: accuracy, tokens and exits (where the negative exit
-    stopped searches: how deep their trees were and how many rollouts had returned)."""
-    lines = ["| rate (/s) | side | part | jobs | accuracy | tokens/job | exits | futile at depth | rollouts before futile |",
-             "| ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    """The mixed stream's two parts side by side: accuracy, tokens, exits, how many searches the positive
+    exit accepted with a wrong answer, and where the negative exit stopped searches (how deep their
+    trees were and how many rollouts had returned)."""
+    lines = ["| rate (/s) | side | part | jobs | accuracy | tokens/job | exits | accepted wrong | futile at depth | rollouts before futile |",
+             "| ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in parts:
         exits = ", ".join(f"{k} {v}" for k, v in sorted(r.exits.items()))
         fd = "" if r.futile_depth is None else f"{r.futile_depth:.1f}"
         fr = "" if r.futile_rollouts is None else f"{r.futile_rollouts:.1f}"
         lines.append(f"| {r.rate:g} | {r.side} | {r.part} | {r.jobs} | {100 * r.accuracy:.0f}% ± "
-                     f"{100 * r.tolerance:.0f} | {r.tokens:.0f} | {exits} | {fd} | {fr} |")
+                     f"{100 * r.tolerance:.0f} | {r.tokens:.0f} | {exits} | {r.accepted_wrong} | {fd} | {fr} |")
     return "\n".join(lines)
 
 

@@ -518,7 +518,9 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
     if any(r.get("hard") for r in mine):
         text += "\nBy part of the stream:\n\n" + format_parts(summarize_parts(mine)) + "\n"
     out.with_suffix(".md").write_text(text)
-    plot_report(rows, out.with_suffix(".png"), f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts (CPU, tiny models)")
+    stream = "" if s.workload == "test" else f", {Path(s.workload).stem} problems"
+    plot_report(rows, out.with_suffix(".png"),
+                f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts{stream} (CPU, tiny models)")
     return rows
 
 

@@ -201,3 +201,32 @@ def test_the_recorded_workloads_are_what_the_command_writes(tmp_path):
         out = tmp_path / f"{name}.jsonl"
         assert main(["--split", name, "--count", "200", "--out", str(out)]) == 0
         assert out.read_bytes() == (docs / f"{name}_workload.jsonl").read_bytes(), name
+
+
+# ----------------------------------------------------------------------------- the checker as a PRM
+def test_checker_prm_scores_correct_so_far_by_the_definition():
+    from sgl_tts.tiny.checker_prm import CheckerPRM
+
+    p = task.hard_split(1)[0]
+    prm = CheckerPRM([p], good=0.9, bad=0.1)
+    ref = p.step_texts()
+    # a wrong result at step 3 (index 2), later steps computing on from it: bad from there on
+    x, op, y = p.values[2], *p.ops[2]
+    wrong = ref[:2] + [f"Step 3: {x}{op}{y}={task.apply(x, op, y) + 1}"] + ref[3:]
+    got = prm.score(p.question, [ref, wrong, ref[:1], []])
+    assert got[0] == [0.9] * len(ref)
+    assert got[1] == [0.9, 0.9] + [0.1] * (len(ref) - 2)
+    assert got[2] == [0.9] and got[3] == []
+    with pytest.raises(KeyError, match="CheckerPRM knows no problem 'Compute 1\\+2.'"):
+        prm.score("Compute 1+2.", [ref])
+    with pytest.raises(ValueError, match="need 0 <= bad < good <= 1, got bad=0.5, good=0.5"):
+        CheckerPRM([p], good=0.5, bad=0.5)
+
+
+def test_load_verifier_setting():
+    from sgl_tts.bench.load import LoadSettings
+
+    assert LoadSettings(verifier="checker").key() != LoadSettings().key()
+    assert LoadSettings(problems=32).key() == "fd484b0160b1"   # the default keeps the recorded runs' key
+    with pytest.raises(ValueError, match="verifier must be one of prm, checker, got 'oracle'"):
+        LoadSettings(verifier="oracle")

@@ -37,6 +37,7 @@ from sgl_tts.experiment import quantile
 logger = logging.getLogger(__name__)
 
 SIDES = ("beam_search", "mcts", "mcts+pe", "mcts+pe+ne", "mcts+pe+ne+boost")
+VERIFIERS = ("prm", "checker")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class LoadSettings:
         sides: which sides to run, in order.
         workload: the problems, in arrival order: a split of :func:`sgl_tts.tiny.task.split`
             (``test``, ``hard``, ``mixed``: the two alternating) or a JSONL file ``sgl-tts workload`` wrote.
+        verifier: ``prm`` (the step-tag PRM on its server) or ``checker`` (the task's checker as a PRM,
+            :class:`sgl_tts.tiny.checker_prm.CheckerPRM`: a what-if with a verifier that sees every
+            mistake; no PRM server is started).
     """
 
     rates: tuple[float, ...] = (0.25, 0.5, 1.0)
@@ -78,9 +82,13 @@ class LoadSettings:
     seed: int = 0
     sides: tuple[str, ...] = SIDES
     workload: str = "test"
+    verifier: str = "prm"
 
     def __post_init__(self):
         from sgl_tts.tiny import task
+
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {', '.join(VERIFIERS)}, got {self.verifier!r}")
 
         if self.workload not in task.SPLITS and not self.workload.endswith(".jsonl"):
             raise ValueError(f"workload must be one of {', '.join(task.SPLITS)} or a .jsonl file, got "
@@ -101,8 +109,9 @@ class LoadSettings:
     def key(self) -> str:
         """What a record must match to be reused (everything but the sides and rates to run)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("sides", "rates")}
-        if fields["workload"] == "test":
-            del fields["workload"]   # the runs recorded before workloads existed keep their key
+        for name, default in (("workload", "test"), ("verifier", "prm")):
+            if fields[name] == default:
+                del fields[name]   # the runs recorded before these settings existed keep their key
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -480,28 +489,35 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
     done = {(r["side"], r["rate"]) for r in records}
     problems = load_problems(s)
     servers = None
+    checker = s.verifier == "checker"
     try:
         gen_url, prm_at = generator_url, prm_url
-        if gen_url is None or prm_at is None:
+        if gen_url is None or (prm_at is None and not checker):
             import tempfile
 
             from sgl_tts.launch.live_servers import LiveServer, LiveServers
             from sgl_tts.models import shipped_model
-            servers = LiveServers({
-                "generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware",
-                                        kv_bytes=256 << 20),
-                "prm": LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)},
-                tempfile.mkdtemp(prefix="sgl-tts-load-"))
+            specs = {"generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware",
+                                             kv_bytes=256 << 20)}
+            if prm_at is None and not checker:
+                specs["prm"] = LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)
+            servers = LiveServers(specs, tempfile.mkdtemp(prefix="sgl-tts-load-"))
             gen_url = gen_url or servers.url("generator")
-            prm_at = prm_at or servers.url("prm")
-        prm = StepTagPRM(SGLangEndpoint(prm_at))
+            if not checker:
+                prm_at = prm_at or servers.url("prm")
+        if checker:
+            from sgl_tts.tiny.checker_prm import CheckerPRM
+
+            prm, flushed = CheckerPRM(problems), (gen_url,)
+        else:
+            prm, flushed = StepTagPRM(SGLangEndpoint(prm_at)), (gen_url, prm_at)
         blocks = [(side, rate) for rate in s.rates for side in s.sides if (side, rate) not in done]
         bar = tqdm(total=len(blocks) * s.problems, disable=not progress, desc="load", unit="job")
         for side, rate in blocks:
             bar.set_postfix_str(f"{side} @ {rate:g}/s")
             # every side samples the same texts (position seeds): a cache warmed by the block before
             # would serve this one's prefixes for free
-            for url in (gen_url, prm_at):
+            for url in flushed:
                 flush_cache(url)
             recs = run_block(side, rate, problems, gen_url, prm, s, on_done=lambda r: bar.update(1))
             with jsonl.open("a") as fh:
@@ -518,12 +534,13 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
     if any(r.get("hard") for r in mine):
         text += "\nBy part of the stream:\n\n" + format_parts(summarize_parts(mine)) + "\n"
     out.with_suffix(".md").write_text(text)
-    stream = "" if s.workload == "test" else f", {Path(s.workload).stem} problems"
+    stream = ("" if s.workload == "test" else f", {Path(s.workload).stem} problems") + \
+        (", checker as PRM" if checker else "")
     plot_report(rows, out.with_suffix(".png"),
                 f"MCTS under load, M={s.max_jobs}, {s.rollouts} rollouts{stream} (CPU, tiny models)")
     return rows
 
 
-__all__ = ["LoadRow", "LoadSettings", "PartRow", "SIDES", "compare_at", "format_parts", "format_report", "headline",
+__all__ = ["LoadRow", "LoadSettings", "PartRow", "SIDES", "VERIFIERS", "compare_at", "format_parts", "format_report", "headline",
            "load_problems", "plot_report", "summarize_parts",
            "poisson_arrivals", "quantile", "run_block", "run_load", "side_config", "side_program", "summarize"]

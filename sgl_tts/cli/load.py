@@ -11,7 +11,7 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench import load
-    from sgl_tts.bench.load import SIDES, LoadSettings
+    from sgl_tts.bench.load import SIDES, VERIFIERS, LoadSettings
 
     p = argparse.ArgumentParser(prog="sgl-tts load", description=load.__doc__.split("\n\n")[0])
     d = LoadSettings()
@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default=d.workload,
                    help="the problems in arrival order: test (the test split), hard (sgl-tts workload --split "
                         "hard), mixed (the two alternating) or a JSONL file sgl-tts workload wrote")
+    p.add_argument("--verifier", default=d.verifier, choices=VERIFIERS,
+                   help="prm: the tiny step-tag PRM (default); checker: the task's checker as the PRM, a what-if "
+                        "with a verifier that sees every mistake (no PRM server)")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, from " + ", ".join(SIDES))
     p.add_argument("--generator-url", default=None, help="a running generator (default: start the tiny "
                    "generator with the plugin on the CPU)")
@@ -52,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_depth=args.max_depth, step_tokens=args.step_tokens, threshold=args.threshold,
                          aggregation=args.aggregation, first_step_cutoff=args.first_step_cutoff,
                          beams=args.beams, beam_width=args.beam_width, temperature=args.temperature,
-                         seed=args.seed, workload=args.workload,
+                         seed=args.seed, workload=args.workload, verifier=args.verifier,
                          sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
         load_problems(s)   # a workload file that is missing or not problems fails before any server starts
     except (ValueError, OSError) as exc:

@@ -122,6 +122,17 @@ def test_workloads_and_their_errors(tmp_path):
     assert LoadSettings(problems=16, workload="mixed").key() != LoadSettings(problems=16).key()
 
 
+def test_the_generator_it_starts_honours_the_sides_seeds():
+    """Without --tts-seeded-sampling SGLang drops the requests' seeds on the CPU, and the sides would
+    sample different trees (issue 34's first run): the generator the run starts has it."""
+    from sgl_tts.bench.load import server_specs
+
+    specs = server_specs("/g", "/p")
+    gen = specs["generator"]
+    assert gen.seeded_sampling and gen.policy == "prefix-aware" and gen.model == "/g"
+    assert specs["prm"].model == "/p"
+
+
 def test_load_command_refuses_a_missing_workload_before_starting_servers(tmp_path, capsys):
     from sgl_tts.cli.load import main
 

@@ -14,7 +14,8 @@ same arrival times against the same generator and PRM servers, one side and rate
 Per side and rate it reports end-to-end latency (arrival to answer, queueing included) p50 and p99,
 throughput (jobs finished over the time from the first arrival to the last answer) and accuracy with
 a binomial tolerance (two standard errors). Every side samples the same texts (seeds belong to tree
-positions), so both servers' prefix caches are flushed before each block. Each finished (side, rate) block is appended to a JSONL
+positions, and the generator it starts honours them: ``--tts-seeded-sampling``; a ``--generator-url``
+must run with it too), so both servers' prefix caches are flushed before each block. Each finished (side, rate) block is appended to a JSONL
 file at once; a rerun with the same settings skips the blocks already there.
 """
 
@@ -471,6 +472,16 @@ def flush_cache(url: str, settle_s: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not flush its cache (HTTP {status}){held}")
 
 
+def server_specs(generator, prm) -> dict:
+    """The servers ``run_load`` starts when none is given: the generator with the plugin's prefix-aware
+    order and **seeded sampling** (SGLang 0.5.15 drops a request's ``sampling_seed`` on the CPU
+    otherwise, and then no two sides sample the same tree: issue 34's first run), and the PRM."""
+    from sgl_tts.launch.live_servers import LiveServer
+
+    return {"generator": LiveServer(str(generator), policy="prefix-aware", kv_bytes=256 << 20, seeded_sampling=True),
+            "prm": LiveServer(str(prm), kv_bytes=256 << 20)}
+
+
 def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None = None, prm_url: str | None = None,
              progress: bool = True) -> list[LoadRow]:
     """Every (side, rate) block not yet in ``output``.jsonl, against the servers given or, for those not
@@ -497,10 +508,8 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
 
             from sgl_tts.launch.live_servers import LiveServer, LiveServers
             from sgl_tts.models import shipped_model
-            specs = {"generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware",
-                                             kv_bytes=256 << 20)}
-            if prm_at is None and not checker:
-                specs["prm"] = LiveServer(str(shipped_model("prm")), kv_bytes=256 << 20)
+            specs = {k: v for k, v in server_specs(shipped_model("generator"), shipped_model("prm")).items()
+                     if k == "generator" or (prm_at is None and not checker)}
             servers = LiveServers(specs, tempfile.mkdtemp(prefix="sgl-tts-load-"))
             gen_url = gen_url or servers.url("generator")
             if not checker:

@@ -90,7 +90,6 @@ class LoadSettings:
 
         if self.verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {', '.join(VERIFIERS)}, got {self.verifier!r}")
-
         if self.workload not in task.SPLITS and not self.workload.endswith(".jsonl"):
             raise ValueError(f"workload must be one of {', '.join(task.SPLITS)} or a .jsonl file, got "
                              f"{self.workload!r}")

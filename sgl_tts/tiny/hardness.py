@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
+import statistics
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -161,14 +161,12 @@ class Cutoff:
 
 
 def _pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    n = len(x)
-    if n < 2:
+    """Pearson's r (the standard library's), ``nan`` where it is undefined (fewer than 2 points, or a
+    constant side)."""
+    try:
+        return statistics.correlation(x, y)
+    except statistics.StatisticsError:
         return float("nan")
-    mx, my = sum(x) / n, sum(y) / n
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
 
 
 def _ranks(x: Sequence[float]) -> list[float]:

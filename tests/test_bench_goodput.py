@@ -356,6 +356,25 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
         assert pool(cmd) == pool(cmds[f"# sgl-tts {server}"])
 
 
+def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path, capsys):
+    """The locality ablation (issue 32): sgl-tts+locality runs both rules on both servers, the
+    -eviction and -order sides one rule alone (--tts-locality-rules), on the sgl-tts pools."""
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
+                       "--sides", "sgl-tts+locality", "sgl-tts+locality-eviction", "sgl-tts+locality-order"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    rules = {"sgl-tts+locality": None, "sgl-tts+locality-eviction": "eviction", "sgl-tts+locality-order": "order"}
+    assert list(cmds) == [f"# {side} {server}" for side in rules for server in ("generator", "prm")]
+    for name, cmd in cmds.items():
+        side, server = name[2:].split()
+        assert "--tts-policy locality " in cmd and "SGLANG_TTS_OBSERVE_ONLY" not in cmd, name
+        got = cmd.split("--tts-locality-rules ")[1].split()[0] if "--tts-locality-rules" in cmd else None
+        assert got == rules[side], name
+        assert ("--tts-metrics-file" in cmd) == (server == "generator"), name
+
+
 def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorter_trace(tmp_path, capsys):
     from sgl_tts.bench.command import CPU_TRACE
 
@@ -818,12 +837,12 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
             policies[side, algorithm] = (Speculation.of(args.get("speculative", False)),
                                          args.get("overlap_verification", False))
     for algorithm in cfg.algorithms:
-        # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality (a server policy only)
-        # sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
+        # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality and its two rules alone
+        # (server policies only), sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
         # sgl-tts+overlap (overlapped verification alone), and the two together
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, False), (None, False), (None, False), (None, False), (Speculation(lookahead=False), False),
-            (Speculation(), False), (Speculation(), True), (None, False),
+            (Speculation(), False), (Speculation(), True), (None, False), (None, False), (None, False),
             (Speculation(controlled=True, verifier_shares_device=True), False), (None, True),
             (Speculation(controlled=True, verifier_shares_device=True), True)]
 

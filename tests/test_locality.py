@@ -5,13 +5,16 @@ pressure the order is ``prefix-aware``'s exactly."""
 
 from __future__ import annotations
 
+import os
 import random
 from array import array
 
+import pytest
 from test_scheduler_plugin import Cache, RadixKey, make_req, policy_for, scheduler_for
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402 (after the plugin is loaded)
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from sgl_tts.plugin import residency
 from sgl_tts.plugin.settings import TTSSettings
@@ -19,6 +22,8 @@ from sgl_tts.protocol import SearchTag
 
 LOCALITY = TTSSettings("locality", 32)
 PREFIX_AWARE = TTSSettings("prefix-aware", 32)
+EVICTION_ONLY = TTSSettings("locality", 32, locality_rules="eviction")   # the ablation's two halves
+ORDER_ONLY = TTSSettings("locality", 32, locality_rules="order")
 SHARED = list(range(1, 101))                   # a 100-token prompt every path starts with
 
 
@@ -158,3 +163,70 @@ def test_resident_first_keeps_families_whole_and_each_part_in_walk_order():
     # x (0 and 5 < 32) and z (0, 31) are resident; y and w are not
     assert residency.resident_first(fams, uncached, 32) == [0, 1, 3, 4, 2, 5]
     assert residency.resident_first([], [], 32) == []
+
+
+# ------------------------------------------------------------------ the rules one at a time (ablation)
+def test_eviction_alone_evicts_by_next_use_in_the_prefix_aware_order():
+    # eviction as under both rules (here both families are resident, so the orders agree) ...
+    assert evicted_paths(EVICTION_ONLY, 200) == {"A": 200, "B": 200, "G": 100, "G2": 100}
+    assert evicted_paths(EVICTION_ONLY, 300) == {"A": 200, "B": 100, "G": 100, "G2": 100}
+    # ... but no reordering: the family that must recompute keeps its prefix-aware place
+    assert resident_case(EVICTION_ONLY, 660) == resident_case(PREFIX_AWARE, 660) == ["p0c0", "p1c0", "p1c1", "p0c1"]
+
+
+def test_eviction_alone_marks_the_needed_nodes_in_walk_order():
+    """Under pressure with resident families first off, the marks follow the prefix-aware walk:
+    family B (parent 0, first in the walk, its path evicted) ranks before A; the cached path that
+    no waiting request needs is not marked."""
+    cache = Cache(size=660)
+    a, b = path(1), path(2)
+    insert(cache, a)
+    for k in range(4):
+        insert(cache, path(10 + k))
+    pol = policy_for(cache, "fcfs", EVICTION_ONLY)
+    queue = children(1, a) + children(0, b)
+    pol.calc_priority(queue)
+    strategy = cache.tree.eviction_strategy
+    assert isinstance(strategy, residency.QueueAwareEviction) and strategy.epoch == 1
+    node = cache.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", a)))).last_device_node
+    # the prefix-aware walk is p0c0 p0c1 p1c0 p1c1 (p0c1's deferral comes after the marks): A's own
+    # node is needed first by p1c0, at walk position 2
+    assert getattr(node, residency.NEED) == (1, 2)
+    shared = node.parent
+    assert getattr(shared, residency.NEED) == (1, 0)   # the prompt, needed first by p0c0
+    other = cache.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", path(10))))).last_device_node
+    assert getattr(other, residency.NEED, None) is None
+
+
+def test_order_alone_puts_resident_families_first_and_leaves_eviction_to_sglang():
+    assert resident_case(ORDER_ONLY, 660) == resident_case(LOCALITY, 660) == ["p1c0", "p1c1", "p0c0", "p0c1"]
+    assert resident_case(ORDER_ONLY, 5000) == resident_case(PREFIX_AWARE, 5000)
+    # SGLang's LRU, as under prefix-aware: A's path (needed first) goes, G2 (needed by nobody) stays
+    assert evicted_paths(ORDER_ONLY, 200) == evicted_paths(PREFIX_AWARE, 200) == {"A": 100, "B": 200, "G": 100, "G2": 200}
+    cache = Cache(size=660)
+    policy_for(cache, "fcfs", ORDER_ONLY)
+    assert not isinstance(cache.tree.eviction_strategy, residency.QueueAwareEviction)
+
+
+def test_locality_rules_setting_is_checked_and_reaches_the_server(monkeypatch):
+    with pytest.raises(ValueError, match="--tts-locality-rules must be one of both, eviction, order, got 'lru'"):
+        TTSSettings("locality", locality_rules="lru")
+    with pytest.raises(ValueError, match="--tts-locality-rules order acts only with --tts-policy locality "
+                                         r"\(the server runs --tts-policy prefix-aware\)"):
+        TTSSettings("prefix-aware", locality_rules="order")
+    assert (EVICTION_ONLY.evicts_by_next_use, EVICTION_ONLY.resident_first) == (True, False)
+    assert (ORDER_ONLY.evicts_by_next_use, ORDER_ONLY.resident_first) == (False, True)
+    assert (LOCALITY.evicts_by_next_use, LOCALITY.resident_first) == (True, True)
+    assert (PREFIX_AWARE.evicts_by_next_use, PREFIX_AWARE.resident_first) == (False, False)
+    assert ORDER_ONLY.args() == ["--tts-policy", "locality", "--tts-locality-rules", "order"]
+    assert "--tts-locality-rules" not in LOCALITY.args()
+    assert TTSSettings.from_env(ORDER_ONLY.env()) == ORDER_ONLY
+    # launch_server's own parser: the flag lands on ServerArgs and in the children's environment
+    for var in ("SGLANG_TTS_POLICY", "SGLANG_TTS_LOCALITY_RULES", "SGLANG_TTS_DEDUP_TOKENS", "SGLANG_TTS_MAX_WAIT",
+                "SGLANG_TTS_CPU_ATTENTION", "SGLANG_TTS_METRICS_FILE", "SGLANG_TTS_SEEDED_SAMPLING"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "locality", "--tts-locality-rules", "eviction"])
+    assert TTSSettings.of(sa) == EVICTION_ONLY and os.environ["SGLANG_TTS_LOCALITY_RULES"] == "eviction"
+    with pytest.raises(ValueError, match="acts only with --tts-policy locality"):
+        prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-locality-rules", "order"])

@@ -322,14 +322,14 @@ def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
         policy = STOCK_POLICIES.get(side)
         flags = {name: extra_by[name] + (["--schedule-policy", policy] if policy else [])
                  + ([server_counters.METRICS_FLAG] if name == "generator" else []) for name in extra_by}
-        tts_policy = SERVER_POLICIES.get(side)
-        plugin = TTSSettings(tts_policy or "prefix-aware",
+        server_policy = SERVER_POLICIES.get(side)
+        plugin = TTSSettings(**(server_policy or {"policy": "prefix-aware"}),
                              metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
                              ) if servers == "sgl-tts" else None
         specs[side] = build_specs(str(setup.gen_dir), str(setup.prm_dir), setup.side_flags[servers], host=args.host,
                                   ports=ports, first=args.first, plugin=plugin, extra=flags,
                                   env=setup.envs[servers],
-                                  prm_plugin=TTSSettings(tts_policy) if tts_policy else None)
+                                  prm_plugin=TTSSettings(**server_policy) if server_policy else None)
     return specs
 
 

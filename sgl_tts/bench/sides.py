@@ -29,6 +29,9 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+spec+lookahead": {"speculative": "exact"},
     "sgl-tts+spec+lookahead+overlap": {"speculative": "exact", "overlap_verification": True},
     "sgl-tts+locality": {},
+    # the locality policy's rules one at a time (its ablation): which one cuts the recomputation
+    "sgl-tts+locality-eviction": {},
+    "sgl-tts+locality-order": {},
     # exact speculation under the cost controller (issue 33), on the generator's measured decode curve
     "sgl-tts+auto": {"speculative": "auto"},
     # overlapped verification alone (a beam's PRM request as soon as its step ends; no speculation)
@@ -36,10 +39,14 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     # the setting to recommend: speculation where the curve says it pays, verification overlapped
     "sgl-tts+auto+overlap": {"speculative": "auto", "overlap_verification": True},
 }
-# The plugin's policy (``--tts-policy``) on an sgl-tts side's servers: ``prefix-aware`` on the generator
-# unless named here; a side named here runs that policy on both servers (the PRM's queue and radix
-# cache are under the same pressure as the generator's, issue 32).
-SERVER_POLICIES: dict[str, str] = {"sgl-tts+locality": "locality"}
+# The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
+# ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
+# servers (the PRM's queue and radix cache are under the same pressure as the generator's, issue 32).
+SERVER_POLICIES: dict[str, dict[str, str]] = {
+    "sgl-tts+locality": {"policy": "locality"},
+    "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
+    "sgl-tts+locality-order": {"policy": "locality", "locality_rules": "order"},
+}
 ALL_SIDES = tuple(SIDE_OPTIONS)
 
 
@@ -77,3 +84,4 @@ def side_curve(side: str, generator_url: str, settings: "BenchSettings", trace: 
         return curve_for_server(generator_url, context=max(32, context))
     except ProfileError as exc:
         raise BenchError(f"side {side}: its decode curve: {exc}") from None
+

@@ -66,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory planner's split on both models' measured CPU profiles (the default; the "
                         "report's header says which split each side used and whether it was planned)")
     b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
-                   help="stock and sgl-tts by default; stock-lpm and stock-dfs-weight are stock SGLang under its "
-                        "own prefix-aware policies (--schedule-policy lpm / dfs-weight); the sgl-tts+spec... "
-                        "sides add speculative beam extension, then LookAhead, then overlapped verification on "
-                        "the sgl-tts servers (the ablation); sgl-tts+locality: --tts-policy locality on both servers")
+                   help="stock and sgl-tts by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix policies "
+                        "(--schedule-policy lpm / dfs-weight); sgl-tts+spec...: speculative beam extension, then LookAhead, "
+                        "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
+                        "-order): --tts-policy locality (or one of its rules alone) on both servers")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

@@ -195,8 +195,10 @@ class TTSPolicyState:
         self._matched_deferred: dict[tuple[int, int], int] = {}   # split by the decision they gave
         self._matched_fp: Any = None               # the radix cache's fingerprint they were matched on
         self._matched_evictions: Any = None        # and its eviction count (residency.count_evictions)
-        # policy "locality" (sgl_tts.plugin.residency): the tree's eviction strategy, set by enable()
+        # policy "locality" (sgl_tts.plugin.residency), set by enable(): the tree's eviction strategy
+        # (rule 1, eviction by next use) and whether resident families go first (rule 2)
         self.residency: residency.QueueAwareEviction | None = None
+        self.resident_first = False
         self._local: tuple | None = None           # (base plan, tree node counter, local plan)
         self.local_rounds = 0                      # rounds ordered under pressure
         _STATES.add(self)                          # so that forget() reaches it
@@ -263,7 +265,7 @@ class TTSPolicyState:
         if plan is None or plan.sig != sig or not self._anchor_still_valid(plan, anchor_req):
             plan = self._plan = self._make_plan(policy, waiting_queue, infos, aged, anchor_req)
         base = plan
-        if self.residency is not None:
+        if self.residency is not None or self.resident_first:
             plan = self._local_plan(policy, base)
         # the last prefill batch counts only in the first round after it formed: then its prefill
         # may still be in flight (overlap); later it is in the radix cache or was evicted, and
@@ -399,7 +401,9 @@ class TTSPolicyState:
     def _local_plan(self, policy: Any, base: _Plan) -> _Plan:
         """Policy ``locality``: under KV pressure, ``base`` with resident families first, and the
         radix nodes the waiting requests need marked in that order (:mod:`sgl_tts.plugin.residency`);
-        ``base`` itself without pressure. Reused while the plan and the tree's nodes are unchanged."""
+        ``base`` itself without pressure. With one rule alone (``--tts-locality-rules``) the other
+        is left out: ``base``'s order with its nodes marked, or resident families first unmarked.
+        Reused while the plan and the tree's nodes are unchanged."""
         tree = policy.tree_cache
         if not residency.under_pressure(tree):
             return base
@@ -419,9 +423,13 @@ class TTSPolicyState:
         order = list(range(base.first_deferrable))   # aged requests keep their places
         families = [f.family for f in base.infos]
         for lo, hi in base.segments:
-            order.extend(lo + j for j in residency.resident_first(families[lo:hi], uncached[lo:hi],
-                                                                  self.settings.dedup_tokens))
-        residency.mark_needed(self.residency, tree.root_node, [nodes[i] for i in order])
+            if self.resident_first:
+                order.extend(lo + j for j in residency.resident_first(families[lo:hi], uncached[lo:hi],
+                                                                      self.settings.dedup_tokens))
+            else:
+                order.extend(range(lo, hi))
+        if self.residency is not None:
+            residency.mark_needed(self.residency, tree.root_node, [nodes[i] for i in order])
         local = base
         if order != list(range(len(order))):
             infos = [base.infos[i] for i in order]
@@ -543,8 +551,10 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
         policy.tree_cache.sgl_tts_policy = state
         if state is not None:
             residency.count_evictions(policy.tree_cache)
-        if state is not None and settings.policy == "locality":
+        if state is not None and settings.evicts_by_next_use:
             state.residency = residency.install(policy.tree_cache)
+        if state is not None:
+            state.resident_first = settings.resident_first
     return state
 
 

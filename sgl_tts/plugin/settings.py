@@ -16,6 +16,9 @@ from typing import Any, Mapping
 
 POLICIES = ("off", "prefix-aware", "locality")
 CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.cpu_attention)
+# --tts-locality-rules: which of the locality policy's two rules act (sgl_tts.plugin.residency);
+# one alone is for measuring what each contributes (the ablation of issue 32)
+LOCALITY_RULES = ("both", "eviction", "order")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class TTSSettings:
     seeded_sampling: bool = False
     max_wait: float | None = 5.0
     cpu_attention: str = "native"
+    locality_rules: str = "both"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -61,10 +65,26 @@ class TTSSettings:
         if self.cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"--tts-cpu-attention must be one of {', '.join(CPU_ATTENTION)}, "
                              f"got {self.cpu_attention!r}")
+        if self.locality_rules not in LOCALITY_RULES:
+            raise ValueError(f"--tts-locality-rules must be one of {', '.join(LOCALITY_RULES)}, "
+                             f"got {self.locality_rules!r}")
+        if self.locality_rules != "both" and self.policy != "locality":
+            raise ValueError(f"--tts-locality-rules {self.locality_rules} acts only with --tts-policy locality "
+                             f"(the server runs --tts-policy {self.policy})")
 
     @property
     def active(self) -> bool:
         return self.policy != "off"
+
+    @property
+    def evicts_by_next_use(self) -> bool:
+        """The locality policy's first rule: the radix cache evicts by next use under pressure."""
+        return self.policy == "locality" and self.locality_rules in ("both", "eviction")
+
+    @property
+    def resident_first(self) -> bool:
+        """The locality policy's second rule: resident families are admitted first under pressure."""
+        return self.policy == "locality" and self.locality_rules in ("both", "order")
 
     @property
     def any_on(self) -> bool:
@@ -86,6 +106,8 @@ class TTSSettings:
             out += ["--tts-metrics-file", str(self.metrics_file)]
         if self.cpu_attention != d.cpu_attention:
             out += ["--tts-cpu-attention", self.cpu_attention]
+        if self.locality_rules != d.locality_rules:
+            out += ["--tts-locality-rules", self.locality_rules]
         return out
 
     def env(self) -> dict[str, str]:
@@ -96,6 +118,7 @@ class TTSSettings:
             env["SGLANG_TTS_SEEDED_SAMPLING"] = "1"
         env["SGLANG_TTS_MAX_WAIT"] = "off" if self.max_wait is None else repr(float(self.max_wait))
         env["SGLANG_TTS_CPU_ATTENTION"] = self.cpu_attention
+        env["SGLANG_TTS_LOCALITY_RULES"] = self.locality_rules
         return env
 
     @classmethod
@@ -109,7 +132,8 @@ class TTSSettings:
         return cls(env.get("SGLANG_TTS_POLICY", cls.policy), dedup, env.get("SGLANG_TTS_METRICS_FILE") or None,
                    env.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1",
                    parse_max_wait(env.get("SGLANG_TTS_MAX_WAIT", str(cls.max_wait))),
-                   env.get("SGLANG_TTS_CPU_ATTENTION", cls.cpu_attention))
+                   env.get("SGLANG_TTS_CPU_ATTENTION", cls.cpu_attention),
+                   env.get("SGLANG_TTS_LOCALITY_RULES", cls.locality_rules))
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
@@ -119,7 +143,8 @@ class TTSSettings:
                        getattr(server_args, "tts_metrics_file", None),
                        bool(getattr(server_args, "tts_seeded_sampling", False)),
                        getattr(server_args, "tts_max_wait", cls.max_wait),
-                       getattr(server_args, "tts_cpu_attention", cls.cpu_attention))
+                       getattr(server_args, "tts_cpu_attention", cls.cpu_attention),
+                       getattr(server_args, "tts_locality_rules", cls.locality_rules))
         return cls.from_env()
 
 
@@ -193,6 +218,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "keeps it; ragged batches decode rows of similar length into one call and "
                             "extends a cached prefix by attending with its new tokens only (equal to "
                             "float rounding, several times faster for tree searches' one-token steps)")
+    group.add_argument("--tts-locality-rules", choices=LOCALITY_RULES,
+                       default=os.environ.get("SGLANG_TTS_LOCALITY_RULES", "both"),
+                       help="with --tts-policy locality: both rules (default), or one alone to measure "
+                            "what it contributes: eviction (evict what the waiting queue needs last) or "
+                            "order (admit families whose prefix is cached first)")
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
@@ -201,7 +231,8 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     settings = TTSSettings(getattr(args, "tts_policy", "off"), getattr(args, "tts_dedup_tokens", 32),
                            getattr(args, "tts_metrics_file", None), bool(getattr(args, "tts_seeded_sampling", False)),
                            getattr(args, "tts_max_wait", TTSSettings.max_wait),
-                           getattr(args, "tts_cpu_attention", TTSSettings.cpu_attention))
+                           getattr(args, "tts_cpu_attention", TTSSettings.cpu_attention),
+                           getattr(args, "tts_locality_rules", TTSSettings.locality_rules))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
@@ -214,8 +245,9 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     server_args.tts_seeded_sampling = settings.seeded_sampling
     server_args.tts_max_wait = settings.max_wait
     server_args.tts_cpu_attention = settings.cpu_attention
+    server_args.tts_locality_rules = settings.locality_rules
     os.environ.update(settings.env())
     return settings
 
 
-__all__ = ["CPU_ATTENTION", "POLICIES", "TTSSettings", "add_arguments", "apply"]
+__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "TTSSettings", "add_arguments", "apply"]

@@ -15,6 +15,8 @@ import pytest
 
 from sgl_tts.experiment import RunConfig, run
 from sgl_tts.launch.decode_curve import curve_for_server
+from sgl_tts.launch.live_servers import settled_loads
+from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
 from sgl_tts.search.speculation_cost import COSTS_MORE
 
 pytestmark = pytest.mark.server
@@ -35,6 +37,21 @@ def test_the_decode_curve_is_measured_on_the_server_and_then_read_from_the_cache
     assert json.loads(open(first.path).read())["points"] == [list(p) for p in first.curve.points]
 
 
+def test_the_prms_slowdown_beside_decoding_is_measured_on_the_pair_and_then_read_from_the_cache(live, tmp_path):
+    gen, prm = live.url("generator"), live.url("prm")
+    first = slowdown_for_servers(gen, prm, rows=(0, 4), prm_batch=4, context=128, cache_dir=tmp_path)
+    assert [b for b, _ in first.slowdown.points] == [0, 4] and all(t > 0 for _, t in first.slowdown.points)
+    assert first.slowdown.per_row >= 0 and first.prm["model_path"] == str(live.specs["prm"].model)
+    assert first.generator["model_path"] == str(live.specs["generator"].model)
+    # the generator's requests were aborted once the PRM's batch was timed: nothing is left running
+    assert (settled_loads(gen)["num_running_reqs"], settled_loads(gen)["num_waiting_reqs"]) == (0, 0)
+    saved = os.stat(first.path).st_mtime_ns
+    again = slowdown_for_servers(gen, prm, rows=(0, 4), prm_batch=4, context=128, cache_dir=tmp_path)
+    assert again == first and os.stat(first.path).st_mtime_ns == saved        # read, not measured
+    data = json.loads(open(first.path).read())
+    assert data["points"] == [list(p) for p in first.slowdown.points] and data["per_row"] == round(first.slowdown.per_row, 6)
+
+
 def _trajectories(records):
     return [[(t["steps"], t["step_scores"], t["answer"]) for t in r["trajectories"]] for r in records]
 
@@ -53,8 +70,10 @@ def test_auto_keeps_the_plain_searchs_trajectories_and_stands_down_where_rows_co
     for name in ("measured", "origin"):
         assert _trajectories(out[name]) == _trajectories(out["plain"]), name
     assert all("branches" not in r for r in out["plain"])
-    # measure resolved to the server's curve, cached under SGLANG_TTS_CACHE
-    assert len(list((tmp_path / "cache" / "curves").glob("*.json"))) == 1
+    # measure resolved to the server's curve and (the PRM on the same host) the PRM's slowdown beside
+    # it, both cached under SGLANG_TTS_CACHE
+    cached = sorted(p.name.startswith("slowdown-") for p in (tmp_path / "cache" / "curves").glob("*.json"))
+    assert cached == [False, True]
     branches = {name: [r["branches"] for r in out[name]] for name in ("measured", "origin")}
     origin_b = branches["origin"]
     assert sum(b["started"] for b in origin_b) == 0 and sum(b["declined"] for b in origin_b) > 0

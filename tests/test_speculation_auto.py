@@ -12,11 +12,11 @@ import os
 import pytest
 
 from sgl_tts.experiment import RunConfig, RunError
-from sgl_tts.experiment.driver import with_decode_curve
+from sgl_tts.experiment.driver import with_decode_curve, with_verifier_slowdown
 from sgl_tts.experiment.summary import summarize
 from sgl_tts.launch.decode_curve import MeasuredCurve, curve_key
 from sgl_tts.search.pipeline import Speculation
-from sgl_tts.search.speculation_cost import COSTS_MORE, NO_CURVE, DecodeCurve
+from sgl_tts.search.speculation_cost import COSTS_MORE, NO_CURVE, DecodeCurve, VerifierSlowdown
 
 
 def _curve_file(tmp_path, points, name="curve.json"):
@@ -43,6 +43,9 @@ def test_a_curve_file_is_read_and_read_again_once_rewritten(tmp_path):
     (dict(speculative="auto", verifier_shares_device="maybe"), "must be auto, yes or no, got 'maybe'",
      "verifier_shares_device"),
     (dict(speculative="auto", speculation_curve="/no/such/curve.json"), "not a decode curve file", "speculation_curve"),
+    (dict(verifier_slowdown="none"), "settings of speculative: auto", "verifier_slowdown"),
+    (dict(speculative="auto", verifier_slowdown="/no/such/slowdown.json"), "not a verifier slowdown file",
+     "verifier_slowdown"),
 ])
 def test_bad_auto_settings_are_refused_naming_the_setting(settings, message, named):
     with pytest.raises(RunError, match=message) as err:
@@ -122,7 +125,7 @@ def test_records_and_the_summary_report_the_branches():
     s = summarize(records, 4, "beam_search")
     assert s.branches == {"started": 3, "declined": 7, "stopped": 1, "stood_down": {COSTS_MORE: 6, NO_CURVE: 1}}
     assert (f"speculative branches: 3 started, 1 stopped at a barrier, 7 not started "
-            f"({COSTS_MORE}: 6, {NO_CURVE}: 1)") in s.table()
+            f"(why they stood down: {COSTS_MORE}: 6, {NO_CURVE}: 1)") in s.table()
     assert summarize(records[2:], 4, "beam_search").branches == {}
 
 
@@ -137,3 +140,32 @@ def test_a_measured_curve_round_trips_and_its_key_follows_the_server():
     assert key != curve_key(m.server, (1, 2, 4), 256, 16) != curve_key(m.server, (1, 2), 512, 16)
     with pytest.raises(Exception, match="format"):
         MeasuredCurve.from_json({**m.to_json(), "format": 0})
+
+
+def test_a_slowdown_file_reaches_the_programs_and_stays_out_of_the_run_key(tmp_path):
+    curve = _curve_file(tmp_path, [[1, 0.01], [64, 0.2]])
+    slowdown = _curve_file(tmp_path, [[0, 0.5], [4, 0.9]], "slowdown.json")
+    cfg = RunConfig(program="beam_search", n=8, beam_width=2, speculative="auto", speculation_curve=curve,
+                    verifier_slowdown=slowdown)
+    cfg.validate()
+    spec = cfg.program_arguments("1+1?", None)["speculative"]
+    assert spec.slowdown == VerifierSlowdown.of([(0, 0.5), (4, 0.9)]) and spec.slowdown.per_row == pytest.approx(0.2)
+    assert spec.verifier_shares_device    # both CPU backends: one host
+    assert cfg.run_key() == RunConfig(program="beam_search", n=8, beam_width=2, speculative="exact").run_key()
+    bad = _curve_file(tmp_path, [[1, 0.5], [4, 0.9]], "no-alone.json")   # no 0-row point: no PRM alone
+    with pytest.raises(RunError, match=r"not a verifier slowdown file \(a verifier slowdown needs the PRM alone"):
+        RunConfig(program="beam_search", n=8, beam_width=2, speculative="auto", verifier_slowdown=bad).validate()
+
+
+def test_the_slowdown_is_measured_only_for_auto_where_the_prm_shares_a_host_with_the_generator():
+    on = dict(program="beam_search", n=4, beam_width=2, speculative="auto")
+    for cfg in (RunConfig(program="beam_search", n=4, beam_width=2, speculative="exact"),
+                RunConfig(**on),                                                        # CPU backends: no servers
+                RunConfig(**on, generator="http://gpu-a:1", prm="http://gpu-b:1"),      # two hosts: never slowed
+                RunConfig(**on, generator="http://127.0.0.1:1", prm="http://127.0.0.1:2", verifier_slowdown="none"),
+                RunConfig(**on, generator="http://127.0.0.1:1", prm="http://127.0.0.1:2", verifier_shares_device="no")):
+        assert with_verifier_slowdown(cfg) is cfg
+    down = RunConfig(**on, generator="http://127.0.0.1:1", prm="http://127.0.0.1:2")
+    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info") as err:
+        with_verifier_slowdown(down)
+    assert err.value.settings == ("verifier_slowdown",)

@@ -9,8 +9,9 @@ import pytest
 from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.search.pipeline import SPECULATION_PRESETS, Speculation
-from sgl_tts.search.speculation_cost import (COSTS_MORE, NO_CURVE, STARTED, DecodeCurve,
-                                              SpeculationController, TakeOverChance)
+from sgl_tts.search.speculation_cost import (COSTS_MORE, NO_CURVE, SLOWS_VERIFIER, STARTED, VERIFIER_SHARES,
+                                              DecodeCurve, SpeculationController, TakeOverChance,
+                                              VerifierSlowdown)
 from test_speculation import QUESTIONS, SETTINGS, kept, run
 
 FLAT = DecodeCurve.of([(1, 0.02), (64, 0.02)])            # memory-bound: a row costs nothing
@@ -129,3 +130,68 @@ def test_a_controlled_search_keeps_the_plain_searchs_beams_whatever_it_decides(p
         assert plain.tokens_generated == got.tokens_normal + got.tokens_reused
         stopped += got.branches_stopped
     assert started > 0 and stopped > 0
+
+
+# ------------------------------------------------------------- the verifier's measured slowdown
+def test_the_slowdown_per_row_is_the_least_squares_slope_through_the_origin():
+    # s fits seconds / alone - 1 = s * rows: sum(rows * y) / sum(rows^2)
+    assert VerifierSlowdown.of([(0, 1.0), (4, 1.8), (16, 4.2)]).per_row == pytest.approx(0.2)   # exactly linear
+    # y = 0.1 at rows 2 and 4: (2 * 0.1 + 4 * 0.1) / (4 + 16) = 0.03
+    assert VerifierSlowdown.of([(0, 2.0), (2, 2.2), (4, 2.2)]).per_row == pytest.approx(0.03)
+    assert VerifierSlowdown.of([(0, 1.0), (4, 0.9)]).per_row == 0.0    # faster beside generation: noise, 0
+    assert VerifierSlowdown.of([(0, 1.0), (4, 0.9)]).alone == 1.0
+    with pytest.raises(ValueError, match=r"needs the PRM alone \(0 rows\)"):
+        VerifierSlowdown.of([(1, 1.0), (4, 2.0)])
+    with pytest.raises(ValueError, match="needs the PRM alone"):
+        VerifierSlowdown.of([(0, 1.0)])
+    with pytest.raises(ValueError, match="rows must increase"):
+        VerifierSlowdown.of([(0, 1.0), (4, 2.0), (4, 3.0)])
+    with pytest.raises(ValueError, match="seconds > 0"):
+        VerifierSlowdown.of([(0, 0.0), (4, 2.0)])
+
+
+def test_a_branch_keeps_running_at_the_barrier_iff_its_saving_exceeds_the_verifiers_loss():
+    """keep iff p * step(n) / n > s * step(b), on a curve where every row costs 10 ms (step(b) =
+    0.01 b) and a verifier that takes 20% longer per generator row (s = 0.2)."""
+    slow = VerifierSlowdown.of([(0, 1.0), (4, 1.8), (16, 4.2)])
+    ctl = SpeculationController(THROUGH_ORIGIN, verifier_shares_device=True, slowdown=slow)
+    got = ctl.keep_at_barrier(1.0, 1, 16)      # saves 1 * 0.01; costs 0.2 * 0.01 = 0.002
+    assert (got.start, got.reason) == (True, STARTED)
+    assert got.saving == pytest.approx(0.01) and got.cost == pytest.approx(0.002)
+    got = ctl.keep_at_barrier(1.0, 8, 16)      # costs 0.2 * 0.08 = 0.016 > 0.01
+    assert (got.start, got.reason) == (False, SLOWS_VERIFIER) and got.cost == pytest.approx(0.016)
+    assert not ctl.keep_at_barrier(0.1, 1, 16).start   # saves 0.001 < 0.002
+    assert not ctl.keep_at_barrier(0.2, 1, 16).start   # 0.002 against 0.002: a tie stops
+    # a verifier that does not slow down, or one elsewhere: nothing stops
+    unslowed = VerifierSlowdown.of([(0, 1.0), (8, 1.0)])
+    for keep in (SpeculationController(THROUGH_ORIGIN, verifier_shares_device=True, slowdown=unslowed),
+                 SpeculationController(THROUGH_ORIGIN, slowdown=slow)):
+        assert not keep.stop_at_barrier() and keep.keep_at_barrier(0.0, 64, 16).start
+    # shared, nothing measured: every branch stops (the rule before the measurement), and says why
+    got = SpeculationController(THROUGH_ORIGIN, verifier_shares_device=True).keep_at_barrier(1.0, 1, 16)
+    assert (got.start, got.reason) == (False, VERIFIER_SHARES)
+    got = SpeculationController(None, verifier_shares_device=True, slowdown=slow).keep_at_barrier(1.0, 1, 16)
+    assert (got.start, got.reason) == (False, NO_CURVE)
+    with pytest.raises(ValueError, match=r"take_chance must lie in \[0, 1\], got -0.5"):
+        ctl.keep_at_barrier(-0.5, 1, 16)
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_at_the_barrier_a_measured_slowdown_decides_which_branches_stop_and_beams_stay_the_same(program):
+    """With the verifier on the device: a slowdown too small to matter lets every branch run on
+    through the verification; a large one stops them (reason counted); the kept beams are the plain
+    search's either way."""
+    knee = DecodeCurve.of([(1, 0.02), (4, 0.02), (64, 0.62)])
+    small = VerifierSlowdown.of([(0, 1.0), (64, 1.0 + 1e-9)])
+    large = VerifierSlowdown.of([(0, 1.0), (1, 11.0)])
+    stopped = {"small": 0, "large": 0}
+    for q in QUESTIONS:
+        plain, _, _ = run(program, q, **SETTINGS)
+        for name, slowdown in (("small", small), ("large", large)):
+            policy = Speculation(controlled=True, curve=knee, verifier_shares_device=True, slowdown=slowdown)
+            got, _, backend = run(program, q, speculative=policy, **SETTINGS)
+            assert kept(got) == kept(plain) and got.answers == plain.answers and backend.running() == 0
+            assert plain.tokens_generated == got.tokens_normal + got.tokens_reused
+            assert got.stood_down.get(SLOWS_VERIFIER, 0) == got.branches_stopped
+            stopped[name] += got.branches_stopped
+    assert stopped["small"] == 0 and stopped["large"] > 0

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from sgl_tts.bench import server_counters
 from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
-from sgl_tts.bench.sides import SIDE_OPTIONS, side_curve
+from sgl_tts.bench.sides import SIDE_OPTIONS, side_curve, side_slowdown
 from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchSettings,
                                    RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
                                    summarize)
@@ -379,9 +379,10 @@ class SideRunner:
                 urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
                 toks = self.setup.tokenizers
                 if SIDE_OPTIONS[side].get("speculative") == "auto":
-                    # its decode curve (cached; run_side reads it back) is measured before the side's
-                    # counters start: the curve's prompts are not the side's work
+                    # its decode curve and the PRM's slowdown (cached; run_side reads them back) are
+                    # measured before the side's counters start: their prompts are not the side's work
                     side_curve(side, urls["generator"], settings, settings.step_trace())
+                    side_slowdown(side, urls["generator"], urls["prm"])
                 before = server_counters.server_counters(urls["generator"])
                 unfinished = run_side(side, urls["generator"], urls["prm"], settings,
                                       prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),

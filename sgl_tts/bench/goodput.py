@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgl_tts.backends.endpoint import SGLangEndpoint
 from sgl_tts.bench.sides import (ALL_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES,  # noqa: F401
-                                 is_stock, run_config, side_curve)
+                                 is_stock, run_config, side_curve, side_slowdown)
 from sgl_tts.bench.trace import StepTrace
 from sgl_tts.frontend import end_stream_executors
 from sgl_tts.search import STEP_DELIMITER, SearchTag
@@ -353,7 +353,11 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         measured = side_curve(side, generator_url, settings, trace)
         write({"kind": "curve", "side": side, "points": [list(p) for p in measured.curve.points],
                "context": measured.context, "date": measured.date, "path": measured.path})
-        configs = {k: dataclasses.replace(c, speculation_curve=measured.path) for k, c in configs.items()}
+        slowdown = side_slowdown(side, generator_url, prm_url)
+        write({"kind": "slowdown", "side": side, "points": [list(p) for p in slowdown.slowdown.points],
+               "per_row": round(slowdown.slowdown.per_row, 6), "date": slowdown.date, "path": slowdown.path})
+        configs = {k: dataclasses.replace(c, speculation_curve=measured.path, verifier_slowdown=slowdown.path)
+                   for k, c in configs.items()}
     registry = StepRegistry()
     gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
                         tokenizer_path=generator_tokenizer, banned_token_ids=settings.banned_token_ids)

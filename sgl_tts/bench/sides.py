@@ -85,3 +85,17 @@ def side_curve(side: str, generator_url: str, settings: "BenchSettings", trace: 
     except ProfileError as exc:
         raise BenchError(f"side {side}: its decode curve: {exc}") from None
 
+
+def side_slowdown(side: str, generator_url: str, prm_url: str):
+    """``speculative: auto``'s measure of the PRM's slowdown beside generation for ``side`` (both
+    servers of a bench side share this machine): :func:`sgl_tts.launch.verifier_slowdown.slowdown_for_servers`,
+    cached per pair. A slowdown that cannot be measured raises :class:`~sgl_tts.bench.goodput.BenchError`
+    naming the side."""
+    from sgl_tts.bench.goodput import BenchError
+    from sgl_tts.launch.cpu_profile import ProfileError
+    from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
+
+    try:
+        return slowdown_for_servers(generator_url, prm_url)
+    except ProfileError as exc:
+        raise BenchError(f"side {side}: the verifier's slowdown: {exc}") from None

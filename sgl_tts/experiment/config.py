@@ -70,6 +70,12 @@ class RunConfig:
             ...]``.
         verifier_shares_device: ``auto`` stops running branches at a depth's barrier when the PRM
             shares the generator's device: ``yes``, ``no`` or ``auto`` (both on one host).
+        verifier_slowdown: where the PRM shares the device, ``auto``'s measure of what a branch
+            running beside the verification costs it: ``measure`` (the PRM server's slowdown beside
+            the generator server's decoding, measured when the run starts and cached per pair:
+            :mod:`sgl_tts.launch.verifier_slowdown`; a branch keeps running only where it saves more),
+            ``none`` (every running branch stops at the barrier), or a JSON file with ``points:
+            [[rows, seconds], ...]``.
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         accept_threshold: beam search positive early exit: stop after the first depth at which a
             finished trajectory scores at least this (``None``: off).
@@ -122,6 +128,7 @@ class RunConfig:
     overlap_verification: bool = False
     speculation_curve: str = "measure"
     verifier_shares_device: str = "auto"
+    verifier_slowdown: str = "measure"
     accept_threshold: float | None = None
     parallel: int = 1
     c_puct: float = 1.0
@@ -150,7 +157,7 @@ class RunConfig:
     # dataset's path is one: a resumed run checks each written problem's question instead.
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
         "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine",
-        "speculation_curve", "verifier_shares_device")
+        "speculation_curve", "verifier_shares_device", "verifier_slowdown")
     # Settings added after runs were written: at their default they stay out of the run key, so an
     # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too:
     # beam search's semantics, filter_duplicates, sort_completed and accept_threshold, MCTS's settings.
@@ -208,9 +215,19 @@ class RunConfig:
         if self.verifier_shares_device not in ("auto", "yes", "no"):
             bad(f"verifier_shares_device must be auto, yes or no, got {self.verifier_shares_device!r}",
                 "verifier_shares_device")
-        if (self.speculation_curve, self.verifier_shares_device) != ("measure", "auto") and self.speculative != "auto":
-            bad("speculation_curve and verifier_shares_device are settings of speculative: auto",
-                "speculation_curve", "verifier_shares_device", "speculative")
+        if (self.speculation_curve, self.verifier_shares_device, self.verifier_slowdown) != ("measure", "auto", "measure") \
+                and self.speculative != "auto":
+            bad("speculation_curve, verifier_shares_device and verifier_slowdown are settings of speculative: auto",
+                "speculation_curve", "verifier_shares_device", "verifier_slowdown", "speculative")
+        if self.verifier_slowdown not in ("measure", "none"):
+            from sgl_tts.search.speculation_cost import VerifierSlowdown
+
+            try:
+                VerifierSlowdown.load(self.verifier_slowdown)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                bad(f"verifier_slowdown {self.verifier_slowdown!r}: not a verifier slowdown file ({exc}); "
+                    "give measure, none or a JSON file with points: [[rows, seconds], ...] (rows 0 first)",
+                    "verifier_slowdown")
         if self.speculation_curve not in ("measure", "none"):
             from sgl_tts.search.speculation_cost import DecodeCurve
 
@@ -276,10 +293,11 @@ class RunConfig:
         on the curve of ``speculation_curve`` (``measure`` left unresolved, or ``none``: no curve, so
         nothing starts and the searches say why)."""
         from sgl_tts.search.pipeline import Speculation
-        from sgl_tts.search.speculation_cost import DecodeCurve
+        from sgl_tts.search.speculation_cost import DecodeCurve, VerifierSlowdown
 
         curve = None if self.speculation_curve in ("measure", "none") else DecodeCurve.load(self.speculation_curve)
-        return Speculation(controlled=True, curve=curve, verifier_shares_device=self.shares_device)
+        slowdown = None if self.verifier_slowdown in ("measure", "none") else VerifierSlowdown.load(self.verifier_slowdown)
+        return Speculation(controlled=True, curve=curve, verifier_shares_device=self.shares_device, slowdown=slowdown)
 
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
         """The keyword arguments of the chosen program for one question (its registry record's)."""

@@ -83,6 +83,28 @@ def with_decode_curve(cfg: RunConfig, stream=sys.stdout) -> RunConfig:
     return dataclasses.replace(cfg, speculation_curve=str(measured.path))
 
 
+def with_verifier_slowdown(cfg: RunConfig, stream=sys.stdout) -> RunConfig:
+    """``cfg`` with ``verifier_slowdown: measure`` resolved where it matters: the PRM shares the
+    generator's device and both are servers (:func:`sgl_tts.launch.verifier_slowdown.slowdown_for_servers`,
+    cached per pair). Elsewhere nothing is measured: a PRM on another device is never slowed, and a
+    shared device without a measurement stops every running branch at the barrier."""
+    if cfg.speculative != "auto" or cfg.verifier_slowdown != "measure" or not cfg.shares_device:
+        return cfg
+    if not (cfg.generator and "://" in cfg.generator and cfg.prm and "://" in cfg.prm):
+        return cfg
+    from sgl_tts.launch.cpu_profile import ProfileError
+    from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
+
+    try:
+        measured = slowdown_for_servers(cfg.generator, cfg.prm)
+    except ProfileError as exc:
+        raise RunError(f"speculative: auto: {exc}", ("verifier_slowdown",)) from None
+    print(f"verifier slowdown of {cfg.prm} beside {cfg.generator} ({measured.date}, {measured.path}): "
+          + ", ".join(f"{b} rows: {t:.3f} s" for b, t in measured.slowdown.points)
+          + f"; {measured.slowdown.per_row:.3f} of its time per generator row", file=stream)
+    return dataclasses.replace(cfg, verifier_slowdown=str(measured.path))
+
+
 def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple[Summary, list[dict]]:
     """Run ``cfg`` and return its summary and every record in the output (old and new).
 
@@ -91,7 +113,7 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
     """
     from sgl_tts.search.runner import run_continuously
 
-    cfg = with_decode_curve(cfg, stream)
+    cfg = with_verifier_slowdown(with_decode_curve(cfg, stream), stream)
     problems = read_problems(cfg.problems, cfg.limit)
     out_path = Path(cfg.output)
     done = read_results(out_path, cfg.run_key(), problems)

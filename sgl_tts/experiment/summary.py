@@ -71,7 +71,7 @@ class Summary:
         if self.branches:
             b = self.branches
             lines.append(f"speculative branches: {b['started']} started, {b['stopped']} stopped at a barrier, "
-                         f"{b['declined']} not started ("
+                         f"{b['declined']} not started (why they stood down: "
                          + (", ".join(f"{why}: {k}" for why, k in sorted(b["stood_down"].items())) or "-") + ")")
         if self.exits:
             lines.append("exits: " + ", ".join(f"{k} {v}" for k, v in sorted(self.exits.items())))

@@ -50,7 +50,7 @@ from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
                             aggregate, is_final, read_step)
-from sgl_tts.search.speculation_cost import DecodeCurve, SpeculationController, TakeOverChance
+from sgl_tts.search.speculation_cost import DecodeCurve, SpeculationController, TakeOverChance, VerifierSlowdown
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,10 @@ class Speculation:
             ``curve``; without a curve nothing is started.
         curve: the generator's measured decode curve (seconds per step against the running batch).
         verifier_shares_device: the PRM runs on the generator's device: a controlled search stops the
-            branches still running when a depth's last step ends, so they do not slow the verification.
+            branches still running when a depth's last step ends, so they do not slow the verification
+            (each one that would cost the verifier more than it saves, judged on ``slowdown``).
+        slowdown: the PRM's measured slowdown beside generation (``None``: not measured; then every
+            running branch stops at the barrier).
     """
 
     mode: str = "exact"
@@ -86,6 +89,7 @@ class Speculation:
     controlled: bool = False
     curve: DecodeCurve | None = None
     verifier_shares_device: bool = False
+    slowdown: VerifierSlowdown | None = None
 
     def __post_init__(self):
         if self.mode not in SPECULATION_MODES:
@@ -153,6 +157,7 @@ class Branch:
     answer_pattern: str = BOXED
     step: Step | None = None
     failed: BaseException | None = None
+    potential: int = 0    # its candidate's speculative potential (the take-over chance's bin)
 
     def ended(self) -> bool:
         return self.step is not None or self.failed is not None or _gen_ended(self.state, self.name)
@@ -285,7 +290,8 @@ class StepPipeline:
         self.delimiter, self.answer_pattern = delimiter, answer_pattern
         self.speculation, self.overlap = speculation, overlap
         self.bins = (speculation.bins if speculation and speculation.bins else bins)
-        self.controller = (SpeculationController(speculation.curve, verifier_shares_device=speculation.verifier_shares_device)
+        self.controller = (SpeculationController(speculation.curve, verifier_shares_device=speculation.verifier_shares_device,
+                                                 slowdown=speculation.slowdown)
                            if speculation and speculation.controlled else None)
         self._take_over = TakeOverChance(self.bins)             # learned from this search's selections
         self.seed = seed
@@ -348,7 +354,7 @@ class StepPipeline:
                 self._waiter.wait(seen)
         barrier = time.perf_counter()
         if self.controller is not None and self.controller.stop_at_barrier():
-            self._stop_running_branches()
+            self._stop_running_branches(len(beams))
         # no new branch while the PRM verifies (FlashTTS speculates only while stragglers generate):
         # on a shared device they would slow the verification selection waits for (CPU bench: 12x)
         rest = [c for c in cands if c.index not in sent]
@@ -436,20 +442,29 @@ class StepPipeline:
                                seed=self.seed_of(depth, c.index, j), custom_params=tag.custom_params(),
                                rid=tag.request_id(prefix=prefix))
             self._branches.setdefault(c.index, []).append(
-                Branch(c.index, j, kid, c.beam.state, closes, prefix, beam_id, limit, name, self.answer_pattern))
+                Branch(c.index, j, kid, c.beam.state, closes, prefix, beam_id, limit, name, self.answer_pattern,
+                       potential=-potential))
             free -= 1
 
     def _running_branches(self) -> int:
         return sum(1 for brs in self._branches.values() for br in brs if not br.ended())
 
-    def _stop_running_branches(self) -> None:
-        """Abort every branch still generating (the verification is about to share the device); a
-        kept child whose branch was stopped sends its own request at the next depth (exact mode)."""
-        for brs in self._branches.values():
-            for br in brs:
-                if not br.ended():
-                    self._abort(br.state, br.rid_prefix)
-                    self.costs.branches_stopped += 1
+    def _stop_running_branches(self, next_batch: int) -> None:
+        """Abort each branch still generating that would slow the verification (about to share the
+        device) more than it saves (:meth:`SpeculationController.keep_at_barrier`; without a measured
+        slowdown, every one), the lowest take-over chance first; a kept child whose branch was stopped
+        sends its own request at the next depth (exact mode)."""
+        running = sorted((br for brs in self._branches.values() for br in brs if not br.ended()),
+                         key=lambda br: (self._take_over.chance(br.potential), -br.candidate, -br.ordinal))
+        left = len(running)
+        for br in running:
+            decision = self.controller.keep_at_barrier(self._take_over.chance(br.potential), left, next_batch)
+            if decision.start:
+                continue
+            self._abort(br.state, br.rid_prefix)
+            self.costs.branches_stopped += 1
+            self.costs.stood_down[decision.reason] = self.costs.stood_down.get(decision.reason, 0) + 1
+            left -= 1
 
     def _lookahead_due(self, c: Candidate) -> bool:
         """With LookAhead, a speculating candidate's verification waits for a branch's whole step."""

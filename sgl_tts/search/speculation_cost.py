@@ -27,11 +27,20 @@ may be taken; a curve through the origin (``step(b) = c * b``: every row costs `
 the branch count from the parent's score; :class:`TakeOverChance` learns the keep rate of each bin
 from the search's own selections (before the first, the potential over the bins).
 
+**At the barrier** (the depth's last step ended; the PRM now verifies what the search waits for)
+a branch still running competes with the verifier where both share the device. The PRM's slowdown is
+measured on the live pair (:class:`VerifierSlowdown`, :mod:`sgl_tts.launch.verifier_slowdown`): its
+scoring takes ``1 + s * B`` times as long with ``B`` generator rows decoding beside it. While a branch
+runs one decode step (``step(b)`` seconds, ``b`` the rows left running) the verification loses ``s *
+step(b)`` seconds, every second of it on the search's critical path; the step saves ``p * step(n) /
+n`` as above. So **a branch keeps running iff ``p * step(n) / n > s * step(b)``**
+(:meth:`SpeculationController.keep_at_barrier`). Without a measured slowdown the rule is the
+yes/no it was: every branch stops where extra rows cost anything.
+
 The curve is measured on the generator's own server (:mod:`sgl_tts.launch.decode_curve`; ``sgl-tts
-run --speculative auto`` does it when the run starts). What it does not know yet: ``b`` is the
-search's own rows in flight, not the server's whole batch; the verifier's slowdown when it shares the
-device is a yes/no (``verifier_shares_device``: branches still running at the barrier are stopped),
-not a measured cost.
+run --speculative auto`` does it when the run starts, and the slowdown where the PRM shares the
+host). What it does not know yet: ``b`` is the search's own rows in flight, not the server's whole
+batch.
 """
 
 from __future__ import annotations
@@ -43,10 +52,12 @@ import json
 import os
 from typing import Sequence
 
-#: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started)
+#: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started or stopped)
 COSTS_MORE = "costs more than it saves"
 NO_CURVE = "no measured decode curve"
 STARTED = "saves more than it costs"
+SLOWS_VERIFIER = "slows the verification more than it saves"   # a branch stopped at the barrier
+VERIFIER_SHARES = "the verifier shares the device"            # stopped, no slowdown measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +121,47 @@ def _load(path: str, mtime_ns: int, size: int) -> DecodeCurve:
         return DecodeCurve.of([tuple(p) for p in json.load(fh)["points"]])
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifierSlowdown:
+    """Seconds the PRM takes to score one fixed batch, against the generator rows decoding beside it
+    (``points``: ``(rows, seconds)``, rows 0 first: the PRM alone). :attr:`per_row` is ``s``: the
+    fraction of its time alone each row adds (the least-squares slope of ``seconds / alone - 1``
+    against the rows, through the origin; never below 0)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self):
+        pts = tuple((int(b), float(t)) for b, t in self.points)
+        if len(pts) < 2 or pts[0][0] != 0:
+            raise ValueError(f"a verifier slowdown needs the PRM alone (0 rows) and at least one other point, got {pts}")
+        if any(b < 0 for b, _ in pts) or any(not t > 0 for _, t in pts):
+            raise ValueError(f"a verifier slowdown's rows must be >= 0 and its seconds > 0, got {pts}")
+        if any(b1 >= b2 for (b1, _), (b2, _) in zip(pts, pts[1:])):
+            raise ValueError(f"a verifier slowdown's rows must increase, got {[b for b, _ in pts]}")
+        object.__setattr__(self, "points", pts)
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[int, float]]) -> "VerifierSlowdown":
+        return cls(tuple(points))
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "VerifierSlowdown":
+        """The slowdown of a JSON file with ``points: [[rows, seconds], ...]`` (what
+        :mod:`sgl_tts.launch.verifier_slowdown` caches)."""
+        with open(path, encoding="utf-8") as fh:
+            return cls.of([tuple(p) for p in json.load(fh)["points"]])
+
+    @property
+    def alone(self) -> float:
+        return self.points[0][1]
+
+    @property
+    def per_row(self) -> float:
+        rest = self.points[1:]
+        slope = sum(b * (t / self.alone - 1.0) for b, t in rest) / sum(b * b for b, _ in rest)
+        return max(0.0, slope)
+
+
 class TakeOverChance:
     """The chance that a branch is taken over, by its beam's speculative potential (SelectSpec's
     bin), learned from the search's own selections: ``(kept + base) / (seen + 1)`` over the
@@ -152,13 +204,17 @@ class SpeculationController:
         curve: the generator's measured decode curve; ``None``: nothing is measured, so nothing is
             started (``speculative="auto"`` never guesses).
         verifier_shares_device: the PRM runs on the same device (always on a CPU): a branch still
-            running when the depth's last step ends would slow the verification the search waits
-            for, so :meth:`stop_at_barrier` says to stop it.
+            running when the depth's last step ends slows the verification the search waits for
+            (:meth:`keep_at_barrier`).
+        slowdown: the PRM's measured slowdown beside generation; ``None``: not measured, so a
+            shared device stops every branch at the barrier where extra rows cost anything.
     """
 
-    def __init__(self, curve: DecodeCurve | None, *, verifier_shares_device: bool = False):
+    def __init__(self, curve: DecodeCurve | None, *, verifier_shares_device: bool = False,
+                 slowdown: VerifierSlowdown | None = None):
         self.curve = curve
         self.verifier_shares_device = verifier_shares_device
+        self.slowdown = slowdown
 
     def decide(self, take_chance: float, running: int, next_batch: int) -> BranchDecision:
         """One branch whose child takes it over with chance ``take_chance``, with ``running``
@@ -174,12 +230,32 @@ class SpeculationController:
         return BranchDecision(False, COSTS_MORE, saving, cost)
 
     def stop_at_barrier(self) -> bool:
-        """Whether branches still running at the depth's barrier are stopped: when the verifier shares
-        the device and extra rows cost it time (a flat curve costs nothing)."""
+        """Whether branches still running at the depth's barrier may have to stop (each is then
+        judged by :meth:`keep_at_barrier`): when the verifier shares the device and, without a
+        measured slowdown, extra rows cost it time (a flat curve costs nothing)."""
         if not self.verifier_shares_device:
             return False
+        if self.slowdown is not None:
+            return self.slowdown.per_row > 0
         return self.curve is None or any(self.curve.marginal(b) > 0 for b, _ in self.curve.points)
 
+    def keep_at_barrier(self, take_chance: float, running: int, next_batch: int) -> BranchDecision:
+        """Whether one branch still running at the barrier keeps running while the PRM verifies
+        (module docstring): its child takes it over with chance ``take_chance``, ``running`` branches
+        are left running, ``next_batch`` requests are expected at the next depth. Stops (``start`` is
+        False) every branch when the verifier shares the device and no slowdown was measured."""
+        if not 0.0 <= take_chance <= 1.0:
+            raise ValueError(f"take_chance must lie in [0, 1], got {take_chance}")
+        if not self.stop_at_barrier():
+            return BranchDecision(True, "the verifier is not slowed", 0.0, 0.0)
+        if self.slowdown is None or self.curve is None:
+            return BranchDecision(False, VERIFIER_SHARES if self.curve is not None else NO_CURVE, 0.0, 0.0)
+        saving = take_chance * self.curve.per_row(next_batch)
+        cost = self.slowdown.per_row * self.curve.step(max(1, running))
+        if saving > cost * (1 + 1e-9) + 1e-15:
+            return BranchDecision(True, STARTED, saving, cost)
+        return BranchDecision(False, SLOWS_VERIFIER, saving, cost)
 
-__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "STARTED", "SpeculationController",
-           "TakeOverChance"]
+
+__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "SLOWS_VERIFIER", "STARTED",
+           "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "VerifierSlowdown"]

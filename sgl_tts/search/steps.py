@@ -295,7 +295,8 @@ class SearchResult:
             cancelled rollouts' expansions; 0 where a program does not count them).
         branches_started, branches_declined, branches_stopped: speculative branches started, not
             started because the cost controller (``speculative="auto"``) judged they would not pay,
-            and stopped at a depth's barrier; ``stood_down``: the declined ones by reason.
+            and stopped at a depth's barrier; ``stood_down``: the declined and the stopped ones by
+            reason.
     """
 
     answer: str | None

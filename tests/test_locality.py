@@ -96,14 +96,21 @@ def test_no_node_is_marked_and_eviction_is_lru_without_pressure():
     assert (cached(cache, a), cached(cache, g)) == (200, 100)   # g was older than a's touch
 
 
-def resident_case(settings: TTSSettings, size: int) -> list[str]:
-    """Family B (parent 0: first in the prefix-aware walk) must recompute its parent's path (evicted);
-    family A's (parent 1) is cached. Returns the order of the waiting queue."""
+def pressured_pool(size: int) -> tuple[Cache, list[int], list[int]]:
+    """A pool of ``size`` tokens holding A's path (parent 1's) but not B's (parent 0's), filled with
+    four paths nobody waits for (600 tokens used). Returns the cache and both paths."""
     cache = Cache(size=size)
     a, b = path(1), path(2)
     insert(cache, a)
-    for k in range(4):                          # fill the pool with paths nobody waits for
+    for k in range(4):
         insert(cache, path(10 + k))
+    return cache, a, b
+
+
+def resident_case(settings: TTSSettings, size: int) -> list[str]:
+    """Family B (parent 0: first in the prefix-aware walk) must recompute its parent's path (evicted);
+    family A's (parent 1) is cached. Returns the order of the waiting queue."""
+    cache, a, b = pressured_pool(size)
     pol = policy_for(cache, "fcfs", settings)
     queue = children(1, a) + children(0, b)
     pol.calc_priority(queue)
@@ -122,11 +129,7 @@ def test_under_pressure_a_resident_family_is_admitted_before_one_that_must_recom
 def test_admission_under_pressure_takes_the_resident_family():
     """SGLang's own admission (``get_new_batch_prefill``) after the locality order: the resident family
     A is admitted, and B, which must recompute 100 tokens, waits while the pool is short."""
-    cache = Cache(size=660)
-    a, b = path(1), path(2)
-    insert(cache, a)
-    for k in range(4):
-        insert(cache, path(10 + k))
+    cache, a, b = pressured_pool(660)
     pol = policy_for(cache, "fcfs", LOCALITY)
     queue = children(1, a) + children(0, b)
     s = scheduler_for(ScheduleBatch(reqs=[]), cache.tree, cache.allocator, list(queue), pool=cache.pool,
@@ -178,11 +181,7 @@ def test_eviction_alone_marks_the_needed_nodes_in_walk_order():
     """Under pressure with resident families first off, the marks follow the prefix-aware walk:
     family B (parent 0, first in the walk, its path evicted) ranks before A; the cached path that
     no waiting request needs is not marked."""
-    cache = Cache(size=660)
-    a, b = path(1), path(2)
-    insert(cache, a)
-    for k in range(4):
-        insert(cache, path(10 + k))
+    cache, a, b = pressured_pool(660)
     pol = policy_for(cache, "fcfs", EVICTION_ONLY)
     queue = children(1, a) + children(0, b)
     pol.calc_priority(queue)

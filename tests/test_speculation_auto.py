@@ -169,3 +169,21 @@ def test_the_slowdown_is_measured_only_for_auto_where_the_prm_shares_a_host_with
     with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info") as err:
         with_verifier_slowdown(down)
     assert err.value.settings == ("verifier_slowdown",)
+
+
+def test_a_cached_slowdown_is_written_whole_and_one_that_does_not_parse_is_named(tmp_path):
+    from sgl_tts.launch.cpu_profile import ProfileError, read_cached, write_json_atomically
+    from sgl_tts.launch.verifier_slowdown import MeasuredSlowdown
+
+    data = {"format": 1, "points": [[0, 1.0], [4, 1.4]], "generator": {"model_path": "g"}, "prm": {"model_path": "p"},
+            "machine": {}, "prm_batch": 8, "context": 256, "date": "2026-11-27"}
+    path = write_json_atomically(tmp_path / "deep" / "slowdown.json", data)
+    assert [p.name for p in path.parent.iterdir()] == ["slowdown.json"]     # no temporary file left
+    got = read_cached(path, MeasuredSlowdown.from_json, "verifier slowdown")
+    assert got.slowdown.per_row == pytest.approx(0.1) and got.path == str(path) and got.to_json()["per_row"] == 0.1
+    path.write_text(json.dumps(data)[:40])   # cut short, as a crash without the atomic write would leave it
+    with pytest.raises(ProfileError, match=f"{path}: not a verifier slowdown .*remeasure to replace it"):
+        read_cached(path, MeasuredSlowdown.from_json, "verifier slowdown")
+    path.write_text(json.dumps({**data, "format": 2}))
+    with pytest.raises(ProfileError, match="a verifier slowdown of format 2, not 1"):
+        read_cached(path, MeasuredSlowdown.from_json, "verifier slowdown")

@@ -52,6 +52,27 @@ class ProfileError(ValueError):
     """A cached profile cannot be read (corrupt or of another format), or a measurement failed."""
 
 
+def write_json_atomically(path: str | os.PathLike, data: dict) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary file beside it: a crash or a reader
+    never sees half a file under the name (every cached measurement is saved this way)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def read_cached(path: str | os.PathLike, parse, what: str):
+    """``parse(data, path)`` of the cached JSON measurement at ``path``; one that does not parse (corrupt,
+    or of another format) raises :class:`ProfileError` naming the file (it is never silently replaced:
+    remeasuring does that)."""
+    try:
+        return parse(json.loads(Path(path).read_text()), str(path))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"{path}: not a {what} ({exc}); remeasure to replace it") from exc
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileGrid:
     """Where a profile is measured: every batch size x every context length, ``decode_tokens`` decode
@@ -179,12 +200,7 @@ class CpuProfile:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
-        return path
+        return write_json_atomically(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CpuProfile":

@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.launch.cpu_profile import ProfileError, ProfileGrid, _Timer, machine_identity
+from sgl_tts.launch.cpu_profile import (ProfileError, ProfileGrid, _Timer, machine_identity, read_cached,
+                                        write_json_atomically)
 from sgl_tts.search.speculation_cost import DecodeCurve
 
 log = logging.getLogger(__name__)
@@ -144,10 +145,7 @@ def curve_for_server(url: str, *, batches: Sequence[int] = DEFAULT_BATCHES, cont
     identity = server_identity(url)
     path = Path(cache_dir or curve_dir()).expanduser() / f"{curve_key(identity, batches, context, decode_tokens)}.json"
     if path.exists() and not remeasure:
-        try:
-            got = MeasuredCurve.from_json(json.loads(path.read_text()), str(path))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProfileError(f"{path}: not a decode curve ({exc}); remeasure to replace it") from exc
+        got = read_cached(path, MeasuredCurve.from_json, "decode curve")
         log.info("decode curve of %s from %s (measured %s)", url, path, got.date)
         return got
     log.info("measuring the decode curve of %s at batches %s (%d-token context)", url, list(batches), context)
@@ -155,10 +153,7 @@ def curve_for_server(url: str, *, batches: Sequence[int] = DEFAULT_BATCHES, cont
                                  vocab=_vocab(identity.get("model_path")))
     got = MeasuredCurve(curve, identity, machine_identity(), int(context), decode_tokens,
                         datetime.date.today().isoformat(), str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(got.to_json(), indent=1))
-    tmp.replace(path)   # a crash never leaves half a file under the key
+    write_json_atomically(path, got.to_json())
     log.info("decode curve of %s saved to %s: %s", url, path,
              ", ".join(f"{b}: {1e3 * s:.1f} ms" for b, s in curve.points))
     return got

@@ -32,7 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.launch.cpu_profile import ProfileError, _post, _Timer, machine_identity
+from sgl_tts.launch.cpu_profile import (ProfileError, _post, _Timer, machine_identity, read_cached,
+                                        write_json_atomically)
 from sgl_tts.launch.decode_curve import _vocab, curve_dir, server_identity
 from sgl_tts.search.speculation_cost import VerifierSlowdown
 
@@ -200,20 +201,14 @@ def slowdown_for_servers(generator_url: str, prm_url: str, *, rows: Sequence[int
     gen_id, prm_id = server_identity(generator_url), server_identity(prm_url)
     path = Path(cache_dir or curve_dir()).expanduser() / f"{slowdown_key(gen_id, prm_id, rows, prm_batch, context)}.json"
     if path.exists() and not remeasure:
-        try:
-            got = MeasuredSlowdown.from_json(json.loads(path.read_text()), str(path))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProfileError(f"{path}: not a verifier slowdown ({exc}); remeasure to replace it") from exc
+        got = read_cached(path, MeasuredSlowdown.from_json, "verifier slowdown")
         log.info("verifier slowdown of %s beside %s from %s (measured %s)", prm_url, generator_url, path, got.date)
         return got
     log.info("measuring the slowdown of %s beside %s at %s generator rows", prm_url, generator_url, list(rows))
     slowdown = measure_verifier_slowdown(generator_url, prm_url, rows=rows, prm_batch=prm_batch, context=context)
     got = MeasuredSlowdown(slowdown, gen_id, prm_id, machine_identity(), prm_batch, int(context),
                            datetime.date.today().isoformat(), str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(got.to_json(), indent=1))
-    tmp.replace(path)   # a crash never leaves half a file under the key
+    write_json_atomically(path, got.to_json())
     log.info("verifier slowdown saved to %s: %s (%.3f per generator row)", path,
              ", ".join(f"{b} rows: {t:.3f} s" for b, t in slowdown.points), slowdown.per_row)
     return got

@@ -27,8 +27,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sgl-tts-slowdown-"))
     specs = {"generator": LiveServer(str(shipped_model("generator")), policy="prefix-aware", kv_bytes=64 << 20),
              "prm": LiveServer(str(shipped_model("prm")), kv_bytes=64 << 20)}
-    servers = LiveServers(specs, work / "servers")
-    try:
+    with LiveServers(specs, work / "servers") as servers:   # both stopped on the way out
         gen, prm = servers.url("generator"), servers.url("prm")
         for k in range(args.times):
             start = time.perf_counter()
@@ -36,8 +35,6 @@ def main() -> None:
             print(json.dumps({"points": [list(p) for p in got.slowdown.points], "per_row": got.slowdown.per_row,
                               "seconds": round(time.perf_counter() - start, 1), "date": got.date,
                               "machine": got.machine}))
-    finally:
-        servers.stop_all()
 
 
 if __name__ == "__main__":

@@ -79,23 +79,35 @@ def _get(url: str, timeout: float = 30.0) -> dict:
         return json.loads(res.read() or b"{}")
 
 
+def server_info(url: str) -> dict:
+    """What the server at ``url`` reports of itself (``/get_server_info``); :class:`ProfileError`
+    when it cannot be read."""
+    try:
+        return _get(url.rstrip("/") + "/get_server_info")
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"{url}: cannot read /get_server_info to key its measurements: {exc}") from exc
+
+
 def server_identity(url: str) -> dict:
     """What the server at ``url`` reports of itself that its decode speed depends on."""
-    try:
-        info = _get(url.rstrip("/") + "/get_server_info")
-    except (OSError, ValueError) as exc:
-        raise ProfileError(f"{url}: cannot read /get_server_info to key its decode curve: {exc}") from exc
+    info = server_info(url)
     return {k: info.get(k) for k in IDENTITY_FIELDS}
+
+
+def model_config_int(model_path: str | None, key: str) -> int | None:
+    """An integer of the served model's ``config.json`` (or of its ``text_config``) where this machine
+    can read it; ``None`` where it cannot."""
+    try:
+        cfg = json.loads((Path(str(model_path)) / "config.json").read_text())
+        return int(cfg.get(key) or cfg["text_config"][key])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _vocab(model_path: str | None) -> int:
     """The served model's vocabulary size from its ``config.json`` where this machine can read it;
     else 256 (ids below any real vocabulary's size)."""
-    try:
-        cfg = json.loads((Path(str(model_path)) / "config.json").read_text())
-        return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return 256
+    return model_config_int(model_path, "vocab_size") or 256
 
 
 def measure_decode_curve(url: str, *, batches: Sequence[int] = DEFAULT_BATCHES, context: int = DEFAULT_CONTEXT,

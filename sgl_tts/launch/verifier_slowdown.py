@@ -34,7 +34,7 @@ from typing import Sequence
 
 from sgl_tts.launch.cpu_profile import (ProfileError, _post, _Timer, machine_identity, read_cached,
                                         write_json_atomically)
-from sgl_tts.launch.decode_curve import _vocab, curve_dir, server_identity
+from sgl_tts.launch.decode_curve import _vocab, curve_dir, model_config_int, server_identity, server_info
 from sgl_tts.search.speculation_cost import VerifierSlowdown
 
 log = logging.getLogger(__name__)
@@ -137,11 +137,13 @@ def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequenc
         raise ValueError(f"need two row counts or more, prm_batch >= 1, repeats >= 1 and context >= 2; got "
                          f"{list(rows)}, {prm_batch}, {repeats}, {context}")
     gen_url, prm_url = generator_url.rstrip("/"), prm_url.rstrip("/")
-    gen_info = server_identity(gen_url)
+    gen_info = server_info(gen_url)
     gen = _Timer(gen_url, _vocab(gen_info.get("model_path")))
-    prm = _Timer(prm_url, _vocab(server_identity(prm_url).get("model_path")))
-    # decode as long as the generator's context allows (SGLang caps a request there)
-    room = int(_context_length(gen_url) or 4096) - generator_context - 2
+    prm = _Timer(prm_url, _vocab(server_info(prm_url).get("model_path")))
+    # decode as long as the generator's context allows (SGLang refuses a request beyond it): its
+    # --context-length, else the model's
+    context_len = gen_info.get("context_length") or model_config_int(gen_info.get("model_path"), "max_position_embeddings")
+    room = int(context_len or 4096) - generator_context - 2
     if room < 64:
         raise ProfileError(f"{gen_url}: a context of {room + generator_context + 2} tokens leaves too little "
                            "room to keep requests decoding")
@@ -165,23 +167,6 @@ def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequenc
         gen.close()
         prm.close()
     return VerifierSlowdown.of(points)
-
-
-def _context_length(url: str) -> int | None:
-    """The server's context length: its ``--context-length``, else the served model's
-    ``max_position_embeddings`` where this machine can read its ``config.json``."""
-    try:
-        with urllib.request.urlopen(url + "/get_server_info", timeout=30) as res:
-            info = json.loads(res.read() or b"{}")
-    except (OSError, ValueError):
-        return None
-    if info.get("context_length"):
-        return int(info["context_length"])
-    try:
-        cfg = json.loads((Path(str(info.get("model_path"))) / "config.json").read_text())
-        return int(cfg.get("max_position_embeddings") or cfg["text_config"]["max_position_embeddings"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
 
 
 def slowdown_key(generator: dict, prm: dict, rows: Sequence[int], prm_batch: int, context: int) -> str:

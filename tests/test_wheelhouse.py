@@ -142,3 +142,41 @@ def test_smoke_runs_on_a_gpu(capsys):
 
     assert main(["--problems", "2"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("OK")
+
+
+def _module_runs(name: str) -> bool:
+    """Whether ``python -m name`` would run something: a package with a ``__main__`` or a module with a
+    ``__name__ == "__main__"`` block (a module without one imports and exits 0, silently)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return False
+    if spec.submodule_search_locations is not None:
+        return importlib.util.find_spec(f"{name}.__main__") is not None
+    return spec.origin is not None and '__name__ == "__main__"' in Path(spec.origin).read_text()
+
+
+def test_every_module_the_gpu_scripts_run_with_dash_m_runs_something():
+    # 2026-11-27, fourth lease: short-lease.sh ran `python3 -m sgl_tts.smoke`, which has no main
+    # block: it imported for 12 s and exited 0, and the smoke test was counted as passed unrun
+    import re
+
+    calls = []
+    for script in sorted(Path("tools/gpu").glob("*.sh")):
+        calls += [(script.name, m) for m in re.findall(r"python3? -m ([\w.]+)", script.read_text())]
+    assert ("short-lease.sh", "sgl_tts.cli") in calls and ("bench-call.sh", "sgl_tts.cli") in calls
+    assert [c for c in calls if not _module_runs(c[1])] == []
+    assert not _module_runs("sgl_tts.smoke")   # the check itself tells a library module from a command
+
+
+def test_the_leases_smoke_command_parses_as_sgl_tts_smoke():
+    import re
+    import shlex
+
+    from sgl_tts.cli.smoke import build_parser
+
+    line = next(l for l in Path("tools/gpu/short-lease.sh").read_text().splitlines() if " smoke " in l and "-m " in l)
+    args = shlex.split(re.sub(r"\$\(\(.*?\)\)", "90", line.split("sgl_tts.cli smoke", 1)[1]))
+    got = build_parser().parse_args(args)
+    assert (got.problems, got.health_timeout, got.dry_run) == (2, 90.0, False)

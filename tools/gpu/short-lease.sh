@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 smoke() {
   local c; c=$(cap 240 60)
   say "smoke (at most $c s)"
-  timeout -k 10 "$c" python3 -m sgl_tts.smoke --problems 2 --health-timeout $(( c > 60 ? c - 30 : c ))
+  timeout -k 10 "$c" python3 -m sgl_tts.cli smoke --problems 2 --health-timeout $(( c > 60 ? c - 30 : c ))
   say "smoke exit $?"
 }
 tests() {

@@ -52,6 +52,16 @@ def test_the_prms_slowdown_beside_decoding_is_measured_on_the_pair_and_then_read
     assert data["points"] == [list(p) for p in first.slowdown.points] and data["per_row"] == round(first.slowdown.per_row, 6)
 
 
+def test_the_slowdown_rows_stop_at_the_generators_running_request_limit(live, tmp_path):
+    # 2026-11-27, H200: 16 rows asked of a generator capped at 8 requests left 8 queued; they started
+    # only when the first 8 ran out of context, and the measurement failed. Rows beyond the limit are
+    # measured at the limit (4 here) and every request is gone afterwards.
+    gen, prm = live.url("generator_4slots"), live.url("prm")
+    got = slowdown_for_servers(gen, prm, rows=(0, 2, 8), prm_batch=4, context=128, cache_dir=tmp_path)
+    assert [b for b, _ in got.slowdown.points] == [0, 2, 4]
+    assert (settled_loads(gen)["num_running_reqs"], settled_loads(gen)["num_waiting_reqs"]) == (0, 0)
+
+
 def _trajectories(records):
     return [[(t["steps"], t["step_scores"], t["answer"]) for t in r["trajectories"]] for r in records]
 

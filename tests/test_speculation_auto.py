@@ -187,3 +187,18 @@ def test_a_cached_slowdown_is_written_whole_and_one_that_does_not_parse_is_named
     path.write_text(json.dumps({**data, "format": 2}))
     with pytest.raises(ProfileError, match="a verifier slowdown of format 2, not 1"):
         read_cached(path, MeasuredSlowdown.from_json, "verifier slowdown")
+
+
+def test_slowdown_rows_beyond_the_running_request_limit_are_measured_at_the_limit():
+    from sgl_tts.launch.verifier_slowdown import rows_within_cap, running_request_cap
+
+    assert rows_within_cap((0, 4, 16), 8) == (0, 4, 8)
+    assert rows_within_cap((0, 4, 16), 4) == (0, 4)        # the limit is already a row: not twice
+    assert rows_within_cap((0, 4, 16), 2) == (0, 2)
+    assert rows_within_cap((0, 4, 16), 16) == (0, 4, 16)
+    assert rows_within_cap((0, 4, 16), None) == (0, 4, 16)   # a server that does not say
+    # the scheduler's effective limit wins over the flag (SGLang may lower it to fit the pool)
+    info = {"max_running_requests": 64, "internal_states": [{"effective_max_running_requests_per_dp": 8}]}
+    assert running_request_cap(info) == 8
+    assert running_request_cap({"max_running_requests": 64, "internal_states": [{}]}) == 64
+    assert running_request_cap({"max_running_requests": None}) is None

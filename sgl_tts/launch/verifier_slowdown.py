@@ -111,7 +111,7 @@ class _Decoding:
             raise ProfileError(f"{self.url}: a generator request failed: {self._errors[0]}")
         if any(not t.is_alive() for t in self._threads):
             raise ProfileError(f"{self.url}: a generator request ended before the PRM batch was timed "
-                               "(its context is too short for the measurement)")
+                               "(it ran out of context, or waited behind the server's running-request limit)")
 
     def stop(self) -> None:
         for rid in self.rids:
@@ -123,12 +123,36 @@ class _Decoding:
             t.join(timeout=60)
 
 
+def running_request_cap(info: dict) -> int | None:
+    """How many requests the server at ``info`` (its ``/get_server_info``) decodes at once: the
+    scheduler's effective limit, else its ``--max-running-requests``; None when it reports neither."""
+    for state in info.get("internal_states") or []:
+        cap = state.get("effective_max_running_requests_per_dp")
+        if cap:
+            return int(cap)
+    cap = info.get("max_running_requests")
+    return int(cap) if cap else None
+
+
+def rows_within_cap(rows: Sequence[int], cap: int | None) -> tuple[int, ...]:
+    """``rows`` with the counts above ``cap`` replaced by ``cap`` itself: a row beyond the server's
+    running-request limit queues instead of decoding, so it would wait for the others to end (the
+    H200, 2026-11-27: 16 rows asked of a generator capped at 8 made the measurement fail)."""
+    rows = tuple(rows)
+    if cap is None or rows[-1] <= cap:
+        return rows
+    kept = tuple(b for b in rows if b < cap) + (cap,)
+    log.info("the generator decodes at most %d requests at once: slowdown rows %s instead of %s", cap,
+             list(kept), list(rows))
+    return kept
+
+
 def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequence[int] = DEFAULT_ROWS,
                               prm_batch: int = DEFAULT_PRM_BATCH, context: int = DEFAULT_CONTEXT,
                               repeats: int = 3, generator_context: int = 64) -> VerifierSlowdown:
     """Seconds the PRM at ``prm_url`` takes to prefill ``prm_batch`` fresh prompts of ``context`` ids,
     with each of ``rows`` generator requests decoding beside it on ``generator_url`` (module
-    docstring). Raises :class:`~sgl_tts.launch.cpu_profile.ProfileError` when a server answers other
+    docstring; counts above the generator's running-request limit are measured at the limit). Raises :class:`~sgl_tts.launch.cpu_profile.ProfileError` when a server answers other
     than asked."""
     rows = tuple(int(b) for b in rows)
     if not rows or rows[0] != 0 or any(a >= b for a, b in zip(rows, rows[1:])):
@@ -147,6 +171,7 @@ def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequenc
     if room < 64:
         raise ProfileError(f"{gen_url}: a context of {room + generator_context + 2} tokens leaves too little "
                            "room to keep requests decoding")
+    rows = rows_within_cap(rows, running_request_cap(gen_info))
     try:
         prm.wall(prm.prompts(2, 32, "slowdown-warm-up"), 1)
         points = []
@@ -199,4 +224,5 @@ def slowdown_for_servers(generator_url: str, prm_url: str, *, rows: Sequence[int
     return got
 
 
-__all__ = ["MeasuredSlowdown", "measure_verifier_slowdown", "slowdown_for_servers", "slowdown_key"]
+__all__ = ["MeasuredSlowdown", "measure_verifier_slowdown", "rows_within_cap", "running_request_cap",
+           "slowdown_for_servers", "slowdown_key"]

@@ -195,3 +195,68 @@ def test_at_the_barrier_a_measured_slowdown_decides_which_branches_stop_and_beam
             assert got.stood_down.get(SLOWS_VERIFIER, 0) == got.branches_stopped
             stopped[name] += got.branches_stopped
     assert stopped["small"] == 0 and stopped["large"] > 0
+
+
+# ------------------------------------------------- the generator's batch: the other searches' rows
+def test_rows_in_flight_counts_each_owners_rows_and_gives_back_the_others_sum():
+    from sgl_tts.search.speculation_cost import RowsInFlight, rows_in_flight
+
+    rows = RowsInFlight()
+    assert rows.publish("a", 3) == 0 and rows.publish("b", 5) == 3 and rows.others("a") == 5
+    assert rows.publish("a", 1) == 5 and rows.others("b") == 1 and rows.others("c") == 6
+    rows.leave("b")
+    assert rows.others("a") == 0 and rows.others("c") == 1
+    assert rows.publish("a", 0) == 0 and rows.others("c") == 0
+    with pytest.raises(ValueError, match="rows must be >= 0, got -1"):
+        rows.publish("a", -1)
+    assert rows_in_flight("http://gen:1") is rows_in_flight("http://gen:1")
+    assert rows_in_flight("http://gen:1") is not rows_in_flight("http://gen:2")
+
+
+def test_a_controlled_search_judges_branches_at_the_generators_batch_with_the_other_searches_rows():
+    """Flat up to 4 rows, then 10 ms a row: alone the search speculates at its small batches; with
+    another search's 60 rows on the same generator every branch is past the knee and declined. The
+    kept beams are the plain search's either way."""
+    from sgl_tts.search.speculation_cost import rows_in_flight
+    from sgl_tts.testing import ScriptedBackend
+    from test_speculation import PACE, heavy
+
+    knee = DecodeCurve.of([(1, 0.02), (4, 0.02), (64, 0.62)])
+    policy = Speculation(controlled=True, curve=knee)
+    q = QUESTIONS[0]
+    plain, _, _ = run(beam_search, q, **SETTINGS)
+    alone, _, _ = run(beam_search, q, speculative=policy, **SETTINGS)
+    assert kept(alone) == kept(plain) and alone.branches_started > 0
+    backend = ScriptedBackend(heavy, seconds_per_token=PACE)
+    table = rows_in_flight(("backend", id(backend)))
+    table.publish("another search", 60)
+    try:
+        loaded, _, _ = run(beam_search, q, backend=backend, speculative=policy, **SETTINGS)
+    finally:
+        table.leave("another search")
+    assert kept(loaded) == kept(plain) and loaded.branches_started == 0
+    assert loaded.branches_declined > 0 and loaded.stood_down == {COSTS_MORE: loaded.branches_declined}
+    assert table.others("probe") == 0   # the search left the table when it ended
+
+
+def test_a_controlled_search_publishes_its_rows_while_they_generate_and_leaves_when_it_ends():
+    import threading
+
+    from sgl_tts.search.speculation_cost import rows_in_flight
+    from sgl_tts.testing import ScriptedBackend
+    from test_speculation import PACE, heavy
+
+    backend = ScriptedBackend(heavy, seconds_per_token=PACE)
+    table = rows_in_flight(("backend", id(backend)))
+    backend.pause()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("got", run(
+        beam_search, QUESTIONS[0], backend=backend, speculative=Speculation(controlled=True, curve=FLAT), **SETTINGS)))
+    t.start()
+    try:
+        assert backend.wait_held(SETTINGS["num_beams"], timeout=30)
+        assert table.others("probe") == SETTINGS["num_beams"]   # the first depth: every beam's step
+    finally:
+        backend.resume()
+        t.join(60)
+    assert not t.is_alive() and out["got"][0].branches_started > 0 and table.others("probe") == 0

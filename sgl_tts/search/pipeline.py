@@ -50,7 +50,8 @@ from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
                             aggregate, is_final, read_step)
-from sgl_tts.search.speculation_cost import DecodeCurve, SpeculationController, TakeOverChance, VerifierSlowdown
+from sgl_tts.search.speculation_cost import (DecodeCurve, RowsInFlight, SpeculationController, TakeOverChance,
+                                              VerifierSlowdown, rows_in_flight)
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,12 @@ def _joined(piece: Step, rest: Step, answer_pattern: str) -> Step:
                 rest.finish_reason, raw)
 
 
+def _generator_key(state: Any) -> Any:
+    """Which generator a state's requests go to: its endpoint's URL, else its backend object's id."""
+    backend = state.stream_executor.backend
+    return getattr(backend, "base_url", None) or ("backend", id(backend))
+
+
 def _end(state: Any) -> None:
     """Let a state's worker thread exit once its queued work is done (does not wait)."""
     state.stream_executor.end()
@@ -307,6 +314,7 @@ class StepPipeline:
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="sgl-tts-verify") if overlap else None
         self._class_change = True
         self._waiter = Waiter()   # every state this search generates on wakes it when its step ends
+        self._rows: RowsInFlight | None = None   # a controller's view of the generator's other rows
 
     # ------------------------------------------------------------------------------ one depth
     def run_depth(self, beams: Sequence[Beam], depth: int) -> list[Candidate]:
@@ -325,6 +333,9 @@ class StepPipeline:
                 waiting[i] = ("step", b.state, name)
         verifying: list[tuple[list[Candidate], Any]] = []   # (candidates, future of their scores)
         sent: set[int] = set()
+        if self.controller is not None and self._rows is None and beams:
+            self._rows = rows_in_flight(_generator_key(beams[0].state))
+        others = 0   # the rows the process's other controlled searches have on the generator
         while waiting:
             seen = self._waiter.seen()   # before looking: an end after this wakes the wait below
             ended = [i for i, (_, st, var) in waiting.items() if _gen_ended(st, var)]
@@ -344,9 +355,13 @@ class StepPipeline:
             if self.overlap and self.speculation and self.speculation.lookahead:
                 ready += [cands[i] for i, brs in self._branches.items()
                           if i not in sent and cands[i] not in ready and any(br.ended() and br.whole for br in brs)]
+            if self._rows is not None:
+                others = self._rows.publish(self, len(waiting) + self._running_branches())
             if self._queue:   # the search's batch stays at its size: branches fill what steps freed
                 running = len(waiting) + self._running_branches()
-                self._fill(len(beams) - running, running, len(beams))
+                self._fill(len(beams) - running, running, len(beams), others)
+                if self._rows is not None:
+                    self._rows.publish(self, len(waiting) + self._running_branches())
             if ready:   # what became ready in one look goes out as one PRM call
                 verifying.append((ready, self._verify(ready)))
                 sent.update(c.index for c in ready)
@@ -354,7 +369,9 @@ class StepPipeline:
                 self._waiter.wait(seen)
         barrier = time.perf_counter()
         if self.controller is not None and self.controller.stop_at_barrier():
-            self._stop_running_branches(len(beams))
+            self._stop_running_branches(len(beams), self._rows.others(self) if self._rows is not None else 0)
+        if self._rows is not None:   # the branches left run on while the PRM verifies
+            self._rows.publish(self, self._running_branches())
         # no new branch while the PRM verifies (FlashTTS speculates only while stragglers generate):
         # on a shared device they would slow the verification selection waits for (CPU bench: 12x)
         rest = [c for c in cands if c.index not in sent]
@@ -415,16 +432,18 @@ class StepPipeline:
             heapq.heappush(self._queue, (-count, j, self._queued, c, depth, limit))
             self._queued += 1
 
-    def _fill(self, free: int, running: int, next_batch: int) -> None:
+    def _fill(self, free: int, running: int, next_batch: int, others: int = 0) -> None:
         """Start queued branches in the ``free`` slots (FlashTTS keeps the batch at its size: a slot a
         finished step frees goes to the branches of the beams with the highest potential, a beam's
         branches in child order). Under a controller, a branch starts only if it pays at ``running``
-        requests in flight and ``next_batch`` at the next depth; one that does not is dropped (a
-        lower potential would not pay either)."""
+        requests in flight and ``next_batch`` at the next depth, each plus the ``others`` rows of the
+        process's other controlled searches on the generator; one that does not is dropped (a lower
+        potential would not pay either)."""
         while free > 0 and self._queue:
             potential, j, _, c, depth, limit = heapq.heappop(self._queue)
             if self.controller is not None:
-                decision = self.controller.decide(self._take_over.chance(-potential), running, next_batch)
+                decision = self.controller.decide(self._take_over.chance(-potential), running + others,
+                                                  next_batch + others)
                 if not decision.start:
                     self.costs.branches_declined += 1
                     self.costs.stood_down[decision.reason] = self.costs.stood_down.get(decision.reason, 0) + 1
@@ -449,16 +468,17 @@ class StepPipeline:
     def _running_branches(self) -> int:
         return sum(1 for brs in self._branches.values() for br in brs if not br.ended())
 
-    def _stop_running_branches(self, next_batch: int) -> None:
+    def _stop_running_branches(self, next_batch: int, others: int = 0) -> None:
         """Abort each branch still generating that would slow the verification (about to share the
         device) more than it saves (:meth:`SpeculationController.keep_at_barrier`; without a measured
         slowdown, every one), the lowest take-over chance first; a kept child whose branch was stopped
-        sends its own request at the next depth (exact mode)."""
+        sends its own request at the next depth (exact mode). ``others``: as in :meth:`_fill`."""
         running = sorted((br for brs in self._branches.values() for br in brs if not br.ended()),
                          key=lambda br: (self._take_over.chance(br.potential), -br.candidate, -br.ordinal))
         left = len(running)
         for br in running:
-            decision = self.controller.keep_at_barrier(self._take_over.chance(br.potential), left, next_batch)
+            decision = self.controller.keep_at_barrier(self._take_over.chance(br.potential), left + others,
+                                                       next_batch + others)
             if decision.start:
                 continue
             self._abort(br.state, br.rid_prefix)
@@ -635,6 +655,8 @@ class StepPipeline:
         self._retire = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._rows is not None:
+            self._rows.leave(self)
 
 
 __all__ = ["Beam", "Branch", "Candidate", "Costs", "SPECULATION_MODES", "SPECULATION_PRESETS", "Speculation", "StepPipeline",

@@ -39,8 +39,10 @@ yes/no it was: every branch stops where extra rows cost anything.
 
 The curve is measured on the generator's own server (:mod:`sgl_tts.launch.decode_curve`; ``sgl-tts
 run --speculative auto`` does it when the run starts, and the slowdown where the PRM shares the
-host). What it does not know yet: ``b`` is the search's own rows in flight, not the server's whole
-batch.
+host). ``b`` and ``n`` are the generator's batch as this process sees it: the search's own rows plus
+those of every other controlled search of the process on the same generator (:class:`RowsInFlight`:
+``sgl-tts run`` with several problems in flight, ``sgl-tts serve-search``); another client's
+requests on the same server are not seen.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Sequence
+import threading
+from typing import Hashable, Sequence
 
 #: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started or stopped)
 COSTS_MORE = "costs more than it saves"
@@ -196,6 +199,47 @@ class BranchDecision:
     cost: float
 
 
+class RowsInFlight:
+    """The decode rows each controlled search of this process has running on one generator, so that
+    a search judges a branch at the generator's batch rather than at its own rows alone. Each search
+    publishes its count whenever it looks at its requests and leaves when it ends; what it reads back
+    is the others' sum. Thread-safe (searches run on threads of their own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[Hashable, int] = {}
+        self._total = 0
+
+    def publish(self, owner: Hashable, rows: int) -> int:
+        """Record that ``owner`` has ``rows`` requests decoding; returns the other owners' rows."""
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        with self._lock:
+            self._total += rows - self._rows.get(owner, 0)
+            if rows:
+                self._rows[owner] = rows
+            else:
+                self._rows.pop(owner, None)
+            return self._total - rows
+
+    def others(self, owner: Hashable) -> int:
+        with self._lock:
+            return self._total - self._rows.get(owner, 0)
+
+    def leave(self, owner: Hashable) -> None:
+        self.publish(owner, 0)
+
+
+_ROWS: dict[Hashable, RowsInFlight] = {}
+_ROWS_LOCK = threading.Lock()
+
+
+def rows_in_flight(generator: Hashable) -> RowsInFlight:
+    """The process's :class:`RowsInFlight` of one generator (a server's URL, or a backend's id)."""
+    with _ROWS_LOCK:
+        return _ROWS.setdefault(generator, RowsInFlight())
+
+
 class SpeculationController:
     """Starts a speculative branch only when its expected saving exceeds its expected cost (module
     docstring), and says whether running branches stop at the depth's barrier.
@@ -257,5 +301,5 @@ class SpeculationController:
         return BranchDecision(False, SLOWS_VERIFIER, saving, cost)
 
 
-__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "SLOWS_VERIFIER", "STARTED",
-           "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "VerifierSlowdown"]
+__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "RowsInFlight", "SLOWS_VERIFIER", "STARTED",
+           "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "VerifierSlowdown", "rows_in_flight"]

@@ -142,9 +142,7 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
 
 
 def _trajectory(c: Candidate, delimiter: str, answer_pattern: str) -> Trajectory:
-    path = c.grown.scored
-    return Trajectory(path, c.scores, c.value, extract_answer(delimiter.join(path), answer_pattern), c.tokens,
-                      c.grown.finished, c.seconds)
+    return c.trajectory(delimiter, answer_pattern)
 
 
 def _first_of_each_path(cands: list[Candidate]) -> list[Candidate]:

@@ -2,8 +2,8 @@
 
 :func:`compare` runs, on held-out problems of :mod:`sgl_tts.tiny.task` and one generator backend plus a PRM
 scorer, the programs in ``programs/``: a single sample, self-consistency (majority vote) and PRM
-best-of-N (one ``best_of_n`` run per N: both read the same samples), and PRM-guided step beam search
-(one run per N). Every row carries accuracy, generated tokens per problem and wall seconds of its run.
+best-of-N (one ``best_of_n`` run per N: both read the same samples), PRM-guided step beam search
+(one run per N) and PRM particle filtering (one run per N >= 2; ``sgl-tts demo``: at its smallest). Every row carries accuracy, generated tokens per problem and wall seconds of its run.
 From the largest best-of-N run it also derives pass@N, the mean single-sample accuracy over all its
 samples, best-of-N under each step-score aggregation, and the PRM's step-classification AUC against the
 checker's labels.
@@ -116,9 +116,12 @@ def check_ns(ns: Sequence[int]) -> list[int]:
 
 def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[int] = (1, 4, 16),
             beam_width: int = 4, temperature: float = 0.8, aggregation: str = "last", seed: int = 0,
-            max_tokens: int = 256, step_tokens: int = 64, progress: bool = True) -> Comparison:
+            max_tokens: int = 256, step_tokens: int = 64, progress: bool = True,
+            particle_filtering_ns: Sequence[int] | None = None) -> Comparison:
     """Run the TTS programs on ``problems`` with ``generator`` (an sgl backend) and ``prm`` (a
-    :class:`~sgl_tts.prm.PRMScorer`); see the module docstring for what is measured."""
+    :class:`~sgl_tts.prm.PRMScorer`); see the module docstring for what is measured.
+    ``particle_filtering_ns``: the N of particle filtering's rows (its defaults: multinomial draws,
+    the best particle); ``None``: every N >= 2 of ``ns``."""
     from sgl_tts.experiment import RunConfig, program_function
 
     if not problems:
@@ -161,6 +164,15 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
         t = time.perf_counter()
         res = _results(program_function("beam_search").run_batch(args, backend=generator, progress_bar=progress))
         rows.append(MethodRow("PRM beam search", n, _accuracy(problems, [r.answer for r in res]),
+                              sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
+    for n in ns if particle_filtering_ns is None else particle_filtering_ns:
+        if n < 2:
+            continue
+        args = arguments("particle_filtering", n, prm)
+        t = time.perf_counter()
+        res = _results(program_function("particle_filtering").run_batch(args, backend=generator,
+                                                                         progress_bar=progress))
+        rows.append(MethodRow("PRM particle filtering", n, _accuracy(problems, [r.answer for r in res]),
                               sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
     if largest is not None:
         details.update(_sample_details(problems, *largest))
@@ -207,7 +219,7 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=method)
     ax.axhline(100 * base, ls="--", color="grey", label="single sample")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("N (samples / beams)")
+    ax.set_xlabel("N (samples / beams / particles)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"sgl-tts tiny models, {cmp.problems} test problems, T={cmp.temperature}")
     ax.grid(alpha=0.3)

@@ -157,7 +157,7 @@ def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
 
 
 #: a program parameter's name as a run setting, where they differ
-_SETTING_OF = {"num_beams": "n"}
+_SETTING_OF = {"num_beams": "n", "pick": "particle_pick"}
 
 
 def _check_options(cfg: Any, bad: Callable[..., None], options: type, **own: Any) -> None:
@@ -190,6 +190,23 @@ def _check_dvts(cfg: Any, bad: Callable[..., None]) -> None:
 def _sampling_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return dict(_common(cfg, question), num_samples=cfg.n, prm=prm if cfg.uses_prm else None,
                 aggregation=cfg.aggregation, max_tokens=cfg.max_tokens)
+
+
+#: particle filtering's own settings (``programs/particle_filtering.py``)
+PARTICLE_FILTERING_SETTINGS = {"resampling": "multinomial", "weight_temperature": 1.0, "particle_pick": "best"}
+
+
+def _particle_filtering_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
+    return dict(_common(cfg, question), prm=prm, num_particles=cfg.n, max_depth=cfg.max_depth,
+                step_tokens=_steps(cfg), aggregation=cfg.aggregation, resampling=cfg.resampling,
+                weight_temperature=cfg.weight_temperature, pick=cfg.particle_pick)
+
+
+def _check_particle_filtering(cfg: Any, bad: Callable[..., None]) -> None:
+    from sgl_tts.search.options import ParticleFilteringOptions
+
+    _check_options(cfg, bad, ParticleFilteringOptions, resampling=cfg.resampling,
+                   weight_temperature=cfg.weight_temperature, pick=cfg.particle_pick)
 
 
 MCTS_SETTINGS = {"parallel": 1, "c_puct": 1.0, "threshold": 0.9, "positive_exit": True, "negative_exit": False,
@@ -230,5 +247,10 @@ register(ProgramSpec("self_consistency", "programs.best_of_n:best_of_n", prm="no
 register(ProgramSpec("mcts", "programs.mcts:mcts", prm="required", budget="rollouts",
                      summary="Monte Carlo tree search over steps, PRM-scored, with early exits",
                      arguments=_mcts_arguments, settings=MCTS_SETTINGS, check=_check_mcts))
+register(ProgramSpec("particle_filtering", "programs.particle_filtering:particle_filtering", prm="required",
+                     budget="beams",
+                     summary="particle filtering: N particles weighted by PRM scores, resampled every step",
+                     arguments=_particle_filtering_arguments, settings=PARTICLE_FILTERING_SETTINGS,
+                     check=_check_particle_filtering))
 
-__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "MCTS_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]
+__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "MCTS_SETTINGS", "PARTICLE_FILTERING_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]

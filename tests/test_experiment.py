@@ -104,7 +104,7 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     ({"n": "many"}, "n: expected an integer, got 'many'"),
     ({"n": 2.5}, "n: expected an integer, got 2.5"),
     ({"progress": "maybe"}, "progress: expected true or false, got 'maybe'"),
-    ({"program": "mcst"}, "unknown program 'mcst'; choose one of beam_search, dvts, best_of_n, self_consistency, mcts"),
+    ({"program": "mcst"}, "unknown program 'mcst'; choose one of beam_search, dvts, best_of_n, self_consistency, mcts, particle_filtering"),
     ({"negative_exit": True}, "negative_exit: settings of program mcts"),
     ({"program": "dvts", "parallel": 4, "threshold": 0.5}, "parallel, threshold: settings of program mcts"),
     ({"program": "mcts", "negative_exit": True}, "negative early exit needs aggregation 'min' or 'prod'"),
@@ -193,7 +193,8 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
               and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
                             "overlap_verification", "accept_threshold", "parallel", "c_puct", "threshold", "positive_exit",
-                            "negative_exit", "futility", "first_step_cutoff")}
+                            "negative_exit", "futility", "first_step_cutoff", "resampling", "weight_temperature",
+                            "particle_pick")}
     fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     # exact speculation and overlapped verification never change a result: the same key

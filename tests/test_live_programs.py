@@ -19,7 +19,7 @@ from sgl_tts.prm import RewardHeadPRM, StepTagPRM
 pytestmark = pytest.mark.server
 
 PROBLEMS = 20   # the live runs are most of this file's ~3 minutes; CI runs it on 2 busy cores
-# (program, settings): beam search and its variants, DVTS, best-of-N, all at N = 4
+# (program, settings): beam search and its variants, DVTS, best-of-N, particle filtering, all at N = 4
 CASES = {
     "beam_search": dict(program="beam_search", n=4, beam_width=2),
     "beam_search_proportional": dict(program="beam_search", n=4, beam_width=2, branching="proportional"),
@@ -29,10 +29,11 @@ CASES = {
                                          filter_duplicates=True, max_depth=8),
     "dvts": dict(program="dvts", n=4, beam_width=2),
     "best_of_n": dict(program="best_of_n", n=4),
+    "particle_filtering": dict(program="particle_filtering", n=4, resampling="systematic"),
 }
 # the variants cost more per problem (lookahead rolls out every candidate): fewer problems
 PROBLEMS_OF = {"beam_search_lookahead": 12, "beam_search_schedule": 12, "beam_search_proportional": 12,
-               "beam_search_search_and_learn": 12}
+               "beam_search_search_and_learn": 12, "particle_filtering": 12}
 
 
 def binomial_tolerance(p: float, n: int) -> float:

@@ -19,13 +19,17 @@ def scratch_registry(monkeypatch):
 
 
 def test_the_registered_programs():
-    assert registry.names() == ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts")
+    assert registry.names() == ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts", "particle_filtering")
     assert {n: (registry.program(n).prm, registry.program(n).budget) for n in registry.names()} == {
         "beam_search": ("required", "beams"), "dvts": ("required", "beams"), "best_of_n": ("optional", "samples"),
-        "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts")}
+        "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts"),
+        "particle_filtering": ("required", "beams")}
     assert registry.own_settings() == {"semantics": ("beam_search", "sgl-tts"), "filter_duplicates": ("beam_search", False),
                                        "sort_completed": ("beam_search", False), "accept_threshold": ("beam_search", None),
-                                       **{k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()}}
+                                       **{k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()},
+                                       "resampling": ("particle_filtering", "multinomial"),
+                                       "weight_temperature": ("particle_filtering", 1.0),
+                                       "particle_pick": ("particle_filtering", "best")}
     with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
         registry.program("bfs")
 

@@ -45,8 +45,9 @@ class RunConfig:
         output: results JSONL, one line per finished problem (appended to on a rerun).
         limit: run only the first ``limit`` problems.
         program: ``beam_search``, ``dvts``, ``best_of_n``, ``self_consistency`` (majority vote,
-            no PRM) or ``mcts``.
-        n: the budget N: beams (beam search, DVTS), samples (best-of-N) or rollouts (MCTS).
+            no PRM), ``particle_filtering`` or ``mcts``.
+        n: the budget N: beams (beam search, DVTS), particles (particle filtering), samples
+            (best-of-N) or rollouts (MCTS).
         beam_width: M, children per kept beam (beam search), per subtree (DVTS) or per expansion (MCTS).
         max_depth: most steps of a tree search.
         step_tokens: token limit of a step; several values are a per-depth schedule.
@@ -79,6 +80,11 @@ class RunConfig:
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
         accept_threshold: beam search positive early exit: stop after the first depth at which a
             finished trajectory scores at least this (``None``: off).
+        resampling: particle filtering's draws: ``multinomial`` (its_hub's) or ``systematic``.
+        weight_temperature: particle filtering divides a particle's log-weight (the logit of its
+            aggregated score) by it before the softmax (1: its_hub's weights).
+        particle_pick: particle filtering's own answer: ``best`` (the highest-weighted particle) or
+            ``weighted_vote`` (the answer holding the most probability); both are reported.
         parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
         c_puct: MCTS exploration weight.
         threshold: MCTS acceptance threshold of both early exits.
@@ -130,6 +136,9 @@ class RunConfig:
     verifier_shares_device: str = "auto"
     verifier_slowdown: str = "measure"
     accept_threshold: float | None = None
+    resampling: str = "multinomial"
+    weight_temperature: float = 1.0
+    particle_pick: str = "best"
     parallel: int = 1
     c_puct: float = 1.0
     threshold: float = 0.9

@@ -10,12 +10,15 @@ the parameters it is about (the registry maps them to the run's setting names).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 from sgl_tts.search.steps import aggregate, step_limit
 
 BRANCHING = ("equal", "proportional")
 SEMANTICS = ("sgl-tts", "search-and-learn")
+RESAMPLING = ("multinomial", "systematic")   # particle filtering's draws
+PICKS = ("best", "weighted_vote")            # particle filtering's own answer
 
 
 class OptionError(ValueError):
@@ -124,4 +127,33 @@ class DVTSOptions(TreeSearchOptions):
         return "DVTS"
 
 
-__all__ = ["BRANCHING", "BeamSearchOptions", "DVTSOptions", "OptionError", "SEMANTICS", "TreeSearchOptions"]
+@dataclasses.dataclass(frozen=True)
+class ParticleFilteringOptions(TreeSearchOptions):
+    """Particle filtering's options: N particles (``num_beams``; ``beam_width`` is not read), the step
+    and depth limits, the aggregation, and its own three (``programs/particle_filtering.py``
+    documents each)."""
+
+    resampling: str = "multinomial"
+    weight_temperature: float = 1.0
+    pick: str = "best"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.resampling not in RESAMPLING:
+            raise OptionError(f"unknown resampling {self.resampling!r}; choose one of {list(RESAMPLING)}", "resampling")
+        if not self.weight_temperature > 0 or math.isinf(self.weight_temperature):
+            raise OptionError(f"weight_temperature must be a positive number, got {self.weight_temperature}",
+                              "weight_temperature")
+        if self.pick not in PICKS:
+            raise OptionError(f"unknown pick {self.pick!r}; choose one of {list(PICKS)}", "pick")
+        if self.speculative or self.overlap_verification:
+            raise OptionError("particle filtering has no speculative or overlap_verification policy yet "
+                              "(beam search and DVTS have)", "speculative", "overlap_verification")
+
+    @property
+    def program(self) -> str:
+        return "particle filtering"
+
+
+__all__ = ["BRANCHING", "BeamSearchOptions", "DVTSOptions", "OptionError", "PICKS", "ParticleFilteringOptions",
+           "RESAMPLING", "SEMANTICS", "TreeSearchOptions"]

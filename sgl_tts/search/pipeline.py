@@ -48,8 +48,8 @@ from typing import Any, Callable, Sequence
 import sgl_tts
 from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.protocol import rid_prefix
-from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, advance,
-                            aggregate, is_final, read_step)
+from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, Trajectory, advance,
+                            aggregate, extract_answer, is_final, read_step)
 from sgl_tts.search.speculation_cost import (DecodeCurve, RowsInFlight, SpeculationController, TakeOverChance,
                                               VerifierSlowdown, rows_in_flight)
 
@@ -224,6 +224,12 @@ class Candidate:
     @property
     def path(self) -> list[str]:
         return self.grown.scored
+
+    def trajectory(self, delimiter: str, answer_pattern: str) -> Trajectory:
+        """This candidate as a trajectory: its scored path, scores, value, answer, tokens and time."""
+        path = self.grown.scored
+        return Trajectory(path, self.scores, self.value, extract_answer(delimiter.join(path), answer_pattern),
+                          self.tokens, self.grown.finished, self.seconds)
 
 
 @dataclasses.dataclass

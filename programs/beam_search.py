@@ -106,7 +106,7 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
             # 2. finished candidates are set aside; the rest stay open
             open_cands = []
             for c in cands:
-                traj = _trajectory(c, delimiter, answer_pattern)
+                traj = c.trajectory(delimiter, answer_pattern)
                 if traj.finished:
                     done.append(traj)
                 else:
@@ -139,10 +139,6 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     result = SearchResult.of(answer, _answers(answer, pool), pool, pipe.costs, time.perf_counter() - t0)
     result.exit_reason = exit_reason
     return result
-
-
-def _trajectory(c: Candidate, delimiter: str, answer_pattern: str) -> Trajectory:
-    return c.trajectory(delimiter, answer_pattern)
 
 
 def _first_of_each_path(cands: list[Candidate]) -> list[Candidate]:

@@ -144,11 +144,11 @@ def particle_filtering(s, question: str, prm, num_particles: int = 16, max_depth
 
 
 def _result(population: list[Particle], pick: str, pipe: StepPipeline, seconds: float) -> SearchResult:
+    # the population is never empty: every round draws num_particles >= 1 of it
     answers_of = [p.trajectory.answer for p in population]
-    probs = probabilities([p.log_weight for p in population]) if population else []
-    best = top_k([p.log_weight for p in population], 1)
-    answers = {"prm_best": population[best[0]].trajectory.answer if best else None,
-               "prm_weighted": vote(answers_of, probs),
+    weights = [p.log_weight for p in population]
+    answers = {"prm_best": answers_of[top_k(weights, 1)[0]],
+               "prm_weighted": vote(answers_of, probabilities(weights)),
                "majority": vote(answers_of)}
     answer = answers["prm_best"] if pick == "best" else answers["prm_weighted"]
     distinct, seen = [], set()

@@ -3,7 +3,8 @@
 :func:`compare` runs, on held-out problems of :mod:`sgl_tts.tiny.task` and one generator backend plus a PRM
 scorer, the programs in ``programs/``: a single sample, self-consistency (majority vote) and PRM
 best-of-N (one ``best_of_n`` run per N: both read the same samples), PRM-guided step beam search
-(one run per N) and PRM particle filtering (one run per N >= 2; ``sgl-tts demo``: at its smallest). Every row carries accuracy, generated tokens per problem and wall seconds of its run.
+(one run per N) and PRM particle filtering (one run per N >= 2; ``sgl-tts demo``: at its smallest).
+Every row carries accuracy, generated tokens per problem and wall seconds of its run.
 From the largest best-of-N run it also derives pass@N, the mean single-sample accuracy over all its
 samples, best-of-N under each step-score aggregation, and the PRM's step-classification AUC against the
 checker's labels.
@@ -157,23 +158,17 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
         rows.append(MethodRow("PRM-weighted vote", n,
                               _accuracy(problems, [r.answers["prm_weighted"] for r in res]), tokens, secs))
         largest = (n, res)
-    for n in ns:
-        if n < beam_width:
-            continue
-        args = arguments("beam_search", n, prm)
+    def search_row(method: str, program: str, n: int) -> MethodRow:
+        """One run of a PRM-guided search at budget ``n`` over every problem, as a row."""
+        args = arguments(program, n, prm)
         t = time.perf_counter()
-        res = _results(program_function("beam_search").run_batch(args, backend=generator, progress_bar=progress))
-        rows.append(MethodRow("PRM beam search", n, _accuracy(problems, [r.answer for r in res]),
-                              sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
-    for n in ns if particle_filtering_ns is None else particle_filtering_ns:
-        if n < 2:
-            continue
-        args = arguments("particle_filtering", n, prm)
-        t = time.perf_counter()
-        res = _results(program_function("particle_filtering").run_batch(args, backend=generator,
-                                                                         progress_bar=progress))
-        rows.append(MethodRow("PRM particle filtering", n, _accuracy(problems, [r.answer for r in res]),
-                              sum(r.tokens_generated for r in res) / count, time.perf_counter() - t))
+        res = _results(program_function(program).run_batch(args, backend=generator, progress_bar=progress))
+        return MethodRow(method, n, _accuracy(problems, [r.answer for r in res]),
+                         sum(r.tokens_generated for r in res) / count, time.perf_counter() - t)
+
+    rows += [search_row("PRM beam search", "beam_search", n) for n in ns if n >= beam_width]
+    rows += [search_row("PRM particle filtering", "particle_filtering", n)
+             for n in (ns if particle_filtering_ns is None else particle_filtering_ns) if n >= 2]
     if largest is not None:
         details.update(_sample_details(problems, *largest))
     return Comparison(count, temperature, beam_width, aggregation, rows, details,

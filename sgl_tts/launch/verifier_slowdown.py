@@ -152,8 +152,8 @@ def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequenc
                               repeats: int = 3, generator_context: int = 64) -> VerifierSlowdown:
     """Seconds the PRM at ``prm_url`` takes to prefill ``prm_batch`` fresh prompts of ``context`` ids,
     with each of ``rows`` generator requests decoding beside it on ``generator_url`` (module
-    docstring; counts above the generator's running-request limit are measured at the limit). Raises :class:`~sgl_tts.launch.cpu_profile.ProfileError` when a server answers other
-    than asked."""
+    docstring; counts above the generator's running-request limit are measured at the limit). Raises
+    :class:`~sgl_tts.launch.cpu_profile.ProfileError` when a server answers other than asked."""
     rows = tuple(int(b) for b in rows)
     if not rows or rows[0] != 0 or any(a >= b for a, b in zip(rows, rows[1:])):
         raise ValueError(f"rows must start at 0 (the PRM alone) and increase, got {list(rows)}")

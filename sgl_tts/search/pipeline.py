@@ -361,13 +361,14 @@ class StepPipeline:
             if self.overlap and self.speculation and self.speculation.lookahead:
                 ready += [cands[i] for i, brs in self._branches.items()
                           if i not in sent and cands[i] not in ready and any(br.ended() and br.whole for br in brs)]
-            if self._rows is not None:
-                others = self._rows.publish(self, len(waiting) + self._running_branches())
-            if self._queue:   # the search's batch stays at its size: branches fill what steps freed
+            if self._rows is not None or self._queue:
                 running = len(waiting) + self._running_branches()
-                self._fill(len(beams) - running, running, len(beams), others)
                 if self._rows is not None:
-                    self._rows.publish(self, len(waiting) + self._running_branches())
+                    others = self._rows.publish(self, running)
+                if self._queue:   # the search's batch stays at its size: branches fill what steps freed
+                    self._fill(len(beams) - running, running, len(beams), others)
+                    if self._rows is not None:
+                        self._rows.publish(self, len(waiting) + self._running_branches())
             if ready:   # what became ready in one look goes out as one PRM call
                 verifying.append((ready, self._verify(ready)))
                 sent.update(c.index for c in ready)

@@ -209,6 +209,33 @@ def _check_particle_filtering(cfg: Any, bad: Callable[..., None]) -> None:
                    weight_temperature=cfg.weight_temperature, pick=cfg.particle_pick)
 
 
+#: DeepConf's own settings (``programs/deepconf.py``; its token limit is the run's ``max_tokens``)
+DEEPCONF_SETTINGS = {"deepconf_mode": "online", "keep_fraction": 0.9, "confidence_window": 16,
+                     "confidence_top_k": 20, "confidence_measure": "lowest_group", "warmup_samples": 4,
+                     "consensus": 0.95, "chunk_tokens": 32}
+#: DeepConf's parameter of each of its settings
+_DEEPCONF_PARAMETERS = {"deepconf_mode": "mode", "keep_fraction": "keep_fraction", "confidence_window": "window",
+                        "confidence_top_k": "top_logprobs", "confidence_measure": "measure",
+                        "warmup_samples": "warmup", "consensus": "consensus", "chunk_tokens": "chunk_tokens"}
+
+
+def _deepconf_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
+    return dict(_common(cfg, question), num_samples=cfg.n, max_tokens=cfg.max_tokens,
+                **{param: getattr(cfg, setting) for setting, param in _DEEPCONF_PARAMETERS.items()})
+
+
+def _check_deepconf(cfg: Any, bad: Callable[..., None]) -> None:
+    from sgl_tts.search.options import DeepConfOptions, OptionError
+
+    setting_of = {param: setting for setting, param in _DEEPCONF_PARAMETERS.items()} | {
+        "num_samples": "n", "max_tokens": "max_tokens"}
+    try:
+        DeepConfOptions(num_samples=cfg.n, max_tokens=cfg.max_tokens,
+                        **{param: getattr(cfg, setting) for setting, param in _DEEPCONF_PARAMETERS.items()})
+    except OptionError as exc:
+        bad(str(exc), *(setting_of.get(name, name) for name in exc.options))
+
+
 MCTS_SETTINGS = {"parallel": 1, "c_puct": 1.0, "threshold": 0.9, "positive_exit": True, "negative_exit": False,
                  "futility": "path", "first_step_cutoff": None}
 
@@ -252,5 +279,9 @@ register(ProgramSpec("particle_filtering", "programs.particle_filtering:particle
                      summary="particle filtering: N particles weighted by PRM scores, resampled every step",
                      arguments=_particle_filtering_arguments, settings=PARTICLE_FILTERING_SETTINGS,
                      check=_check_particle_filtering))
+register(ProgramSpec("deepconf", "programs.deepconf:deepconf", prm="none", budget="samples",
+                     summary="DeepConf: N samples voted by their token confidence, low-confidence ones "
+                             "filtered (offline) or stopped early (online)",
+                     arguments=_deepconf_arguments, settings=DEEPCONF_SETTINGS, check=_check_deepconf))
 
-__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "MCTS_SETTINGS", "PARTICLE_FILTERING_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]
+__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "DEEPCONF_SETTINGS", "MCTS_SETTINGS", "PARTICLE_FILTERING_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]

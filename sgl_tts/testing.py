@@ -36,6 +36,10 @@ lengths end at different times (stragglers), and :meth:`ScriptedBackend.abort_pr
 :meth:`ScriptedBackend.stop_speculative` end running requests early as the sgl-tts plugin's group
 abort and two-phase stop do. ``draw`` is the request's sampling seed (``sgl_tts.gen(..., seed=...)``; sgl-tts programs
 derive one per fork with :func:`sgl_tts.search.derive_seed`), or ``None`` when the request has none.
+With ``top_logprobs`` (``(prefix, continuation, index) -> the top log-probabilities at token
+``index`` of the script's continuation``) a request
+that asks for log-probabilities (``return_logprob``, ``top_logprobs_num``) gets SGLang's
+``output_token_logprobs`` and ``output_top_logprobs`` for every token generated.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from sgl_tts.backends import UnsupportedFeatureError
 from sgl_tts.backends.request import AbortLedger, aborted_answer, take_request_fields
 
 Script = Callable[[str, "int | None"], str]
+#: ``(prefix, continuation, index) -> log-probabilities``: the top log-probabilities (highest first)
+#: of the position where token ``index`` of the script's ``continuation`` of ``prefix`` is generated
+#: (``index == len(continuation)``: the end-of-sequence token)
+TopLogprobs = Callable[[str, "str | Sequence[str]", int], Sequence[float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +91,15 @@ class ScriptedBackend(BaseBackend):
 
     EOS_TOKEN_ID = 0
 
-    def __init__(self, script: Script, *, name: str = "scripted", seconds_per_token: float = 0.0):
+    def __init__(self, script: Script, *, name: str = "scripted", seconds_per_token: float = 0.0,
+                 top_logprobs: TopLogprobs | None = None):
         super().__init__()
         if not callable(script):
             raise TypeError(f"script must be a function (prefix, draw) -> text, got {script!r}")
+        if top_logprobs is not None and not callable(top_logprobs):
+            raise TypeError(f"top_logprobs must be a function (prefix, continuation, index) -> log-probabilities, "
+                            f"got {top_logprobs!r}")
+        self.top_logprobs = top_logprobs
         if seconds_per_token < 0:
             raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
         self.script = script
@@ -186,10 +199,25 @@ class ScriptedBackend(BaseBackend):
             text, reason, generated = self._paced(full, text, reason, generated, fields)
         meta = {"id": fields.rid or f"scripted-{len(self.draws)}", "finish_reason": reason,
                 "prompt_tokens": len(prefix), "completion_tokens": generated, "cached_tokens": 0}
+        if self.top_logprobs is not None and (sampling_params.return_logprob or sampling_params.top_logprobs_num):
+            meta.update(self._logprobs(prefix, full, generated, int(sampling_params.top_logprobs_num or 0)))
         with self._lock:
             self.draws.append(Draw(prefix, fields.seed, text, reason, limit, stop, fields.rid,
                                    dict(fields.custom_params) if fields.custom_params else None))
         return text, meta
+
+    def _logprobs(self, prefix: str, full, generated: int, k: int) -> dict:
+        """SGLang's ``output_token_logprobs`` / ``output_top_logprobs`` of the ``generated`` tokens,
+        from ``top_logprobs(prefix, full, index)`` (the sampled token's log-probability: the first
+        value; token ids: the values' ranks)."""
+        out, top = [], []
+        for index in range(generated):
+            values = [float(v) for v in self.top_logprobs(prefix, full, index)]
+            if not values:
+                raise ValueError(f"top_logprobs returned nothing for token {index} after {prefix[-40:]!r}")
+            out.append([values[0], 0, None])
+            top.append([[v, j, None] for j, v in enumerate(values[:k])])
+        return {"output_token_logprobs": out, "output_top_logprobs": top} if k else {"output_token_logprobs": out}
 
     def _paced(self, full, text, reason, generated, fields):
         """Take ``seconds_per_token`` per generated token; an abort or a stop ends it early with the

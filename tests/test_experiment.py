@@ -194,7 +194,9 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
               and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
                             "overlap_verification", "accept_threshold", "parallel", "c_puct", "threshold", "positive_exit",
                             "negative_exit", "futility", "first_step_cutoff", "resampling", "weight_temperature",
-                            "particle_pick")}
+                            "particle_pick", "deepconf_mode", "keep_fraction", "confidence_window",
+                            "confidence_top_k", "confidence_measure", "warmup_samples", "consensus",
+                            "chunk_tokens")}
     fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     # exact speculation and overlapped verification never change a result: the same key

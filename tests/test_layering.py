@@ -285,4 +285,5 @@ def test_the_library_reaches_the_programs_only_through_the_registry():
                           if n == "programs" or n.startswith("programs.")]
     assert offenders == []
     assert {registry.program(n).function.split(":")[0] for n in registry.names()} == {
-        "programs.beam_search", "programs.dvts", "programs.best_of_n", "programs.mcts", "programs.particle_filtering"}
+        "programs.beam_search", "programs.dvts", "programs.best_of_n", "programs.mcts", "programs.particle_filtering",
+        "programs.deepconf"}

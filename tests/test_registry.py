@@ -19,17 +19,23 @@ def scratch_registry(monkeypatch):
 
 
 def test_the_registered_programs():
-    assert registry.names() == ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts", "particle_filtering")
+    assert registry.names() == ("beam_search", "dvts", "best_of_n", "self_consistency", "mcts", "particle_filtering",
+                                "deepconf")
     assert {n: (registry.program(n).prm, registry.program(n).budget) for n in registry.names()} == {
         "beam_search": ("required", "beams"), "dvts": ("required", "beams"), "best_of_n": ("optional", "samples"),
         "self_consistency": ("none", "samples"), "mcts": ("required", "rollouts"),
-        "particle_filtering": ("required", "beams")}
+        "particle_filtering": ("required", "beams"), "deepconf": ("none", "samples")}
     assert registry.own_settings() == {"semantics": ("beam_search", "sgl-tts"), "filter_duplicates": ("beam_search", False),
                                        "sort_completed": ("beam_search", False), "accept_threshold": ("beam_search", None),
                                        **{k: ("mcts", v) for k, v in registry.MCTS_SETTINGS.items()},
                                        "resampling": ("particle_filtering", "multinomial"),
                                        "weight_temperature": ("particle_filtering", 1.0),
-                                       "particle_pick": ("particle_filtering", "best")}
+                                       "particle_pick": ("particle_filtering", "best"),
+                                       "deepconf_mode": ("deepconf", "online"), "keep_fraction": ("deepconf", 0.9),
+                                       "confidence_window": ("deepconf", 16), "confidence_top_k": ("deepconf", 20),
+                                       "confidence_measure": ("deepconf", "lowest_group"),
+                                       "warmup_samples": ("deepconf", 4), "consensus": ("deepconf", 0.95),
+                                       "chunk_tokens": ("deepconf", 32)}
     with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
         registry.program("bfs")
 

@@ -45,9 +45,9 @@ class RunConfig:
         output: results JSONL, one line per finished problem (appended to on a rerun).
         limit: run only the first ``limit`` problems.
         program: ``beam_search``, ``dvts``, ``best_of_n``, ``self_consistency`` (majority vote,
-            no PRM), ``particle_filtering`` or ``mcts``.
+            no PRM), ``particle_filtering``, ``deepconf`` (confidence-weighted vote, no PRM) or ``mcts``.
         n: the budget N: beams (beam search, DVTS), particles (particle filtering), samples
-            (best-of-N) or rollouts (MCTS).
+            (best-of-N, DeepConf) or rollouts (MCTS).
         beam_width: M, children per kept beam (beam search), per subtree (DVTS) or per expansion (MCTS).
         max_depth: most steps of a tree search.
         step_tokens: token limit of a step; several values are a per-depth schedule.
@@ -85,6 +85,17 @@ class RunConfig:
             aggregated score) by it before the softmax (1: its_hub's weights).
         particle_pick: particle filtering's own answer: ``best`` (the highest-weighted particle) or
             ``weighted_vote`` (the answer holding the most probability); both are reported.
+        deepconf_mode: DeepConf ``online`` (a warm-up sets a confidence threshold, later samples stop
+            below it, sampling stops at consensus) or ``offline`` (all N, the least confident filtered).
+        keep_fraction: DeepConf's kept share eta (offline: the most confident; online: the threshold
+            is the warm-up's ``1 - eta`` quantile); 0.1 is DeepConf-low, 0.9 DeepConf-high.
+        confidence_window: DeepConf's group size in tokens (a group confidence averages that many).
+        confidence_top_k: DeepConf's token confidence averages this many top log-probabilities.
+        confidence_measure: DeepConf's sample confidence offline: ``lowest_group``, ``bottom_10``,
+            ``tail`` or ``mean`` (online reads ``lowest_group``).
+        warmup_samples: online DeepConf's warm-up samples (run whole; they set the threshold).
+        consensus: online DeepConf stops sampling once the vote's leader holds this share of the weight.
+        chunk_tokens: online DeepConf checks a running sample's confidence after every this many tokens.
         parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
         c_puct: MCTS exploration weight.
         threshold: MCTS acceptance threshold of both early exits.
@@ -139,6 +150,14 @@ class RunConfig:
     resampling: str = "multinomial"
     weight_temperature: float = 1.0
     particle_pick: str = "best"
+    deepconf_mode: str = "online"
+    keep_fraction: float = 0.9
+    confidence_window: int = 16
+    confidence_top_k: int = 20
+    confidence_measure: str = "lowest_group"
+    warmup_samples: int = 4
+    consensus: float = 0.95
+    chunk_tokens: int = 32
     parallel: int = 1
     c_puct: float = 1.0
     threshold: float = 0.9

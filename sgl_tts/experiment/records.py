@@ -96,9 +96,11 @@ def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, 
     """One output line: the problem, the program's answers, every trajectory and the costs."""
     rules = RULES if prm_used else ("majority",)
     answers = {r: result.answers.get(r) for r in rules}
+    # a program's own selection rules beyond best-of-N's (DeepConf's confidence votes): at N only
+    answers |= {r: a for r, a in result.answers.items() if r not in RULES}
     # at N itself: the program's own answers; below N: the first N' trajectories (best-of-N's rules)
-    sub = {str(k): {r: a for r, a in (answers if k == cfg.n else answers_at(result, k)).items()
-                    if r in rules} for k in subsample_sizes(cfg.n)}
+    sub = {str(k): (dict(answers) if k == cfg.n else {r: a for r, a in answers_at(result, k).items() if r in rules})
+           for k in subsample_sizes(cfg.n)}
     rec: dict[str, Any] = {
         "index": problem.index, "id": problem.id, "question": problem.question,
         "reference": problem.answer, "answer": result.answer, "answers": answers,
@@ -112,6 +114,7 @@ def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, 
         "seconds_generating": round(result.seconds_generating, 4),
         "seconds_verifying": round(result.seconds_verifying, 4),
         **({"exit_reason": result.exit_reason} if result.exit_reason is not None else {}),
+        **({"traces_stopped": result.traces_stopped} if result.traces_stopped else {}),
         "trajectories": [{"steps": t.steps, "step_scores": [round(x, 6) for x in t.step_scores],
                           "score": round(t.score, 6), "answer": t.answer, "tokens": t.tokens,
                           "finished": t.finished, "seconds": round(t.seconds, 4)}

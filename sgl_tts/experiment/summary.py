@@ -37,6 +37,7 @@ class Summary:
     exits: dict[str, int] = dataclasses.field(default_factory=dict)   # MCTS: problems per exit reason
     # speculative branches (speculative: auto): started, declined (by reason), stopped at a barrier
     branches: dict[str, Any] = dataclasses.field(default_factory=dict)
+    samples_stopped: int = 0        # DeepConf online: samples stopped below the threshold or at consensus
 
     def table(self) -> str:
         lines = [f"problems: {self.problems} ({self.graded} with a reference answer)"]
@@ -45,7 +46,7 @@ class Summary:
             lines.append("| selection | " + " | ".join(f"N={k}" for k in self.accuracy_at) + " |")
             lines.append("| --- |" + " ---: |" * len(self.accuracy_at))
             for r in rules:
-                lines.append(f"| {r} | " + " | ".join(f"{100 * v[r]:.1f}%"
+                lines.append(f"| {r} | " + " | ".join("-" if v[r] is None else f"{100 * v[r]:.1f}%"
                                                         for v in self.accuracy_at.values()) + " |")
             lines.append(f"pass@{self.n}: {100 * (self.pass_at_n or 0):.1f}%")
             if not self.exact_subsampling:
@@ -73,6 +74,10 @@ class Summary:
             lines.append(f"speculative branches: {b['started']} started, {b['stopped']} stopped at a barrier, "
                          f"{b['declined']} not started (why they stood down: "
                          + (", ".join(f"{why}: {k}" for why, k in sorted(b["stood_down"].items())) or "-") + ")")
+        if self.samples_stopped:
+            lines.append(f"samples stopped before they ended: {self.samples_stopped} (below the confidence "
+                         f"threshold or dropped at consensus; their tokens: "
+                         f"{self.tokens_generated - self.tokens_kept})")
         if self.exits:
             lines.append("exits: " + ", ".join(f"{k} {v}" for k, v in sorted(self.exits.items())))
         return "\n".join(lines)
@@ -100,9 +105,11 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
                 for rule in rules}
     accuracy_at = {}
     for size in subsample_sizes(n):
+        # a program's own rule is read at N only (None below it)
         accuracy_at[str(size)] = {
             rule: (sum(r["subsampled"][str(size)][rule] == r["reference"] for r in graded) / len(graded)
-                   if graded else 0.0) for rule in rules}
+                   if graded else 0.0) if all(rule in r["subsampled"][str(size)] for r in records) else None
+            for rule in rules}
     trajs = [t for r in records for t in r["trajectories"]]
     mean_tokens = statistics.fmean(t["tokens"] for t in trajs) if trajs else 0.0
     mean_secs = statistics.fmean(t["seconds"] for t in trajs) if trajs else 0.0
@@ -122,7 +129,8 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
         seconds_generating=sum(r.get("seconds_generating", 0.0) for r in records),
         seconds_verifying=sum(r.get("seconds_verifying", 0.0) for r in records),
         exits=dict(collections.Counter(r["exit_reason"] for r in records if "exit_reason" in r)),
-        branches=_branches([r["branches"] for r in records if "branches" in r]))
+        branches=_branches([r["branches"] for r in records if "branches" in r]),
+        samples_stopped=sum(r.get("traces_stopped", 0) for r in records))
 
 
 def _branches(per_problem: Sequence[dict]) -> dict[str, Any]:
@@ -149,7 +157,8 @@ def plot_summary(summary: Summary, records: Sequence[dict], path: str | os.PathL
     fig, (acc, gp) = plt.subplots(1, 2, figsize=(11, 4.2))
     sizes = [int(k) for k in summary.accuracy_at]
     for rule in summary.accuracy:
-        acc.plot(sizes, [100 * summary.accuracy_at[str(k)][rule] for k in sizes], marker="o", label=rule)
+        pts = [(k, summary.accuracy_at[str(k)][rule]) for k in sizes if summary.accuracy_at[str(k)][rule] is not None]
+        acc.plot([k for k, _ in pts], [100 * v for _, v in pts], marker="o", label=rule)
     if summary.pass_at_n is not None:
         acc.plot([sizes[-1]], [100 * summary.pass_at_n], marker="*", ls="", color="k",
                  label=f"pass@{summary.n}")

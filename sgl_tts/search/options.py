@@ -19,6 +19,8 @@ BRANCHING = ("equal", "proportional")
 SEMANTICS = ("sgl-tts", "search-and-learn")
 RESAMPLING = ("multinomial", "systematic")   # particle filtering's draws
 PICKS = ("best", "weighted_vote")            # particle filtering's own answer
+DEEPCONF_MODES = ("online", "offline")       # DeepConf: early stopping with a warm-up, or filter all N
+CONFIDENCE_MEASURES = ("lowest_group", "bottom_10", "tail", "mean")   # DeepConf's trace confidences
 
 
 class OptionError(ValueError):
@@ -27,6 +29,11 @@ class OptionError(ValueError):
     def __init__(self, message: str, *options: str):
         super().__init__(message)
         self.options = options
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of the wrong type: also a ``TypeError``, as SGLang's prefix tracer expects of a
+    program traced with placeholder arguments (it stops tracing there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,5 +162,45 @@ class ParticleFilteringOptions(TreeSearchOptions):
         return "particle filtering"
 
 
-__all__ = ["BRANCHING", "BeamSearchOptions", "DVTSOptions", "OptionError", "PICKS", "ParticleFilteringOptions",
+@dataclasses.dataclass(frozen=True)
+class DeepConfOptions:
+    """DeepConf's options (``programs/deepconf.py`` documents each): N samples, the mode, the kept
+    fraction, the confidence window and top-k, the offline measure, the online warm-up, consensus
+    and check interval, and the sample's token limit."""
+
+    num_samples: int = 16
+    mode: str = "online"
+    keep_fraction: float = 0.9
+    window: int = 16
+    top_logprobs: int = 20
+    measure: str = "lowest_group"
+    warmup: int = 4
+    consensus: float = 0.95
+    chunk_tokens: int = 32
+    max_tokens: int = 256
+
+    def __post_init__(self):
+        for name in ("num_samples", "window", "top_logprobs", "warmup", "chunk_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise OptionTypeError(f"DeepConf's {name} must be a positive integer, got {value!r}", name)
+            if value < 1:
+                raise OptionError(f"DeepConf's {name} must be a positive integer, got {value!r}", name)
+        if self.mode not in DEEPCONF_MODES:
+            raise OptionError(f"unknown DeepConf mode {self.mode!r}; choose one of {list(DEEPCONF_MODES)}", "mode")
+        if not 0 < self.keep_fraction <= 1:
+            raise OptionError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}", "keep_fraction")
+        if not 0 < self.consensus <= 1:
+            raise OptionError(f"consensus must be in (0, 1], got {self.consensus}", "consensus")
+        if self.measure not in CONFIDENCE_MEASURES:
+            raise OptionError(f"unknown confidence measure {self.measure!r}; choose one of "
+                              f"{list(CONFIDENCE_MEASURES)}", "measure")
+        if self.mode == "online" and self.measure != "lowest_group":
+            raise OptionError(f"online DeepConf stops a sample on its running group confidence, so it reads "
+                              f"lowest_group confidence; measure {self.measure!r} is for mode offline",
+                              "measure", "mode")
+
+
+__all__ = ["BRANCHING", "BeamSearchOptions", "CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DVTSOptions",
+           "DeepConfOptions", "OptionError", "OptionTypeError", "PICKS", "ParticleFilteringOptions",
            "RESAMPLING", "SEMANTICS", "TreeSearchOptions"]

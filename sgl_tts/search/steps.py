@@ -297,6 +297,9 @@ class SearchResult:
             started because the cost controller (``speculative="auto"``) judged they would not pay,
             and stopped at a depth's barrier; ``stood_down``: the declined and the stopped ones by
             reason.
+        traces_stopped: samples a search stopped before they ended (DeepConf online: below its
+            confidence threshold, or still running at consensus); their tokens count in
+            ``tokens_generated`` only.
     """
 
     answer: str | None
@@ -316,6 +319,7 @@ class SearchResult:
     branches_declined: int = 0
     branches_stopped: int = 0
     stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
+    traces_stopped: int = 0
 
     @classmethod
     def of(cls, answer: str | None, answers: dict[str, str | None], trajectories: list[Trajectory], costs: Any,

@@ -1,0 +1,329 @@
+"""DeepConf: self-consistency weighted and filtered by the model's own token confidence, no PRM
+(Fu et al. 2025, "Deep Think with Confidence"; in optillm and ThinkBooster).
+
+Every sample is a whole solution (``gen`` with ``max_tokens``, no stop string), asked with its top-k
+token log-probabilities (``top_logprobs``, SGLang's ``top_logprobs_num``; both backends return them).
+
+- **token confidence** of a generated token: minus the mean of the k highest log-probabilities of its
+  position, ``C = -(1/k) sum_j log P(j)`` (high: a peaked distribution, the model is sure).
+- **group confidence** at token ``t`` (1-based, ``t >= window``): the mean token confidence of the
+  ``window`` tokens ending at ``t``. A sample shorter than ``window`` has one group, all of its tokens.
+- **a sample's confidence** (``measure``): ``lowest_group`` (the least of its group confidences,
+  DeepConf's main measure), ``bottom_10`` (the mean of its lowest 10% group confidences, at least
+  one), ``tail`` (the mean token confidence of its last ``window`` tokens) or ``mean`` (over all its
+  tokens). A sample with no token has confidence 0.
+
+**Offline** (``mode="offline"``): sample N, keep the ``keep_fraction`` most confident (``ceil(eta N)``,
+at least one; ties to the earlier sample; DeepConf-low is 0.1, DeepConf-high 0.9), and vote among them
+with their confidences as weights.
+
+**Online** (``mode="online"``, DeepConf's Algorithm 2; confidence ``lowest_group``):
+
+1. *warm-up*: the first ``min(warmup, N)`` samples run whole, as offline's first samples (same seeds,
+   so the same texts). The stop threshold ``s`` is the ``1 - keep_fraction`` quantile of their
+   confidences (linear interpolation between order statistics, numpy's default).
+2. *the rest of the budget* (N minus the warm-up) is sampled all at once, ``chunk_tokens`` tokens per
+   request (each chunk a ``gen`` continuing the sample's state; the server's prefix cache holds what
+   came before). After every chunk each group confidence the chunk completed is checked, in order: at
+   the first ``t >= window`` whose group confidence is below ``s`` the sample **stops** (DeepConf
+   stops at that token; here the rest of the chunk was generated already and is counted, so a stop
+   costs at most ``chunk_tokens - 1`` tokens more). A stopped sample never votes.
+3. *consensus*: after the warm-up, and each time a sample finishes, the vote among the finished
+   samples whose confidence is at least ``s`` (their confidences as weights) is read; once the leader
+   holds at least ``consensus`` of the weight, sampling stops and the samples still running are
+   **dropped**: their chunks in flight are aborted on the server (one abort of the round's rid prefix,
+   ``tts/<group>/<round>/``; a backend without aborts lets them run out) and no chunk follows. A round's
+   chunks are read in sample order, so which samples are dropped depends on the samples alone, never
+   on which request ended first (only the dropped samples' token counts do). A sample also ends at
+   ``max_tokens`` or when the model ends it.
+4. the answer: that vote (every finished sample if none reaches ``s``).
+
+``SearchResult.answers``: ``confidence_filtered`` (the program's answer: offline, the kept fraction's
+weighted vote; online, the vote above), ``confidence_weighted`` (every finished sample, weighted) and
+``majority`` (every finished sample, one vote each: plain self-consistency). ``trajectories`` are the
+finished samples in sample order (``score``: the confidence); ``exit_reason`` is ``consensus`` or
+``budget`` (online), ``traces_stopped`` counts the stopped and dropped samples, whose tokens count in
+``tokens_generated`` only, and ``requests_aborted`` the dropped samples' chunks the server answered
+as aborted.
+
+Seeds: a whole sample ``i`` is seeded ``derive_seed("deepconf", seed, question, i)``; chunk ``r`` of
+an online sample ``i`` ``derive_seed("deepconf", seed, question, i, r)``. Request tags: sample ``i`` at
+depth ``r`` (its chunk), beam ``i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from typing import Any, Sequence
+
+import sglang as sgl
+
+import sgl_tts
+from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed, extract_answer,
+                            new_group, read_var, split_steps, vote)
+from sgl_tts.protocol import rid_prefix
+from sgl_tts.search.options import CONFIDENCE_MEASURES, DEEPCONF_MODES, DeepConfOptions
+
+logger = logging.getLogger(__name__)
+
+#: the share of a sample's group confidences ``bottom_10`` averages
+BOTTOM_SHARE = 0.1
+
+
+def token_confidence(top_logprobs: Sequence[float]) -> float:
+    """Minus the mean of a position's top-k log-probabilities."""
+    if not top_logprobs:
+        raise ValueError("a token's confidence needs at least one top log-probability")
+    return -statistics.fmean(top_logprobs)
+
+
+def group_confidences(confidences: Sequence[float], window: int) -> list[float]:
+    """The group confidence at every token ``t >= window`` (the mean of the ``window`` token
+    confidences ending at ``t``), in order; one group of every token when there are fewer."""
+    if not confidences:
+        return []
+    if len(confidences) < window:
+        return [statistics.fmean(confidences)]
+    return [statistics.fmean(confidences[t - window:t]) for t in range(window, len(confidences) + 1)]
+
+
+def trace_confidence(confidences: Sequence[float], window: int, measure: str = "lowest_group") -> float:
+    """A sample's confidence under ``measure`` (see the module doc); 0 for a sample with no token."""
+    if measure not in CONFIDENCE_MEASURES:
+        raise ValueError(f"unknown confidence measure {measure!r}; choose one of {list(CONFIDENCE_MEASURES)}")
+    if not confidences:
+        return 0.0
+    if measure == "mean":
+        return statistics.fmean(confidences)
+    if measure == "tail":
+        return statistics.fmean(confidences[-window:])
+    groups = group_confidences(confidences, window)
+    if measure == "lowest_group":
+        return min(groups)
+    lowest = sorted(groups)[:max(1, math.ceil(BOTTOM_SHARE * len(groups)))]
+    return statistics.fmean(lowest)
+
+
+def kept(confidences: Sequence[float], fraction: float) -> list[int]:
+    """The indices of the ``ceil(fraction * n)`` (at least one) most confident samples, ties to the
+    earlier sample, in sample order."""
+    count = max(1, math.ceil(fraction * len(confidences) - 1e-9))
+    order = sorted(range(len(confidences)), key=lambda i: (-confidences[i], i))
+    return sorted(order[:count])
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by linear interpolation between order statistics."""
+    if not values:
+        raise ValueError("a quantile of no values")
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def stop_threshold(warmup_confidences: Sequence[float], keep_fraction: float) -> float:
+    """Online DeepConf's threshold: the ``1 - keep_fraction`` quantile of the warm-up's confidences."""
+    return quantile(warmup_confidences, 1.0 - keep_fraction)
+
+
+def stop_token(confidences: Sequence[float], window: int, threshold: float, checked: int = 0) -> int | None:
+    """The first token count ``t > checked`` with ``t >= window`` whose group confidence is below
+    ``threshold`` (where an online sample stops), else ``None``."""
+    for t in range(max(window, checked + 1), len(confidences) + 1):
+        if statistics.fmean(confidences[t - window:t]) < threshold:
+            return t
+    return None
+
+
+def leader_share(answers: Sequence[str | None], weights: Sequence[float]) -> float:
+    """The weight share of the vote's leader among the samples with an answer (0 when none has one
+    or the weights sum to 0)."""
+    totals: dict[str, float] = {}
+    for a, w in zip(answers, weights):
+        if a is not None:
+            totals[a] = totals.get(a, 0.0) + w
+    total = sum(totals.values())
+    return max(totals.values()) / total if totals and total > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sample of a DeepConf run: its text so far, token confidences, tokens and what became of it
+    (``running``, ``finished``, ``stopped``: below the threshold, ``dropped``: at consensus)."""
+
+    index: int
+    state: Any
+    text: str = ""
+    confidences: list[float] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    status: str = "running"
+    confidence: float = 0.0
+    aborted: bool = False   # its last chunk was answered as aborted (dropped at consensus)
+
+
+def _confidences(meta: dict, k: int) -> list[float]:
+    """The token confidences of one generation's ``output_top_logprobs``."""
+    tops = meta.get("output_top_logprobs")
+    if tops is None:
+        raise RuntimeError("DeepConf needs token log-probabilities, and the backend returned none "
+                           "(output_top_logprobs); use an SGLang server or the CPU backend")
+    out = []
+    for top in tops:
+        values = [e[0] for e in top[:k] if e[0] is not None]
+        if values:
+            out.append(-sum(values) / len(values))   # token_confidence, without its call per token
+    return out
+
+
+def _generate(samples: Sequence[Sample], name: str, rnd: int | None, *, question: str, group: str, seed: int,
+              max_tokens: int, temperature: float, top_logprobs: int) -> None:
+    """One ``gen`` per sample (a whole sample, ``rnd=None``, or chunk ``rnd``), all in flight together."""
+    for x in samples:
+        tag = SearchTag(group, rnd or 0, -1, x.index)
+        parts = ("deepconf", seed, question, x.index) + (() if rnd is None else (rnd,))
+        x.state += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, seed=derive_seed(*parts),
+                               return_logprob=True, top_logprobs_num=top_logprobs,
+                               custom_params=tag.custom_params(), rid=tag.request_id())
+
+
+def _read(x: Sample, name: str, top_logprobs: int, t0: float) -> dict:
+    """Wait for a sample's generation ``name``; add its text, tokens and confidences."""
+    x.text += read_var(x.state, name)
+    meta = x.state.get_meta_info(name) or {}
+    x.tokens += int(meta.get("completion_tokens", 0))
+    x.confidences += _confidences(meta, top_logprobs)
+    # the state keeps its meta info until the run ends: drop the k entries per token once read
+    # (millions of small lists alive at once make every garbage collection walk them all)
+    meta.pop("output_top_logprobs", None)
+    meta.pop("output_token_logprobs", None)
+    x.seconds = time.perf_counter() - t0
+    return meta
+
+
+@sgl.function
+def deepconf(s, question: str, num_samples: int = 16, mode: str = "online", keep_fraction: float = 0.9,
+             window: int = 16, top_logprobs: int = 20, measure: str = "lowest_group", warmup: int = 4,
+             consensus: float = 0.95, chunk_tokens: int = 32, max_tokens: int = 256,
+             sampling_temperature: float = 0.8, seed: int = 0, delimiter: str = STEP_DELIMITER,
+             answer_pattern: str = BOXED, search_group: str | None = None) -> SearchResult:
+    DeepConfOptions(num_samples, mode, keep_fraction, window, top_logprobs, measure, warmup, consensus,
+                    chunk_tokens, max_tokens)
+    t0 = time.perf_counter()
+    s += question + delimiter
+    group = search_group or new_group()
+    common = dict(question=question, group=group, seed=seed, temperature=sampling_temperature,
+                  top_logprobs=top_logprobs)
+    first = num_samples if mode == "offline" else min(warmup, num_samples)
+    samples = [Sample(i, st) for i, st in enumerate(s.fork(first))]
+    exit_reason = None
+    try:
+        _generate(samples, "sample", None, max_tokens=max_tokens, **common)
+        for x in samples:
+            _read(x, "sample", top_logprobs, t0)
+            x.status = "finished"
+            x.confidence = trace_confidence(x.confidences, window, measure)
+        if mode == "offline":
+            voters = [samples[i] for i in kept([x.confidence for x in samples], keep_fraction)]
+        else:
+            threshold = stop_threshold([x.confidence for x in samples], keep_fraction)
+            rest = [Sample(first + i, st) for i, st in enumerate(s.fork(num_samples - first))] \
+                if num_samples > first else []
+            samples += rest
+            exit_reason = _online(samples[:first], rest, threshold, consensus, window, chunk_tokens, max_tokens,
+                                  answer_pattern, t0, common)
+            finished = [x for x in samples if x.status == "finished"]
+            voters = [x for x in finished if x.confidence >= threshold] or finished
+    finally:   # every fork's worker thread ends, also when a generation failed
+        for x in samples:
+            x.state.stream_executor.end()
+    return _result(samples, voters, exit_reason, delimiter, answer_pattern, time.perf_counter() - t0)
+
+
+def _online(warm: list[Sample], rest: list[Sample], threshold: float, consensus: float, window: int,
+            chunk_tokens: int, max_tokens: int, answer_pattern: str, t0: float, common: dict) -> str:
+    """Online DeepConf's sampling after the warm-up (module doc, steps 2 and 3): ``consensus`` or ``budget``."""
+    top_logprobs = common["top_logprobs"]
+
+    def settled() -> bool:
+        voters = [x for x in warm + rest if x.status == "finished" and x.confidence >= threshold]
+        return leader_share([extract_answer(x.text, answer_pattern) for x in voters],
+                            [x.confidence for x in voters]) >= consensus
+
+    if settled():
+        for x in rest:
+            x.status = "dropped"
+        return "consensus" if rest else "budget"
+    rnd = 0
+    while True:
+        running = [x for x in rest if x.status == "running"]
+        if not running:
+            return "budget"
+        name = f"chunk{rnd}"
+        for limit, group in _by_limit(running, chunk_tokens, max_tokens):
+            _generate(group, name, rnd, max_tokens=limit, **common)
+        for i, x in enumerate(running):
+            checked = len(x.confidences)
+            reason = (_read(x, name, top_logprobs, t0).get("finish_reason") or {}).get("type")
+            if reason == "abort" or stop_token(x.confidences, window, threshold, checked) is not None:
+                x.status = "stopped"
+            elif reason != "length" or x.tokens >= max_tokens:
+                x.status = "finished"
+                x.confidence = trace_confidence(x.confidences, window)
+                if settled():   # the later samples' chunks of this round are still generating: abort them
+                    _drop(running[i + 1:], rid_prefix(common["group"], rnd), name, top_logprobs, t0)
+                    return "consensus"
+        rnd += 1
+
+
+def _drop(samples: Sequence[Sample], prefix: str, name: str, top_logprobs: int, t0: float) -> None:
+    """Abort these samples' chunks (rid ``prefix``) and count what they had generated."""
+    if samples:
+        abort = getattr(samples[0].state.stream_executor.backend, "abort_prefix", None)
+        if abort is not None:   # a backend without aborts lets the chunks run to their end
+            try:
+                abort(prefix)
+            except Exception as exc:   # nothing is lost but time: the chunks run to their end
+                logger.warning("sgl-tts: could not abort DeepConf samples %s: %s", prefix, exc)
+    for x in samples:
+        try:
+            meta = _read(x, name, top_logprobs, t0)
+            x.aborted = (meta.get("finish_reason") or {}).get("type") == "abort"
+        except Exception:   # a request that failed as it was aborted counts no tokens
+            x.aborted = True
+        x.status = "dropped"
+
+
+def _by_limit(samples: Sequence[Sample], chunk_tokens: int, max_tokens: int) -> list[tuple[int, list[Sample]]]:
+    """The samples of a round grouped by their chunk's token limit (the last chunk may be shorter)."""
+    groups: dict[int, list[Sample]] = {}
+    for x in samples:
+        groups.setdefault(min(chunk_tokens, max_tokens - x.tokens), []).append(x)
+    return list(groups.items())
+
+
+def _result(samples: list[Sample], voters: list[Sample], exit_reason: str | None, delimiter: str,
+            answer_pattern: str, seconds: float) -> SearchResult:
+    finished = [x for x in samples if x.status == "finished"]
+    answer_of = {x.index: extract_answer(x.text, answer_pattern) for x in finished}
+    answers = {
+        "confidence_filtered": vote([answer_of[x.index] for x in voters], [x.confidence for x in voters]),
+        "confidence_weighted": vote([answer_of[x.index] for x in finished], [x.confidence for x in finished]),
+        "majority": vote([answer_of[x.index] for x in finished]),
+    }
+    trajectories = [Trajectory(split_steps(x.text, delimiter), [], x.confidence, answer_of[x.index], x.tokens,
+                               answer_of[x.index] is not None, x.seconds) for x in finished]
+    return SearchResult(answers["confidence_filtered"], answers, trajectories, sum(x.tokens for x in samples),
+                        seconds, exit_reason=exit_reason,
+                        requests_aborted=sum(x.aborted for x in samples),
+                        traces_stopped=sum(x.status in ("stopped", "dropped") for x in samples))
+
+
+__all__ = ["CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DeepConfOptions", "Sample", "deepconf", "group_confidences",
+           "kept", "leader_share", "quantile", "stop_threshold", "stop_token", "token_confidence",
+           "trace_confidence"]

@@ -93,7 +93,7 @@ class _Request:
         self.cached_tokens = 0
         self.finish_reason: dict | None = None
         self.out_lp: list[float] = []
-        self.out_top: list[list[tuple[float, int]]] = []
+        self.out_top: list[tuple[list[float], list[int]]] = []   # per token: top values, their ids
         self.out_ids_lp: list[list[float]] = []
         self.in_lp: list[float | None] = []
         self.in_top: list[list[tuple[float, int]] | None] = []
@@ -588,17 +588,26 @@ class BatchEngine:
         if sampled:
             draws = torch.stack([torch.rand((), generator=reqs[i].generator or self._rng) for i in sampled])
             tokens[torch.tensor(sampled)] = sample(scaled[sampled], [reqs[i].sampling for i in sampled], draws)
-        logprobs = None
+        wanting = [i for i, r in enumerate(reqs) if r.logprobs.return_logprob]
+        chosen: dict[int, float] = {}
+        tops: dict[int, tuple[list[float], list[int]]] = {}
+        if wanting:
+            # one gather and one top-k per distinct k for every row that asked (not a tensor op per row)
+            logprobs = scaled.log_softmax(-1)
+            rows = torch.tensor(wanting)
+            chosen = dict(zip(wanting, logprobs[rows].gather(1, tokens[rows][:, None]).squeeze(1).tolist()))
+            for k in {reqs[i].logprobs.top_logprobs_num for i in wanting} - {0}:
+                ask = [i for i in wanting if reqs[i].logprobs.top_logprobs_num == k]
+                vals, ids = logprobs[torch.tensor(ask)].topk(min(k, logprobs.shape[-1]), dim=-1)
+                tops.update(zip(ask, zip(vals.tolist(), ids.tolist())))   # (values, ids) per row
         for i, r in enumerate(reqs):
             t = int(tokens[i])
             r.output_ids.append(t)
             lp = r.logprobs
             if lp.return_logprob:
-                if logprobs is None:
-                    logprobs = scaled.log_softmax(-1)
-                r.out_lp.append(float(logprobs[i, t]))
+                r.out_lp.append(chosen[i])
                 if lp.top_logprobs_num > 0:
-                    r.out_top.extend(top_logprobs(logprobs[i:i + 1], lp.top_logprobs_num))
+                    r.out_top.append(tops[i])
                 if lp.token_ids_logprob:
                     r.out_ids_lp.append(logprobs[i, list(lp.token_ids_logprob)].tolist())
             self._check_finished(r)
@@ -636,8 +645,10 @@ class BatchEngine:
             if lp.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = [
                     None if e is None else [[v, t, txt(t)] for v, t in e] for e in r.in_top]
-                meta["output_top_logprobs"] = [
-                    [[v, t, txt(t)] for v, t in e] for e in r.out_top]
+                # k entries per generated token: no call per entry when no text is asked for
+                meta["output_top_logprobs"] = (
+                    [[[v, t, txt(t)] for v, t in zip(*e)] for e in r.out_top] if lp.return_text_in_logprobs
+                    else [[[v, t, None] for v, t in zip(*e)] for e in r.out_top])
             if lp.token_ids_logprob:
                 tids = lp.token_ids_logprob
                 meta["input_token_ids_logprobs"] = [

@@ -199,7 +199,7 @@ def sample(scaled: "torch.Tensor", specs: Sequence[SamplingSpec], draws: "torch.
 def top_logprobs(logprobs: "torch.Tensor", k: int) -> list[list[tuple[float, int]]]:
     """The ``k`` highest (logprob, token id) pairs of each row, as SGLang lists them."""
     vals, idx = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return [list(zip(v.tolist(), i.tolist())) for v, i in zip(vals, idx)]
+    return [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
 
 
 __all__ = ["Completion", "LogprobSpec", "SamplingSpec", "UnsupportedFeatureError", "check_request",

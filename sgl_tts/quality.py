@@ -3,7 +3,8 @@
 :func:`compare` runs, on held-out problems of :mod:`sgl_tts.tiny.task` and one generator backend plus a PRM
 scorer, the programs in ``programs/``: a single sample, self-consistency (majority vote) and PRM
 best-of-N (one ``best_of_n`` run per N: both read the same samples), PRM-guided step beam search
-(one run per N) and PRM particle filtering (one run per N >= 2; ``sgl-tts demo``: at its smallest).
+(one run per N), PRM particle filtering (one run per N >= 2; ``sgl-tts demo``: at its smallest) and
+DeepConf offline and online (no PRM; one run each per N >= 2; ``sgl-tts demo``: online at its largest).
 Every row carries accuracy, generated tokens per problem and wall seconds of its run.
 From the largest best-of-N run it also derives pass@N, the mean single-sample accuracy over all its
 samples, best-of-N under each step-score aggregation, and the PRM's step-classification AUC against the
@@ -118,22 +119,26 @@ def check_ns(ns: Sequence[int]) -> list[int]:
 def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[int] = (1, 4, 16),
             beam_width: int = 4, temperature: float = 0.8, aggregation: str = "last", seed: int = 0,
             max_tokens: int = 256, step_tokens: int = 64, progress: bool = True,
-            particle_filtering_ns: Sequence[int] | None = None) -> Comparison:
+            particle_filtering_ns: Sequence[int] | None = None,
+            deepconf_ns: Sequence[int] | None = None,
+            deepconf_modes: Sequence[str] = ("offline", "online")) -> Comparison:
     """Run the TTS programs on ``problems`` with ``generator`` (an sgl backend) and ``prm`` (a
     :class:`~sgl_tts.prm.PRMScorer`); see the module docstring for what is measured.
     ``particle_filtering_ns``: the N of particle filtering's rows (its defaults: multinomial draws,
-    the best particle); ``None``: every N >= 2 of ``ns``."""
+    the best particle); ``None``: every N >= 2 of ``ns``. ``deepconf_ns``: the N of DeepConf's rows,
+    one per mode of ``deepconf_modes`` (its defaults, no PRM: the tokens column shows what online's
+    early stopping saves); ``None``: every N >= 2 of ``ns``."""
     from sgl_tts.experiment import RunConfig, program_function
 
     if not problems:
         raise ValueError("no problems to evaluate")
     ns = check_ns(ns)
 
-    def arguments(program: str, n: int, scorer) -> list[dict[str, Any]]:
+    def arguments(program: str, n: int, scorer, **own: Any) -> list[dict[str, Any]]:
         """The program's arguments per problem, as ``sgl-tts run`` gives them (the registry's)."""
         cfg = RunConfig(program=program, n=n, beam_width=beam_width, temperature=temperature,
                         aggregation=aggregation, seed=seed, max_tokens=max_tokens, step_tokens=[step_tokens],
-                        prm=None if scorer is not None else "none")
+                        prm=None if scorer is not None else "none", **own)
         return [cfg.program_arguments(p.question, scorer) for p in problems]
 
     t_all = time.perf_counter()
@@ -158,9 +163,9 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
         rows.append(MethodRow("PRM-weighted vote", n,
                               _accuracy(problems, [r.answers["prm_weighted"] for r in res]), tokens, secs))
         largest = (n, res)
-    def search_row(method: str, program: str, n: int) -> MethodRow:
-        """One run of a PRM-guided search at budget ``n`` over every problem, as a row."""
-        args = arguments(program, n, prm)
+    def search_row(method: str, program: str, n: int, scorer: Any = prm, **own: Any) -> MethodRow:
+        """One run of a search at budget ``n`` over every problem, as a row."""
+        args = arguments(program, n, scorer, **own)
         t = time.perf_counter()
         res = _results(program_function(program).run_batch(args, backend=generator, progress_bar=progress))
         return MethodRow(method, n, _accuracy(problems, [r.answer for r in res]),
@@ -169,6 +174,8 @@ def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[in
     rows += [search_row("PRM beam search", "beam_search", n) for n in ns if n >= beam_width]
     rows += [search_row("PRM particle filtering", "particle_filtering", n)
              for n in (ns if particle_filtering_ns is None else particle_filtering_ns) if n >= 2]
+    rows += [search_row(f"DeepConf {mode}", "deepconf", n, None, deepconf_mode=mode)
+             for n in (ns if deepconf_ns is None else deepconf_ns) if n >= 2 for mode in deepconf_modes]
     if largest is not None:
         details.update(_sample_details(problems, *largest))
     return Comparison(count, temperature, beam_width, aggregation, rows, details,

@@ -64,7 +64,7 @@ def test_readme_main_command_compares_the_methods(tmp_path):
     rows = result["rows"]
     assert [(r["method"], r["n"]) for r in rows] == [
         ("single sample", 1), ("majority vote", 4), ("PRM best-of-N", 4), ("PRM-weighted vote", 4),
-        ("PRM beam search", 4), ("PRM particle filtering", 4)]
+        ("PRM beam search", 4), ("PRM particle filtering", 4), ("DeepConf online", 4)]
     for r in rows:
         assert r["accuracy"] * 3 == pytest.approx(round(r["accuracy"] * 3))  # k of 3 problems
         assert r["tokens_per_problem"] > 10 and r["seconds"] > 0
@@ -80,6 +80,7 @@ def test_readme_main_command_compares_the_methods(tmp_path):
     assert table.returncode == 0, table.stderr
     assert "| method | N | accuracy | vs single | tokens/problem | seconds |" in table.stdout
     assert "| PRM beam search | 4 |" in table.stdout and "| PRM particle filtering | 4 |" in table.stdout
+    assert "| DeepConf online | 4 |" in table.stdout and "DeepConf offline" not in table.stdout
     assert f"plot: {plot}" in table.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,5 @@
-"""``sgl-tts demo``: single sample, majority vote, PRM best-of-N, PRM beam search and PRM particle
-filtering side by side on test problems (:func:`sgl_tts.quality.compare`), on the embedded tiny models
+"""``sgl-tts demo``: single sample, majority vote, PRM best-of-N, PRM beam search, PRM particle
+filtering and DeepConf (online) side by side on test problems (:func:`sgl_tts.quality.compare`), on the embedded tiny models
 by default."""
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def demo(args: argparse.Namespace) -> int:
                               seed=args.seed, progress=not args.json,
                               # one row: its smallest N keeps the main job short (`sgl-tts quality`
                               # has every N); at N = 16 it costs as much as beam search's row
-                              particle_filtering_ns=[n for n in ns if n >= 2][:1])
+                              particle_filtering_ns=[n for n in ns if n >= 2][:1],
+                              # DeepConf online at the largest N, where its early stopping has room
+                              # (beside majority vote at that N: what it saves); `quality` has offline too
+                              deepconf_ns=[n for n in ns if n >= 2][-1:], deepconf_modes=("online",))
     finally:
         generator.shutdown()
         prm_backend.shutdown()

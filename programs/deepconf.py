@@ -25,7 +25,8 @@ with their confidences as weights.
 2. *the rest of the budget* (N minus the warm-up) is sampled all at once, ``chunk_tokens`` tokens per
    request (each chunk a ``gen`` continuing the sample's state; the server's prefix cache holds what
    came before). After every chunk each group confidence the chunk completed is checked, in order: at
-   the first ``t >= window`` whose group confidence is below ``s`` the sample **stops** (DeepConf
+   the first ``t >= window`` whose group confidence is below ``s`` (by more than ``TOLERANCE``, 1e-4:
+   float noise between batches must not decide a tie) the sample **stops** (DeepConf
    stops at that token; here the rest of the chunk was generated already and is counted, so a stop
    costs at most ``chunk_tokens - 1`` tokens more). A stopped sample never votes.
 3. *consensus*: after the warm-up, and each time a sample finishes, the vote among the finished
@@ -72,6 +73,10 @@ logger = logging.getLogger(__name__)
 
 #: the share of a sample's group confidences ``bottom_10`` averages
 BOTTOM_SHARE = 0.1
+#: a confidence within this of the online threshold counts as at it: identical samples have equal
+#: confidences only up to the float noise of the batches they were computed in (~1e-6), and the
+#: threshold is often one of them, so without it that noise would decide which samples stop
+TOLERANCE = 1e-4
 
 
 def token_confidence(top_logprobs: Sequence[float]) -> float:
@@ -133,11 +138,16 @@ def stop_threshold(warmup_confidences: Sequence[float], keep_fraction: float) ->
 
 def stop_token(confidences: Sequence[float], window: int, threshold: float, checked: int = 0) -> int | None:
     """The first token count ``t > checked`` with ``t >= window`` whose group confidence is below
-    ``threshold`` (where an online sample stops), else ``None``."""
+    ``threshold`` by more than :data:`TOLERANCE` (where an online sample stops), else ``None``."""
     for t in range(max(window, checked + 1), len(confidences) + 1):
-        if statistics.fmean(confidences[t - window:t]) < threshold:
+        if statistics.fmean(confidences[t - window:t]) < threshold - TOLERANCE:
             return t
     return None
+
+
+def passes(confidence: float, threshold: float) -> bool:
+    """Whether a finished sample's confidence reaches the online threshold (within :data:`TOLERANCE`)."""
+    return confidence >= threshold - TOLERANCE
 
 
 def leader_share(answers: Sequence[str | None], weights: Sequence[float]) -> float:
@@ -238,7 +248,7 @@ def deepconf(s, question: str, num_samples: int = 16, mode: str = "online", keep
             exit_reason = _online(samples[:first], rest, threshold, consensus, window, chunk_tokens, max_tokens,
                                   answer_pattern, t0, common)
             finished = [x for x in samples if x.status == "finished"]
-            voters = [x for x in finished if x.confidence >= threshold] or finished
+            voters = [x for x in finished if passes(x.confidence, threshold)] or finished
     finally:   # every fork's worker thread ends, also when a generation failed
         for x in samples:
             x.state.stream_executor.end()
@@ -251,7 +261,7 @@ def _online(warm: list[Sample], rest: list[Sample], threshold: float, consensus:
     top_logprobs = common["top_logprobs"]
 
     def settled() -> bool:
-        voters = [x for x in warm + rest if x.status == "finished" and x.confidence >= threshold]
+        voters = [x for x in warm + rest if x.status == "finished" and passes(x.confidence, threshold)]
         return leader_share([extract_answer(x.text, answer_pattern) for x in voters],
                             [x.confidence for x in voters]) >= consensus
 
@@ -325,5 +335,5 @@ def _result(samples: list[Sample], voters: list[Sample], exit_reason: str | None
 
 
 __all__ = ["CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DeepConfOptions", "Sample", "deepconf", "group_confidences",
-           "kept", "leader_share", "quantile", "stop_threshold", "stop_token", "token_confidence",
+           "kept", "leader_share", "passes", "quantile", "stop_threshold", "stop_token", "token_confidence",
            "trace_confidence"]

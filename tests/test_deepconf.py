@@ -73,6 +73,8 @@ def test_a_sample_stops_at_the_first_full_window_below_the_threshold_after_what_
     assert stop_token(c, 2, 1.5, checked=4) == 7
     assert stop_token(c, 2, 0.5) is None
     assert stop_token([0.0], 2, 9.0) is None   # no full window yet: never stopped
+    # float noise below the threshold (identical samples computed in different batches) is a tie
+    assert stop_token([2.0, 2.0], 2, 2.0 + 5e-7) is None and stop_token([2.0, 2.0], 2, 2.0 + 2e-4) == 2
 
 
 def test_leader_share_counts_only_samples_with_an_answer():

@@ -108,7 +108,7 @@ def summarize(records: Sequence[dict], n: int, program: str = "best_of_n") -> Su
         # a program's own rule is read at N only (None below it)
         accuracy_at[str(size)] = {
             rule: (sum(r["subsampled"][str(size)][rule] == r["reference"] for r in graded) / len(graded)
-                   if graded else 0.0) if all(rule in r["subsampled"][str(size)] for r in records) else None
+                   if graded else 0.0) if all(rule in r["subsampled"][str(size)] for r in graded) else None
             for rule in rules}
     trajs = [t for r in records for t in r["trajectories"]]
     mean_tokens = statistics.fmean(t["tokens"] for t in trajs) if trajs else 0.0

@@ -47,7 +47,7 @@ def served(live):
 
 def test_models_and_health(served):
     assert [m.id for m in served.client.models.list()] == ["beam_search", "dvts", "best_of_n",
-                                                           "self_consistency", "mcts", "particle_filtering"]
+                                                           "self_consistency", "mcts", "particle_filtering", "deepconf"]
     with urllib.request.urlopen(served.url + "/health", timeout=30) as res:
         assert json.loads(res.read())["status"] == "ok"
 

@@ -83,7 +83,7 @@ def token_confidence(top_logprobs: Sequence[float]) -> float:
     """Minus the mean of a position's top-k log-probabilities."""
     if not top_logprobs:
         raise ValueError("a token's confidence needs at least one top log-probability")
-    return -statistics.fmean(top_logprobs)
+    return -sum(top_logprobs) / len(top_logprobs)
 
 
 def group_confidences(confidences: Sequence[float], window: int) -> list[float]:
@@ -183,12 +183,8 @@ def _confidences(meta: dict, k: int) -> list[float]:
     if tops is None:
         raise RuntimeError("DeepConf needs token log-probabilities, and the backend returned none "
                            "(output_top_logprobs); use an SGLang server or the CPU backend")
-    out = []
-    for top in tops:
-        values = [e[0] for e in top[:k] if e[0] is not None]
-        if values:
-            out.append(-sum(values) / len(values))   # token_confidence, without its call per token
-    return out
+    values = ([e[0] for e in top[:k] if e[0] is not None] for top in tops)
+    return [token_confidence(v) for v in values if v]
 
 
 def _generate(samples: Sequence[Sample], name: str, rnd: int | None, *, question: str, group: str, seed: int,

@@ -45,15 +45,20 @@ build_env() {
   mkdir -p "$cache"
   exec 9>"$cache/.lock-$key"
   flock 9                                   # one builder at a time per key
-  if [[ -f "$venv/.complete" ]]; then return; fi
-  log "building the environment in $venv (first run: several minutes, ~11 GB)"
-  rm -rf "$venv"
-  "$py" -m venv "$venv"
-  pip_clean install -q --upgrade pip
-  pip_clean install --progress-bar off -r "$lock" -c "$constraints"
-  cp "$lock" "$constraints" "$venv/"
-  touch "$venv/.complete"
-  log "environment ready"
+  if [[ ! -f "$venv/.complete" ]]; then
+    log "building the environment in $venv (first run: several minutes, ~11 GB)"
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    pip_clean install -q --upgrade pip
+    pip_clean install --progress-bar off -r "$lock" -c "$constraints"
+    prune_installed
+    cp "$lock" "$constraints" "$venv/"
+    touch "$venv/.complete"
+    log "environment ready"
+  fi
+  # Release the lock: a flock taken again through another descriptor (prune_env's) would wait on
+  # this one forever (a fresh machine's first `./dev.sh demo` hung after "environment ready").
+  exec 9>&-
 }
 
 # Installed by the pins but left out: jsonschema imports rfc3987-syntax only inside
@@ -63,17 +68,27 @@ build_env() {
 # environment built before this list too (the venv key hashes only the pins).
 PRUNE=(rfc3987-syntax)
 
-prune_env() {
-  local name dir
+installed() { compgen -G "$venv/lib/python*/site-packages/${1//-/_}-*.dist-info" >/dev/null; }
+
+# Uninstall what PRUNE names (the caller holds the build lock).
+prune_installed() {
+  local name
   for name in "${PRUNE[@]}"; do
-    dir=$(compgen -G "$venv/lib/python*/site-packages/${name//-/_}-*.dist-info" || true)
-    [[ -n "$dir" ]] || continue
-    exec 8>"$cache/.lock-$key"
-    flock 8
-    if compgen -G "$venv/lib/python*/site-packages/${name//-/_}-*.dist-info" >/dev/null; then
-      pip_clean uninstall -q -y "$name" >&2
+    if installed "$name"; then pip_clean uninstall -q -y "$name" >&2; fi
+  done
+}
+
+# An environment built before PRUNE listed a package: prune it once, under the build lock.
+prune_env() {
+  local name
+  for name in "${PRUNE[@]}"; do
+    if installed "$name"; then
+      exec 9>"$cache/.lock-$key"
+      flock 9
+      prune_installed
+      exec 9>&-
+      return
     fi
-    exec 8>&-
   done
 }
 

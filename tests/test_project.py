@@ -48,6 +48,63 @@ def test_the_environment_leaves_out_what_every_sglang_process_would_pay_for():
     jsonschema.validate({"a": 1}, {"type": "object"}, format_checker=jsonschema.FormatChecker())
 
 
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# a stand-in interpreter for dev.sh's build: `-m venv DIR` makes a venv whose python logs pip calls
+if [[ "${1:-}" == -m && "${2:-}" == venv ]]; then
+  mkdir -p "$3/bin" "$3/lib/python3.11/site-packages"
+  cp "$FAKE_VENV_PYTHON" "$3/bin/python"
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+_FAKE_VENV_PYTHON = """#!/usr/bin/env bash
+site="$(dirname "$0")/../lib/python3.11/site-packages"
+if [[ "${1:-}" == -c ]]; then
+  [[ -f "$site/../../../.sgl_tts_installed" ]]; exit $?
+fi
+echo "$*" >> "$DEV_SH_LOG"
+case "$*" in
+  *"-r "*) mkdir -p "$site/rfc3987_syntax-1.1.0.dist-info" "$site/jsonschema-4.0.dist-info" ;;
+  *"uninstall -q -y rfc3987-syntax"*) rm -rf "$site"/rfc3987_syntax-*.dist-info ;;
+  *"-e "*) touch "$site/../../../.sgl_tts_installed" ;;
+esac
+"""
+
+
+def test_dev_sh_builds_prunes_and_runs_on_a_fresh_machine(tmp_path):
+    # A first run builds the environment, prunes it, installs the clone and runs the command, and
+    # ends (a fresh machine's first ./dev.sh demo once hung after "environment ready": the prune
+    # waited on the build's own lock). pip is a stand-in here; what dev.sh does around it is real.
+    fake, venv_python, log = tmp_path / "python3", tmp_path / "venv-python", tmp_path / "pip.log"
+    fake.write_text(_FAKE_PYTHON)
+    venv_python.write_text(_FAKE_VENV_PYTHON)
+    fake.chmod(0o755)
+    venv_python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, FAKE_VENV_PYTHON=str(venv_python),
+               DEV_SH_LOG=str(log), SGLANG_TTS_CACHE=str(tmp_path / "cache"))
+
+    def dev_sh(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "dev.sh"), *args], capture_output=True, text=True, env=env, timeout=60)
+
+    out = dev_sh("run", "echo", "ran")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ran\n" and "environment ready" in out.stderr
+    calls = log.read_text().splitlines()
+    assert [c.split()[2] for c in calls] == ["install", "install", "uninstall", "install"]
+    assert "-r" in calls[1] and calls[2].endswith("rfc3987-syntax") and "-e" in calls[3]
+    venv, = (tmp_path / "cache").glob("venv-*")
+    site = venv / "lib/python3.11/site-packages"
+    assert (venv / ".complete").exists() and sorted(p.name for p in site.iterdir()) == ["jsonschema-4.0.dist-info"]
+    # the second run builds nothing; an environment built before the prune list is pruned once
+    (site / "rfc3987_syntax-1.0.dist-info").mkdir()
+    again = dev_sh("run", "echo", "again")
+    assert again.returncode == 0 and again.stdout == "again\n", again.stderr
+    assert "building" not in again.stderr
+    assert log.read_text().splitlines()[len(calls):] == ["-m pip uninstall -q -y rfc3987-syntax"]
+    assert not list(site.glob("rfc3987_syntax-*"))
+
+
 def test_readme_main_command_compares_the_methods(tmp_path):
     exe = shutil.which("sgl-tts")
     assert exe is not None, "the sgl-tts console script is not installed"

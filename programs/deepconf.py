@@ -22,21 +22,25 @@ with their confidences as weights.
 1. *warm-up*: the first ``min(warmup, N)`` samples run whole, as offline's first samples (same seeds,
    so the same texts). The stop threshold ``s`` is the ``1 - keep_fraction`` quantile of their
    confidences (linear interpolation between order statistics, numpy's default).
-2. *the rest of the budget* (N minus the warm-up) is sampled all at once, ``chunk_tokens`` tokens per
+2. *the rest of the budget* (N minus the warm-up) is sampled all at once. A sample **stops** at the
+   first ``t >= window`` whose group confidence is below ``s`` by more than ``TOLERANCE`` (1e-4: float
+   noise between batches must not decide a tie; :func:`sgl_tts.confidence.stop_token`). A stopped
+   sample never votes. With ``chunk_tokens = 0`` (default) each sample is one ``gen`` and the stop
+   happens inside generation, at that token: :class:`sgl_tts.confidence.ConfidenceStop`, an SGLang
+   custom logit processor, ends it with an end-of-sequence token next (one token more than DeepConf's
+   ``t``; a server needs ``--enable-custom-logit-processor``, which ``sgl-tts serve`` and the CPU
+   backend have). With ``chunk_tokens > 0`` (any server) a sample is sampled that many tokens per
    request (each chunk a ``gen`` continuing the sample's state; the server's prefix cache holds what
-   came before). After every chunk each group confidence the chunk completed is checked, in order: at
-   the first ``t >= window`` whose group confidence is below ``s`` (by more than ``TOLERANCE``, 1e-4:
-   float noise between batches must not decide a tie) the sample **stops** (DeepConf
-   stops at that token; here the rest of the chunk was generated already and is counted, so a stop
-   costs at most ``chunk_tokens - 1`` tokens more). A stopped sample never votes.
+   came before) and checked after every chunk: a stop then costs at most ``chunk_tokens - 1`` tokens
+   more.
 3. *consensus*: after the warm-up, and each time a sample finishes, the vote among the finished
    samples whose confidence is at least ``s`` (their confidences as weights) is read; once the leader
    holds at least ``consensus`` of the weight, sampling stops and the samples still running are
-   **dropped**: their chunks in flight are aborted on the server (one abort of the round's rid prefix,
-   ``tts/<group>/<round>/``; a backend without aborts lets them run out) and no chunk follows. A round's
-   chunks are read in sample order, so which samples are dropped depends on the samples alone, never
-   on which request ended first (only the dropped samples' token counts do). A sample also ends at
-   ``max_tokens`` or when the model ends it.
+   **dropped**: their requests in flight are aborted on the server (one abort of the round's rid
+   prefix, ``tts/<group>/<round>/``; a backend without aborts lets them run out) and no chunk follows.
+   Samples are read in sample order (with chunks: a round's, round after round), so which samples
+   are dropped depends on the samples alone, never on which request ended first (only the dropped
+   samples' token counts do). A sample also ends at ``max_tokens`` or when the model ends it.
 4. the answer: that vote (every finished sample if none reaches ``s``).
 
 ``SearchResult.answers``: ``confidence_filtered`` (the program's answer: offline, the kept fraction's
@@ -49,7 +53,7 @@ as aborted.
 
 Seeds: a whole sample ``i`` is seeded ``derive_seed("deepconf", seed, question, i)``; chunk ``r`` of
 an online sample ``i`` ``derive_seed("deepconf", seed, question, i, r)``. Request tags: sample ``i`` at
-depth ``r`` (its chunk), beam ``i``.
+depth ``r`` (its chunk; 0 for a whole sample), beam ``i``.
 """
 
 from __future__ import annotations
@@ -64,38 +68,17 @@ from typing import Any, Sequence
 import sglang as sgl
 
 import sgl_tts
+from sgl_tts.confidence import (TOLERANCE, ConfidenceStop, group_confidences, passes, stop_rule, stop_token,
+                                 token_confidence)
+from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed, extract_answer,
                             new_group, read_var, split_steps, vote)
-from sgl_tts.protocol import rid_prefix
 from sgl_tts.search.options import CONFIDENCE_MEASURES, DEEPCONF_MODES, DeepConfOptions
 
 logger = logging.getLogger(__name__)
 
 #: the share of a sample's group confidences ``bottom_10`` averages
 BOTTOM_SHARE = 0.1
-#: a confidence within this of the online threshold counts as at it: identical samples have equal
-#: confidences only up to the float noise of the batches they were computed in (~1e-6), and the
-#: threshold is often one of them, so without it that noise would decide which samples stop
-TOLERANCE = 1e-4
-
-
-def token_confidence(top_logprobs: Sequence[float]) -> float:
-    """Minus the mean of a position's top-k log-probabilities."""
-    if not top_logprobs:
-        raise ValueError("a token's confidence needs at least one top log-probability")
-    return -sum(top_logprobs) / len(top_logprobs)
-
-
-def group_confidences(confidences: Sequence[float], window: int) -> list[float]:
-    """The group confidence at every token ``t >= window`` (the mean of the ``window`` token
-    confidences ending at ``t``), in order; one group of every token when there are fewer."""
-    if not confidences:
-        return []
-    if len(confidences) < window:
-        return [statistics.fmean(confidences)]
-    return [statistics.fmean(confidences[t - window:t]) for t in range(window, len(confidences) + 1)]
-
-
 def trace_confidence(confidences: Sequence[float], window: int, measure: str = "lowest_group") -> float:
     """A sample's confidence under ``measure`` (see the module doc); 0 for a sample with no token."""
     if measure not in CONFIDENCE_MEASURES:
@@ -115,9 +98,16 @@ def trace_confidence(confidences: Sequence[float], window: int, measure: str = "
 
 def kept(confidences: Sequence[float], fraction: float) -> list[int]:
     """The indices of the ``ceil(fraction * n)`` (at least one) most confident samples, ties to the
-    earlier sample, in sample order."""
+    earlier sample, in sample order. Confidences within :data:`TOLERANCE` of the next higher one
+    tie with it (a run of such is one tie): batch noise must not decide which samples are kept."""
     count = max(1, math.ceil(fraction * len(confidences) - 1e-9))
-    order = sorted(range(len(confidences)), key=lambda i: (-confidences[i], i))
+    by_value = sorted(range(len(confidences)), key=lambda i: -confidences[i])
+    tier, tiers = 0, {}
+    for prev, i in zip([None] + by_value, by_value):
+        if prev is not None and confidences[prev] - confidences[i] > TOLERANCE:
+            tier += 1
+        tiers[i] = tier
+    order = sorted(range(len(confidences)), key=lambda i: (tiers[i], i))
     return sorted(order[:count])
 
 
@@ -134,20 +124,6 @@ def quantile(values: Sequence[float], q: float) -> float:
 def stop_threshold(warmup_confidences: Sequence[float], keep_fraction: float) -> float:
     """Online DeepConf's threshold: the ``1 - keep_fraction`` quantile of the warm-up's confidences."""
     return quantile(warmup_confidences, 1.0 - keep_fraction)
-
-
-def stop_token(confidences: Sequence[float], window: int, threshold: float, checked: int = 0) -> int | None:
-    """The first token count ``t > checked`` with ``t >= window`` whose group confidence is below
-    ``threshold`` by more than :data:`TOLERANCE` (where an online sample stops), else ``None``."""
-    for t in range(max(window, checked + 1), len(confidences) + 1):
-        if statistics.fmean(confidences[t - window:t]) < threshold - TOLERANCE:
-            return t
-    return None
-
-
-def passes(confidence: float, threshold: float) -> bool:
-    """Whether a finished sample's confidence reaches the online threshold (within :data:`TOLERANCE`)."""
-    return confidence >= threshold - TOLERANCE
 
 
 def leader_share(answers: Sequence[str | None], weights: Sequence[float]) -> float:
@@ -188,14 +164,20 @@ def _confidences(meta: dict, k: int) -> list[float]:
 
 
 def _generate(samples: Sequence[Sample], name: str, rnd: int | None, *, question: str, group: str, seed: int,
-              max_tokens: int, temperature: float, top_logprobs: int) -> None:
-    """One ``gen`` per sample (a whole sample, ``rnd=None``, or chunk ``rnd``), all in flight together."""
+              max_tokens: int, temperature: float, top_logprobs: int, stop: dict | None = None) -> None:
+    """One ``gen`` per sample (a whole sample, ``rnd=None``, or chunk ``rnd``), all in flight together;
+    ``stop``: a :func:`~sgl_tts.confidence.stop_rule` that :class:`ConfidenceStop` applies as they generate."""
     for x in samples:
         tag = SearchTag(group, rnd or 0, -1, x.index)
         parts = ("deepconf", seed, question, x.index) + (() if rnd is None else (rnd,))
         x.state += sgl_tts.gen(name, max_tokens=max_tokens, temperature=temperature, seed=derive_seed(*parts),
                                return_logprob=True, top_logprobs_num=top_logprobs,
-                               custom_params=tag.custom_params(), rid=tag.request_id())
+                               custom_params=tag.custom_params() | (stop or {}), rid=tag.request_id(),
+                               custom_logit_processor=_STOP_PROCESSOR if stop else None)
+
+
+#: :class:`ConfidenceStop`, serialized as SGLang's requests carry it
+_STOP_PROCESSOR = ConfidenceStop.to_str()
 
 
 def _read(x: Sample, name: str, top_logprobs: int, t0: float) -> dict:
@@ -215,7 +197,7 @@ def _read(x: Sample, name: str, top_logprobs: int, t0: float) -> dict:
 @sgl.function
 def deepconf(s, question: str, num_samples: int = 16, mode: str = "online", keep_fraction: float = 0.9,
              window: int = 16, top_logprobs: int = 20, measure: str = "lowest_group", warmup: int = 4,
-             consensus: float = 0.95, chunk_tokens: int = 32, max_tokens: int = 256,
+             consensus: float = 0.95, chunk_tokens: int = 0, max_tokens: int = 256,
              sampling_temperature: float = 0.8, seed: int = 0, delimiter: str = STEP_DELIMITER,
              answer_pattern: str = BOXED, search_group: str | None = None) -> SearchResult:
     DeepConfOptions(num_samples, mode, keep_fraction, window, top_logprobs, measure, warmup, consensus,
@@ -259,12 +241,14 @@ def _online(warm: list[Sample], rest: list[Sample], threshold: float, consensus:
     def settled() -> bool:
         voters = [x for x in warm + rest if x.status == "finished" and passes(x.confidence, threshold)]
         return leader_share([extract_answer(x.text, answer_pattern) for x in voters],
-                            [x.confidence for x in voters]) >= consensus
+                            [x.confidence for x in voters]) >= consensus - TOLERANCE
 
     if settled():
         for x in rest:
             x.status = "dropped"
         return "consensus" if rest else "budget"
+    if chunk_tokens == 0:
+        return _online_whole(rest, threshold, window, max_tokens, settled, t0, common)
     rnd = 0
     while True:
         running = [x for x in rest if x.status == "running"]
@@ -285,6 +269,33 @@ def _online(warm: list[Sample], rest: list[Sample], threshold: float, consensus:
                     _drop(running[i + 1:], rid_prefix(common["group"], rnd), name, top_logprobs, t0)
                     return "consensus"
         rnd += 1
+
+
+def _online_whole(rest: list[Sample], threshold: float, window: int, max_tokens: int, settled, t0: float,
+                  common: dict) -> str:
+    """Online sampling with the stop inside generation: each sample one ``gen``, read in sample order."""
+    top_logprobs = common["top_logprobs"]
+    rule = stop_rule(threshold, window, top_logprobs, common["temperature"])
+    _generate(rest, "sample", None, max_tokens=max_tokens, stop=rule, **common)
+    for i, x in enumerate(rest):
+        try:
+            reason = (_read(x, "sample", top_logprobs, t0).get("finish_reason") or {}).get("type")
+        except Exception as exc:
+            if "custom logit processor" in str(exc):   # SGLang's refusal, said for DeepConf
+                raise RuntimeError("online DeepConf stops samples inside generation with a custom logit processor, "
+                                   "and the server does not allow them: start it with "
+                                   "--enable-custom-logit-processor, or set chunk_tokens (e.g. 32) to stop "
+                                   f"between chunks instead ({exc})") from exc
+            raise
+        if reason == "abort" or stop_token(x.confidences, window, threshold) is not None:
+            x.status = "stopped"   # a stopped sample's last token is the forced end of sequence
+            continue
+        x.status = "finished"
+        x.confidence = trace_confidence(x.confidences, window)
+        if settled():   # the later samples may still be generating: abort them
+            _drop(rest[i + 1:], rid_prefix(common["group"], 0), "sample", top_logprobs, t0)
+            return "consensus"
+    return "budget"
 
 
 def _drop(samples: Sequence[Sample], prefix: str, name: str, top_logprobs: int, t0: float) -> None:
@@ -317,9 +328,10 @@ def _result(samples: list[Sample], voters: list[Sample], exit_reason: str | None
             answer_pattern: str, seconds: float) -> SearchResult:
     finished = [x for x in samples if x.status == "finished"]
     answer_of = {x.index: extract_answer(x.text, answer_pattern) for x in finished}
-    answers = {
-        "confidence_filtered": vote([answer_of[x.index] for x in voters], [x.confidence for x in voters]),
-        "confidence_weighted": vote([answer_of[x.index] for x in finished], [x.confidence for x in finished]),
+    answers = {   # totals within TOLERANCE tie (to the answer seen first): batch noise must not pick the answer
+        "confidence_filtered": vote([answer_of[x.index] for x in voters], [x.confidence for x in voters], TOLERANCE),
+        "confidence_weighted": vote([answer_of[x.index] for x in finished], [x.confidence for x in finished],
+                                    TOLERANCE),
         "majority": vote([answer_of[x.index] for x in finished]),
     }
     trajectories = [Trajectory(split_steps(x.text, delimiter), [], x.confidence, answer_of[x.index], x.tokens,
@@ -330,6 +342,6 @@ def _result(samples: list[Sample], voters: list[Sample], exit_reason: str | None
                         traces_stopped=sum(x.status in ("stopped", "dropped") for x in samples))
 
 
-__all__ = ["CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DeepConfOptions", "Sample", "deepconf", "group_confidences",
+__all__ = ["CONFIDENCE_MEASURES", "DEEPCONF_MODES", "TOLERANCE", "DeepConfOptions", "Sample", "deepconf", "group_confidences",
            "kept", "leader_share", "passes", "quantile", "stop_threshold", "stop_token", "token_confidence",
            "trace_confidence"]

@@ -212,7 +212,7 @@ def _check_particle_filtering(cfg: Any, bad: Callable[..., None]) -> None:
 #: DeepConf's own settings (``programs/deepconf.py``; its token limit is the run's ``max_tokens``)
 DEEPCONF_SETTINGS = {"deepconf_mode": "online", "keep_fraction": 0.9, "confidence_window": 16,
                      "confidence_top_k": 20, "confidence_measure": "lowest_group", "warmup_samples": 4,
-                     "consensus": 0.95, "chunk_tokens": 32}
+                     "consensus": 0.95, "chunk_tokens": 0}
 #: DeepConf's parameter of each of its settings
 _DEEPCONF_PARAMETERS = {"deepconf_mode": "mode", "keep_fraction": "keep_fraction", "confidence_window": "window",
                         "confidence_top_k": "top_logprobs", "confidence_measure": "measure",

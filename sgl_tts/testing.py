@@ -39,7 +39,10 @@ derive one per fork with :func:`sgl_tts.search.derive_seed`), or ``None`` when t
 With ``top_logprobs`` (``(prefix, continuation, index) -> the top log-probabilities at token
 ``index`` of the script's continuation``) a request
 that asks for log-probabilities (``return_logprob``, ``top_logprobs_num``) gets SGLang's
-``output_token_logprobs`` and ``output_top_logprobs`` for every token generated.
+``output_token_logprobs`` and ``output_top_logprobs`` for every token generated. A request that
+carries sgl-tts's :class:`~sgl_tts.confidence.ConfidenceStop` processor (online DeepConf's stop) is
+stopped where it would stop on a server, from those log-probabilities: the end of sequence is forced
+as the next token, reported as SGLang reports it; other custom logit processors are refused.
 """
 
 from __future__ import annotations
@@ -195,23 +198,59 @@ class ScriptedBackend(BaseBackend):
                                        dict(fields.custom_params) if fields.custom_params else None))
             return text, meta
         text, reason, generated = continuation(full, stop, limit, self.EOS_TOKEN_ID)
+        scripted = full
+        forced = self._confidence_stop(prefix, full, generated, fields)
+        if forced is not None:   # the processor made token `forced` the end of sequence
+            full = list(full)[:forced]
+            text, reason, generated = continuation(full, stop, limit, self.EOS_TOKEN_ID)
         if self.seconds_per_token:
             text, reason, generated = self._paced(full, text, reason, generated, fields)
         meta = {"id": fields.rid or f"scripted-{len(self.draws)}", "finish_reason": reason,
                 "prompt_tokens": len(prefix), "completion_tokens": generated, "cached_tokens": 0}
         if self.top_logprobs is not None and (sampling_params.return_logprob or sampling_params.top_logprobs_num):
-            meta.update(self._logprobs(prefix, full, generated, int(sampling_params.top_logprobs_num or 0)))
+            meta.update(self._logprobs(prefix, scripted, generated, int(sampling_params.top_logprobs_num or 0), forced))
         with self._lock:
             self.draws.append(Draw(prefix, fields.seed, text, reason, limit, stop, fields.rid,
                                    dict(fields.custom_params) if fields.custom_params else None))
         return text, meta
 
-    def _logprobs(self, prefix: str, full, generated: int, k: int) -> dict:
+    def _confidence_stop(self, prefix: str, full, generated: int, fields) -> int | None:
+        """Where sgl-tts's :class:`~sgl_tts.confidence.ConfidenceStop` processor, if the request carries
+        it, would make the next token the end of sequence: the token count ``t < generated`` at which
+        the scripted confidences (``top_logprobs``) first stop the sample, else ``None``. Other
+        processors are refused."""
+        if fields.custom_logit_processor is None:
+            return None
+        from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+        from sgl_tts.confidence import STOP_RULE, ConfidenceStop, stop_token, token_confidence
+
+        if not isinstance(CustomLogitProcessor.from_str(fields.custom_logit_processor), ConfidenceStop):
+            raise UnsupportedFeatureError("a ScriptedBackend applies one custom logit processor: sgl-tts's "
+                                          "ConfidenceStop")
+        rule = (fields.custom_params or {}).get(STOP_RULE)
+        if rule is None:
+            return None
+        if self.top_logprobs is None:
+            raise UnsupportedFeatureError("ConfidenceStop on a ScriptedBackend needs its top_logprobs")
+        k = int(rule["top_k"])
+        confidences = [token_confidence([float(v) for v in self.top_logprobs(prefix, full, i)][:k])
+                       for i in range(generated - 1)]   # the positions whose next token it may force
+        return stop_token(confidences, int(rule["window"]), float(rule["threshold"]))
+
+    #: what SGLang reports at a forced end of sequence: all mass on it, the rest clamped to finfo.min
+    FORCED_LOGPROB = -3.4028234663852886e+38
+
+    def _logprobs(self, prefix: str, full, generated: int, k: int, forced: int | None = None) -> dict:
         """SGLang's ``output_token_logprobs`` / ``output_top_logprobs`` of the ``generated`` tokens,
         from ``top_logprobs(prefix, full, index)`` (the sampled token's log-probability: the first
-        value; token ids: the values' ranks)."""
+        value; token ids: the values' ranks); token ``forced`` is a forced end of sequence."""
         out, top = [], []
         for index in range(generated):
+            if index == forced:
+                out.append([0.0, self.EOS_TOKEN_ID, None])
+                top.append([[0.0, self.EOS_TOKEN_ID, None]] + [[self.FORCED_LOGPROB, j, None] for j in range(1, k)])
+                continue
             values = [float(v) for v in self.top_logprobs(prefix, full, index)]
             if not values:
                 raise ValueError(f"top_logprobs returned nothing for token {index} after {prefix[-40:]!r}")

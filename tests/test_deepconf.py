@@ -59,6 +59,22 @@ def test_kept_takes_the_ceiling_of_the_fraction_most_confident_ties_to_the_earli
     assert kept(conf, 1.0) == [0, 1, 2, 3, 4]
 
 
+def test_confidences_that_differ_by_batch_noise_tie_in_the_filter_and_the_vote():
+    # samples 1 and 3 (and 2, chained through 3) are within 1e-4 of each other: one tie, to the earlier
+    # samples, whichever of them the noise made larger; 0 is 2e-4 below 2: a real difference
+    noisy = [3.0 - 3e-4, 3.0 - 2e-6, 3.0 - 8e-5, 3.0, 0.5]
+    assert kept(noisy, 0.4) == [1, 2] and kept(noisy, 0.6) == [1, 2, 3]
+    assert kept([3.0 - 2e-4, 3.0], 0.5) == [1]
+    # the vote: 848 and 748 three samples each with confidences equal up to noise: the first seen wins,
+    # not the noise; a real margin still decides
+    from sgl_tts.search import vote
+
+    answers = ["848", "788", "748", "848", "748", "748", "848"]
+    weights = [15.042808, 15.042808, 15.042808, 15.042808, 15.042809, 15.042809, 15.042808]
+    assert vote(answers, weights) == "748" and vote(answers, weights, 1e-4) == "848"
+    assert vote(["a", "b"], [1.0, 1.0 + 2e-4], 1e-4) == "b"
+
+
 def test_the_threshold_is_numpys_percentile_of_the_warmup():
     values = [2.3, 0.7, 1.9, 3.1, 2.8]
     for eta in (0.1, 0.5, 0.9, 1.0):
@@ -297,6 +313,57 @@ def test_the_same_seed_gives_the_same_run():
     a, b = runs
     assert (a.answers, a.tokens_generated, [(t.text, t.score) for t in a.trajectories]) == \
            (b.answers, b.tokens_generated, [(t.text, t.score) for t in b.trajectories])
+
+
+# online with the stop inside generation (chunk_tokens 0, the default): ConfidenceStop
+def test_online_stops_each_sample_at_its_token_inside_one_request():
+    world = online_world()
+    backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
+    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
+                       warmup=3, consensus=1.0, backend=backend).ret_value
+    s = float(np.percentile([lowest_group(token_confs(world, i), 4) for i in range(3)], 50))
+    # the re-derivation: a sample's token t + 1 is the end of sequence once the window ending at t is
+    # below s (it has t + 1 tokens); a sample whose only low window ends at its last token keeps them all
+    tokens, finished = 0, []
+    for i in range(8):
+        c = token_confs(world, i)
+        below = [t for t in range(4, len(c) + 1) if np.mean(c[t - 4:t]) < s] if i >= 3 else []
+        tokens += min(below[0] + 1, len(c)) if below else len(c)
+        if not below:
+            finished.append(i)
+    assert finished == [0, 1, 2, 4, 5, 7]
+    assert res.tokens_generated == tokens == 6 * 25 + 12 + 5   # 3 stops at t = 11, 6 at t = 4
+    assert res.traces_stopped == 2 and res.exit_reason == "budget"
+    assert [t.answer for t in res.trajectories] == [ONLINE_ANSWERS[i] for i in finished]
+    assert res.answer == "1" and res.answers["majority"] == "1"
+    # one request per sample, each with its whole-sample seed (the samples are offline's); the rest
+    # carry the rule the processor applies, at the warm-up's threshold
+    assert len(backend.draws) == 8 and {d.max_tokens for d in backend.draws} == {256}
+    assert {d.draw for d in backend.draws} == {derive_seed("deepconf", 0, Q, i) for i in range(8)}
+    rules = [(d.custom_params or {}).get("tts_confidence_stop") for d in backend.draws]
+    assert sorted(rules, key=bool)[:3] == [None] * 3
+    assert [r for r in rules if r] == [{"threshold": s, "window": 4, "top_k": 3, "temperature": 0.8}] * 5
+    stopped = sorted((d.text, d.finish_reason["type"]) for d in backend.draws if len(d.text) < 24)
+    assert stopped == [("s3:" + "x" * 8, "stop"), ("s6:x", "stop")]   # t tokens of text, then the end
+
+
+def test_online_token_mode_consensus_aborts_the_later_samples():
+    """Samples 3..7 run at once; 3 is short and settles the vote, so 4..7, still generating, are
+    aborted on the backend (one abort of the group's depth-0 prefix) with the tokens they had."""
+    texts = [sample(0, "1"), sample(1, "2"), sample(2, "2"), sample(3, "1", length=12)] + [
+        sample(i, "1", length=40) for i in range(4, 8)]
+    confs = [profile(24, 2.0)] * 3 + [profile(12, 10.0)] + [profile(40, 2.5)] * 4
+    world = World(texts, confs)
+    backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs, seconds_per_token=0.05)
+    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
+                       warmup=3, consensus=0.7, search_group="dc-tok", backend=backend).ret_value
+    assert res.exit_reason == "consensus" and res.answer == "1"
+    assert res.traces_stopped == 4 and res.requests_aborted == 4
+    aborted = [d for d in backend.draws if d.finish_reason.get("type") == "abort"]
+    assert len(aborted) == 4 and all(d.rid.startswith("tts/dc-tok/0/") for d in aborted)
+    assert 3 * 25 + 13 <= res.tokens_generated < 3 * 25 + 13 + 4 * 41
+    assert backend.running() == 0
+    assert [t.answer for t in res.trajectories] == ["1", "2", "2", "1"]
 
 
 def test_a_backend_without_logprobs_is_named():

@@ -1,14 +1,20 @@
 """DeepConf on the live CPU generator server (the plugin, seeded sampling): SGLang's own top
 log-probabilities reach the program, a run repeats itself given its seed, the CPU backend's
 confidences agree with the server's on the same text, and a run leaves nothing running or waiting
-on the server (its dropped samples' chunks aborted)."""
+on the server (its dropped samples' chunks aborted). The stop inside generation (``ConfidenceStop``,
+SGLang's custom logit processor, ``--enable-custom-logit-processor``) ends a sample on the server
+exactly where the definition says, and an online run with it repeats itself too."""
 
 from __future__ import annotations
 
 import pytest
+import sglang as sgl
+import torch
 
+import sgl_tts
 from programs.deepconf import deepconf
 from sgl_tts.backends import SGLangEndpoint
+from sgl_tts.confidence import ConfidenceStop, stop_rule, stop_token
 from sgl_tts.launch.live_servers import settled_loads
 from sgl_tts.tiny import task
 
@@ -39,3 +45,63 @@ def test_online_deepconf_on_the_live_server_repeats_itself_and_leaves_nothing_ru
     # seeded sampling: the same samples, confidences, stops and answers again
     again = [deepconf.run(question=q, backend=gen, **SETTINGS).ret_value for q in questions]
     assert [shape(r) for r in again] == [shape(r) for r in first]
+
+
+@sgl.function
+def _one(s, question, rule):
+    s += question + "\n\n"
+    s += sgl_tts.gen("x", max_tokens=80, temperature=0.8, seed=3, return_logprob=True, top_logprobs_num=5,
+                     custom_params=rule, custom_logit_processor=ConfidenceStop.to_str() if rule else None)
+
+
+def _confidences(state):
+    return [-sum(e[0] for e in top) / len(top) for top in state.get_meta_info("x")["output_top_logprobs"]]
+
+
+def test_the_stop_inside_generation_ends_a_sample_on_the_server_where_the_definition_says(live):
+    url = live.url("generator")
+    gen = SGLangEndpoint(url)
+    question = task.test_split()[30].question
+    plain = _one.run(question=question, rule=None, backend=gen)
+    conf = _confidences(plain)
+    window = 6
+    # the threshold between the plain sample's lowest and highest window: it stops somewhere inside
+    groups = [sum(conf[t - window:t]) / window for t in range(window, len(conf) + 1)]
+    threshold = (min(groups) + max(groups)) / 2
+    t = stop_token(conf, window, threshold)
+    assert t is not None and t < len(conf) - 1
+    stopped = _one.run(question=question, rule=stop_rule(threshold, window, 5, 0.8), backend=gen)
+    meta = stopped.get_meta_info("x")
+    # seeded sampling: the same tokens up to t, then the forced end of sequence as token t + 1
+    assert meta["completion_tokens"] == t + 1 and meta["finish_reason"]["type"] == "stop"
+    assert plain["x"].startswith(stopped["x"]) and len(stopped["x"]) < len(plain["x"])
+    assert _confidences(stopped)[:t] == pytest.approx(conf[:t], abs=1e-4)
+    last = meta["output_top_logprobs"][-1]
+    assert last[0][:2] == [0.0, meta["finish_reason"]["matched"]]
+    assert {v for v, _, _ in last[1:]} == {torch.finfo(torch.float32).min}
+    ld = settled_loads(url)
+    assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)
+
+
+def test_online_deepconf_with_the_stop_inside_generation_repeats_itself_on_the_live_server(live):
+    url = live.url("generator")
+    gen = SGLangEndpoint(url)
+    settings = dict(SETTINGS, chunk_tokens=0, keep_fraction=0.9)
+    questions = [p.question for p in task.test_split()[24:27]]
+    runs = [[deepconf.run(question=q, backend=gen, **settings).ret_value for q in questions] for _ in range(2)]
+    for res in runs[0]:
+        assert res.trajectories and len(res.trajectories) + res.traces_stopped == 8
+    assert [shape(r) for r in runs[1]] == [shape(r) for r in runs[0]]
+    assert [r.tokens_generated for r in runs[1]] == [r.tokens_generated for r in runs[0]] or \
+        any(r.exit_reason == "consensus" for r in runs[0])   # dropped samples' tokens depend on timing
+    ld = settled_loads(url)
+    assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)
+
+
+def test_a_server_without_custom_logit_processors_is_named_with_the_way_out(live):
+    gen = SGLangEndpoint(live.url("generator_stock"))
+    with pytest.raises(RuntimeError, match="start it with --enable-custom-logit-processor, or set chunk_tokens"):
+        # 8 tokens: no warm-up sample has an answer, so the vote is not settled and the rest are sampled
+        deepconf.run(question=task.test_split()[0].question, backend=gen,
+                     **dict(SETTINGS, chunk_tokens=0, max_tokens=8)).ret_value
+    assert deepconf.run(question=task.test_split()[0].question, backend=gen, **SETTINGS).ret_value.trajectories

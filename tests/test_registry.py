@@ -35,7 +35,7 @@ def test_the_registered_programs():
                                        "confidence_window": ("deepconf", 16), "confidence_top_k": ("deepconf", 20),
                                        "confidence_measure": ("deepconf", "lowest_group"),
                                        "warmup_samples": ("deepconf", 4), "consensus": ("deepconf", 0.95),
-                                       "chunk_tokens": ("deepconf", 32)}
+                                       "chunk_tokens": ("deepconf", 0)}
     with pytest.raises(KeyError, match="unknown program 'bfs'; choose one of beam_search, dvts"):
         registry.program("bfs")
 

@@ -223,6 +223,8 @@ def apply_request_fields(data: dict[str, Any], fields: RequestFields) -> dict[st
         sp["custom_params"] = dict(fields.custom_params)
     if fields.seed is not None:
         sp["sampling_seed"] = int(fields.seed)
+    if fields.custom_logit_processor is not None:
+        data["custom_logit_processor"] = fields.custom_logit_processor
     if fields.token_ids_logprob is not None:
         data["token_ids_logprob"] = [int(t) for t in fields.token_ids_logprob]
         data["return_logprob"] = True

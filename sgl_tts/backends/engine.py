@@ -14,7 +14,6 @@ the running batch's KV slabs, the prefix cache and the attention over them in
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
@@ -39,6 +38,7 @@ from sgl_tts.backends.kv import (  # noqa: F401 - _Batch, _SlabLayer, _stack_row
 )
 from sgl_tts.backends.semantics import (  # noqa: F401 - re-exported: the names' home before the split
     Completion,
+    LogitProcessors,
     LogprobSpec,
     SamplingSpec,
     UnsupportedFeatureError,
@@ -50,80 +50,9 @@ from sgl_tts.backends.semantics import (  # noqa: F401 - re-exported: the names'
     top_logprobs,
 )
 
+from sgl_tts.backends.engine_request import EngineStats, _Request  # noqa: F401 - EngineStats: re-exported
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters for tests and benchmarks (read them; the engine only adds)."""
-
-    requests: int = 0
-    prefill_forwards: int = 0
-    decode_forwards: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    cached_tokens: int = 0
-    max_running: int = 0
-    joined_running: int = 0   # requests admitted while others were mid-decode
-    kv_reallocations: int = 0  # joins that copied the running batch's KV into new buffers
-
-
-class _Request:
-    """Engine-internal state of one request."""
-
-    __slots__ = (
-        "rid", "input_ids", "sampling", "logprobs", "score_positions", "future", "created",
-        "generator", "output_ids", "cached_tokens", "finish_reason", "out_lp", "out_top",
-        "out_ids_lp", "in_lp", "in_top", "in_ids_lp", "scores", "stop_window", "priority",
-    )
-
-    def __init__(self, rid, input_ids, sampling, logprobs, score_positions, priority=0):
-        self.rid: str = rid
-        self.priority: int = priority
-        self.input_ids: list[int] = input_ids
-        self.sampling: SamplingSpec = sampling
-        self.logprobs: LogprobSpec = logprobs
-        self.score_positions: tuple[tuple[int, ...], tuple[int, ...]] | None = score_positions
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.created = time.perf_counter()
-        self.generator: torch.Generator | None = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(int(sampling.seed))
-        self.output_ids: list[int] = []
-        self.cached_tokens = 0
-        self.finish_reason: dict | None = None
-        self.out_lp: list[float] = []
-        self.out_top: list[tuple[list[float], list[int]]] = []   # per token: top values, their ids
-        self.out_ids_lp: list[list[float]] = []
-        self.in_lp: list[float | None] = []
-        self.in_top: list[list[tuple[float, int]] | None] = []
-        self.in_ids_lp: list[list[float] | None] = []
-        self.scores: np.ndarray | None = None
-        self.stop_window = 0
-
-    # Rows of the prompt whose next-token distribution this request needs (besides the last one).
-    def needed_rows(self) -> list[int]:
-        rows: list[int] = []
-        lp = self.logprobs
-        if lp.return_logprob:
-            start = self.input_start()
-            # Entry j (j >= 1) is token start+j, predicted by row start+j-1; entry 0 is None.
-            rows.extend(range(start, len(self.input_ids) - 1))
-        if self.score_positions is not None:
-            rows.extend(self.score_positions[0])
-        return rows
-
-    def input_start(self) -> int:
-        start = self.logprobs.logprob_start_len
-        return len(self.input_ids) if start is None or start < 0 else start
-
-    def reuse_limit(self) -> int:
-        """Longest prompt prefix whose KV may come from a cache (its rows need no logits)."""
-        limit = len(self.input_ids) - 1
-        rows = self.needed_rows()
-        if rows:
-            limit = min(limit, min(rows))
-        return max(limit, 0)
 
 
 class BatchEngine:
@@ -175,6 +104,7 @@ class BatchEngine:
         self._closed = False
         self._lock = threading.Lock()
         self._flush = False
+        self._processors = LogitProcessors()
         self._thread = threading.Thread(target=self._loop, name="sgl-tts-engine", daemon=True)
         self._thread.start()
 
@@ -182,19 +112,29 @@ class BatchEngine:
     def submit(self, input_ids: Sequence[int], sampling: SamplingSpec,
                logprobs: LogprobSpec | None = None, *, rid: str | None = None,
                score_positions: tuple[Sequence[int], Sequence[int]] | None = None,
-               priority: int = 0) -> concurrent.futures.Future:
+               priority: int = 0, logit_processor: tuple[str, dict | None] | None = None) -> concurrent.futures.Future:
         """Queue a request; the future resolves to a :class:`Completion`.
 
         ``score_positions=(positions, token_ids)`` additionally returns, in
         ``meta_info["next_token_logprobs"]``, log P(next token = id | tokens[: p + 1]) for every
         position p and id, as a ``len(positions) x len(token_ids)`` list of lists. When more
         requests wait than can run, higher ``priority`` is admitted first (FIFO among equals).
+        ``logit_processor=(processor, custom_params)``: an SGLang custom logit processor
+        (``CustomLogitProcessor.to_str()``) applied to this request's logits before each token is
+        sampled, as SGLang's sampler does (after min_new_tokens, before the temperature), with its
+        ``custom_params`` plus ``__req__`` (the request: ``origin_input_ids``, ``output_ids``,
+        ``eos_token_ids``).
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         ids, lp, sp = check_request(input_ids, sampling, logprobs, score_positions,
                                     vocab_size=self.vocab_size, max_positions=self.max_positions)
         req = _Request(rid or uuid.uuid4().hex, ids, sampling, lp, sp, int(priority))
+        if logit_processor is not None:
+            req.processor = logit_processor[0]
+            self._processors.load(req.processor)   # a processor that does not load fails here, in the caller
+            req.custom_params = dict(logit_processor[1] or {}) | {"__req__": req}
+            req.eos_token_ids = self.eos_ids
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -577,6 +517,7 @@ class BatchEngine:
             if len(r.output_ids) < s.min_new_tokens:
                 blocked = list(s.stop_token_ids | self.min_tokens_blocked)
                 logits[i, blocked] = float("-inf")
+        self._processors.apply([(r.processor, r.custom_params) for r in reqs], logits)
         temps = torch.tensor([1.0 if r.sampling.greedy else r.sampling.temperature for r in reqs])
         scaled = logits / temps[:, None]
         tokens = torch.empty(n, dtype=torch.long)
@@ -593,7 +534,8 @@ class BatchEngine:
         tops: dict[int, tuple[list[float], list[int]]] = {}
         if wanting:
             # one gather and one top-k per distinct k for every row that asked (not a tensor op per row)
-            logprobs = scaled.log_softmax(-1)
+            # clamped as SGLang's sampler does: a masked token (a processor's, min_new_tokens') reads finfo.min
+            logprobs = scaled.log_softmax(-1).clamp_(min=torch.finfo(scaled.dtype).min)
             rows = torch.tensor(wanting)
             chosen = dict(zip(wanting, logprobs[rows].gather(1, tokens[rows][:, None]).squeeze(1).tolist()))
             for k in {reqs[i].logprobs.top_logprobs_num for i in wanting} - {0}:

@@ -90,7 +90,8 @@ class EngineSpec:
     threads: int | None = 1
 
 
-# Messages, caller -> child: ("submit", key, ids, sampling, logprobs, rid, score_positions, priority),
+# Messages, caller -> child: ("submit", key, ids, sampling, logprobs, rid, score_positions, priority,
+# logit_processor),
 # ("flush",), ("stats", key), ("close",). Child -> caller: ("ready", info), ("failed", error text),
 # ("done", key, Completion), ("error", key, exception), ("stats", key, EngineStats).
 
@@ -139,10 +140,10 @@ def _child_main(conn, spec: EngineSpec) -> None:
                 break
             kind = msg[0]
             if kind == "submit":
-                _, key, ids, sampling, logprobs, rid, score_positions, priority = msg
+                _, key, ids, sampling, logprobs, rid, score_positions, priority, processor = msg
                 try:
                     fut = engine.submit(ids, sampling, logprobs, rid=rid, score_positions=score_positions,
-                                        priority=priority)
+                                        priority=priority, logit_processor=processor)
                 except Exception as exc:  # noqa: BLE001 - the caller's future fails with it
                     send(("error", key, _portable(exc)))
                     continue
@@ -254,7 +255,7 @@ class EngineProcess:
     def submit(self, input_ids: Sequence[int], sampling: SamplingSpec,
                logprobs: LogprobSpec | None = None, *, rid: str | None = None,
                score_positions: tuple[Sequence[int], Sequence[int]] | None = None,
-               priority: int = 0) -> concurrent.futures.Future:
+               priority: int = 0, logit_processor: tuple[str, dict | None] | None = None) -> concurrent.futures.Future:
         """As :meth:`BatchEngine.submit <sgl_tts.backends.engine.BatchEngine.submit>`."""
         self.wait_ready()
         ids, lp, sp = check_request(input_ids, sampling, logprobs, score_positions,
@@ -265,7 +266,7 @@ class EngineProcess:
             self._raise_if_unusable()
             key = next(self._keys)
             self._pending[key] = fut
-        self._send(("submit", key, ids, sampling, lp, rid, sp, int(priority)))
+        self._send(("submit", key, ids, sampling, lp, rid, sp, int(priority), logit_processor))
         return fut
 
     def generate(self, input_ids: Sequence[int], sampling: SamplingSpec,

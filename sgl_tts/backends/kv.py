@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 if TYPE_CHECKING:
-    from sgl_tts.backends.engine import _Request
+    from sgl_tts.backends.engine_request import _Request
 
 
 ATTENTION = "sgl_tts_sdpa"

@@ -245,8 +245,10 @@ class LocalBackend(BaseBackend):
     def _complete(self, text: str, params: SglSamplingParams, fields: RequestFields) -> Completion:
         sampling, logprobs = self._specs(params, fields)
         ids = self.encode(text)
-        comp = self.engine.submit(ids, sampling, logprobs, rid=fields.rid,
-                                  priority=admission_priority(fields)).result()
+        processor = None if fields.custom_logit_processor is None else \
+            (fields.custom_logit_processor, dict(fields.custom_params or {}))
+        comp = self.engine.submit(ids, sampling, logprobs, rid=fields.rid, priority=admission_priority(fields),
+                                  logit_processor=processor).result()
         if fields.custom_params is not None or fields.priority is not None:
             comp.meta_info["request_fields"] = {"priority": fields.priority,
                                                 "custom_params": fields.custom_params}

@@ -1,7 +1,7 @@
 """Per-call request fields that SGLang's ``sgl.gen`` does not pass, carried to the backend.
 
 ``sgl_tts.gen(...)`` is ``sgl.gen(...)`` plus ``rid``, ``priority``, ``custom_params``,
-``token_ids_logprob`` and ``seed``. The interpreter hands a backend only the text and the sampling
+``custom_logit_processor``, ``token_ids_logprob`` and ``seed``. The interpreter hands a backend only the text and the sampling
 parameters, so the fields travel beside them: when the interpreter's worker thread reads the
 expression's sampling parameters (immediately before it calls ``backend.generate`` on that same
 thread), the expression leaves its fields in a thread-local slot, and sgl-tts backends take them out.
@@ -38,6 +38,9 @@ class RequestFields:
         token_ids_logprob: token ids whose log-probabilities to return at every returned position
             (turns ``return_logprob`` on).
         seed: per-request sampling seed (SGLang ``sampling_params.sampling_seed``).
+        custom_logit_processor: an SGLang custom logit processor, serialized
+            (``CustomLogitProcessor.to_str()``), applied to this request's logits with its
+            ``custom_params`` (a server needs ``--enable-custom-logit-processor``).
         issued: when ``sgl_tts.gen`` made the request, on the clock :class:`AbortLedger` reads (0:
             unknown); not sent.
     """
@@ -47,6 +50,7 @@ class RequestFields:
     custom_params: Mapping[str, Any] | None = None
     token_ids_logprob: Sequence[int] | None = None
     seed: int | None = None
+    custom_logit_processor: str | None = None
     issued: int = dataclasses.field(default=0, compare=False)
 
     def is_empty(self) -> bool:
@@ -141,6 +145,7 @@ def gen(
     custom_params: Mapping[str, Any] | None = None,
     token_ids_logprob: Sequence[int] | None = None,
     seed: int | None = None,
+    custom_logit_processor: str | None = None,
     **kwargs: Any,
 ) -> SglExpr:
     """``sgl.gen`` with per-request fields (see :class:`RequestFields`); other arguments as ``sgl.gen``.
@@ -152,7 +157,7 @@ def gen(
     """
     fields = RequestFields(rid, priority, dict(custom_params) if custom_params is not None else None,
                            list(token_ids_logprob) if token_ids_logprob is not None else None, seed,
-                           issued=next(_clock))
+                           custom_logit_processor, issued=next(_clock))
     base = _sgl_gen(name, **kwargs)
     if fields.is_empty():
         return base

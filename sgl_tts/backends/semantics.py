@@ -9,7 +9,8 @@ Semantics follow SGLang 0.5.15's server (``Req.update_finish_state`` and the det
 * a matched stop string is cut from the text at its first occurrence; a matched stop token is dropped;
   a length finish trims nothing;
 * input logprobs start at ``logprob_start_len`` and their first entry is ``None``; ``token_ids_logprob``
-  rows are aligned the same way; sampled-token logprobs are taken after temperature scaling.
+  rows are aligned the same way; sampled-token logprobs are taken after temperature scaling and
+  custom logit processors, clamped below at the dtype's smallest float (a masked token: finfo.min).
 """
 
 from __future__ import annotations
@@ -202,5 +203,41 @@ def top_logprobs(logprobs: "torch.Tensor", k: int) -> list[list[tuple[float, int
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
 
 
-__all__ = ["Completion", "LogprobSpec", "SamplingSpec", "UnsupportedFeatureError", "check_request",
+
+
+class LogitProcessors:
+    """SGLang custom logit processors by their serialized text (``CustomLogitProcessor.to_str()``),
+    each loaded once with SGLang's deserializer, and applied as SGLang's sampler applies them."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    def load(self, text: str):
+        """The processor ``text`` names (a ``ValueError`` saying why when it does not load)."""
+        proc = self._loaded.get(text)
+        if proc is None:
+            from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+            try:
+                proc = CustomLogitProcessor.from_str(text)
+            except Exception as exc:
+                raise ValueError(f"the custom logit processor could not be loaded: {exc}") from exc
+            self._loaded[text] = proc
+        return proc
+
+    def apply(self, rows: Sequence[tuple[str | None, dict | None]], logits: "torch.Tensor") -> None:
+        """Each processor once over the rows of ``logits`` ([n, vocab]) whose ``(processor,
+        custom_params)`` name it, in place; rows without one are untouched."""
+        mine: dict[str, list[int]] = {}
+        for i, (text, _) in enumerate(rows):
+            if text is not None:
+                mine.setdefault(text, []).append(i)
+        import torch
+
+        for text, idx in mine.items():
+            at = torch.tensor(idx)
+            logits[at] = self.load(text)(logits[at], [rows[i][1] for i in idx])
+
+
+__all__ = ["Completion", "LogitProcessors", "LogprobSpec", "SamplingSpec", "UnsupportedFeatureError", "check_request",
            "finish_reason", "output_text", "sample", "stop_window", "top_logprobs"]

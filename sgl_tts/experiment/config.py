@@ -95,7 +95,9 @@ class RunConfig:
             ``tail`` or ``mean`` (online reads ``lowest_group``).
         warmup_samples: online DeepConf's warm-up samples (run whole; they set the threshold).
         consensus: online DeepConf stops sampling once the vote's leader holds this share of the weight.
-        chunk_tokens: online DeepConf checks a running sample's confidence after every this many tokens.
+        chunk_tokens: online DeepConf's check of a running sample's confidence: 0 at every token, inside
+            generation (a custom logit processor; a server needs ``--enable-custom-logit-processor``),
+            else after every this many tokens (chunks: any server).
         parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
         c_puct: MCTS exploration weight.
         threshold: MCTS acceptance threshold of both early exits.
@@ -157,7 +159,7 @@ class RunConfig:
     confidence_measure: str = "lowest_group"
     warmup_samples: int = 4
     consensus: float = 0.95
-    chunk_tokens: int = 32
+    chunk_tokens: int = 0
     parallel: int = 1
     c_puct: float = 1.0
     threshold: float = 0.9

@@ -311,18 +311,26 @@ def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (
             *flags, *(plugin.args() if plugin is not None else ()), *extra]
 
 
+#: SGLang flags every generator sgl-tts launches gets: custom logit processors, for online DeepConf's
+#: stop inside generation (``sgl_tts.confidence.ConfidenceStop``). A request can then run code it
+#: sends (SGLang deserializes the processor), so such a server must not face untrusted clients.
+GENERATOR_FLAGS = ("--enable-custom-logit-processor",)
+
+
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin: TTSSettings | None = None, python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
                 env: dict[str, str] | None = None, prm_plugin: TTSSettings | None = None) -> list[ServerSpec]:
-    """The two servers' command lines in start-up order (``plugin``'s settings go to the generator,
-    whose scheduler runs the search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU
-    attention); ``env`` is added to both servers' environment."""
+    """The two servers' command lines in start-up order (``plugin``'s settings and
+    :data:`GENERATOR_FLAGS` go to the generator, whose scheduler runs the search's requests;
+    ``prm_plugin``'s, if any, to the PRM, e.g. its CPU attention); ``env`` is added to both servers'
+    environment."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
     specs = []
     for name in order:
-        cmd = launch_command(models[name], host=host, port=ports[name], flags=flags[name].args(),
+        own = GENERATOR_FLAGS if name == "generator" else ()
+        cmd = launch_command(models[name], host=host, port=ports[name], flags=[*flags[name].args(), *own],
                              plugin=plugin if name == "generator" else prm_plugin,
                              extra=(extra or {}).get(name, ()), python=python)
         specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))

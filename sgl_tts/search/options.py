@@ -166,7 +166,7 @@ class ParticleFilteringOptions(TreeSearchOptions):
 class DeepConfOptions:
     """DeepConf's options (``programs/deepconf.py`` documents each): N samples, the mode, the kept
     fraction, the confidence window and top-k, the offline measure, the online warm-up, consensus
-    and check interval, and the sample's token limit."""
+    and check interval (0: every token, inside generation), and the sample's token limit."""
 
     num_samples: int = 16
     mode: str = "online"
@@ -176,16 +176,18 @@ class DeepConfOptions:
     measure: str = "lowest_group"
     warmup: int = 4
     consensus: float = 0.95
-    chunk_tokens: int = 32
+    chunk_tokens: int = 0
     max_tokens: int = 256
 
     def __post_init__(self):
         for name in ("num_samples", "window", "top_logprobs", "warmup", "chunk_tokens", "max_tokens"):
             value = getattr(self, name)
+            least = 0 if name == "chunk_tokens" else 1   # 0: stop at the token (a logit processor)
+            kind = "a non-negative" if least == 0 else "a positive"
             if isinstance(value, bool) or not isinstance(value, int):
-                raise OptionTypeError(f"DeepConf's {name} must be a positive integer, got {value!r}", name)
-            if value < 1:
-                raise OptionError(f"DeepConf's {name} must be a positive integer, got {value!r}", name)
+                raise OptionTypeError(f"DeepConf's {name} must be {kind} integer, got {value!r}", name)
+            if value < least:
+                raise OptionError(f"DeepConf's {name} must be {kind} integer, got {value!r}", name)
         if self.mode not in DEEPCONF_MODES:
             raise OptionError(f"unknown DeepConf mode {self.mode!r}; choose one of {list(DEEPCONF_MODES)}", "mode")
         if not 0 < self.keep_fraction <= 1:

@@ -77,9 +77,10 @@ def extract_answer(text: str, pattern: str = BOXED) -> str | None:
     return found[-1].strip() if found else None
 
 
-def vote(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:
+def vote(answers: Sequence[str | None], weights: Sequence[float] | None = None, tolerance: float = 0.0) -> str | None:
     """The answer with the most votes (or the largest total weight); ties go to the answer seen first;
-    ``None`` (no answer) never wins."""
+    ``None`` (no answer) never wins. A total within ``tolerance`` of the largest ties with it (weights
+    that carry float noise, e.g. confidences computed in different batches)."""
     if weights is not None and len(weights) != len(answers):
         raise ValueError("answers and weights must have the same length")
     score: dict[str, float] = collections.OrderedDict()
@@ -89,7 +90,7 @@ def vote(answers: Sequence[str | None], weights: Sequence[float] | None = None) 
     if not score:
         return None
     best = max(score.values())
-    return next(a for a, v in score.items() if v == best)
+    return next(a for a, v in score.items() if v >= best - tolerance)
 
 
 def split_steps(text: str, delimiter: str = STEP_DELIMITER) -> list[str]:

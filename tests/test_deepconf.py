@@ -280,17 +280,22 @@ def test_consensus_right_after_the_warmup_samples_nothing_more():
                         ).ret_value.exit_reason == "budget"
 
 
+def settling_backend():
+    """Sample 3 ends early and settles the vote; samples 4..7 are long and paced (0.05 s a token).
+    Warm-up: s = 2.0; voters 0 (1), 1 (2), 2 (2): 2 leads with 4/6 < 0.7. Sample 3 answers 1 with
+    confidence 10: 1 holds 12/16 = 0.75 >= 0.7."""
+    texts = [sample(0, "1"), sample(1, "2"), sample(2, "2"), sample(3, "1", length=12)] + [
+        sample(i, "1", length=40) for i in range(4, 8)]
+    confs = [profile(24, 2.0)] * 3 + [profile(12, 10.0)] + [profile(40, 2.5)] * 4
+    world = World(texts, confs)
+    return ScriptedBackend(world.script, top_logprobs=world.top_logprobs, seconds_per_token=0.05)
+
+
 def test_consensus_mid_round_aborts_the_later_samples_chunks():
     """Sample 3's text ends early in its first chunk; samples 4..7 run 32-token chunks slowly. Once 3
     finishes the vote is settled, so their chunks are aborted on the backend and answer with the
     tokens they had."""
-    texts = [sample(0, "1"), sample(1, "2"), sample(2, "2"), sample(3, "1", length=12)] + [
-        sample(i, "1", length=40) for i in range(4, 8)]
-    # warm-up: s = 2.0; voters 0 (1), 1 (2), 2 (2): 2 leads with 4/6 < 0.7. Sample 3 answers 1 with
-    # confidence 10: 1 holds 12/16 = 0.75 >= 0.7
-    confs = [profile(24, 2.0)] * 3 + [profile(12, 10.0)] + [profile(40, 2.5)] * 4
-    world = World(texts, confs)
-    backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs, seconds_per_token=0.05)
+    backend = settling_backend()
     res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
                        warmup=3, consensus=0.7, chunk_tokens=32, search_group="dc-mid",
                        backend=backend).ret_value
@@ -350,11 +355,7 @@ def test_online_stops_each_sample_at_its_token_inside_one_request():
 def test_online_token_mode_consensus_aborts_the_later_samples():
     """Samples 3..7 run at once; 3 is short and settles the vote, so 4..7, still generating, are
     aborted on the backend (one abort of the group's depth-0 prefix) with the tokens they had."""
-    texts = [sample(0, "1"), sample(1, "2"), sample(2, "2"), sample(3, "1", length=12)] + [
-        sample(i, "1", length=40) for i in range(4, 8)]
-    confs = [profile(24, 2.0)] * 3 + [profile(12, 10.0)] + [profile(40, 2.5)] * 4
-    world = World(texts, confs)
-    backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs, seconds_per_token=0.05)
+    backend = settling_backend()
     res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
                        warmup=3, consensus=0.7, search_group="dc-tok", backend=backend).ret_value
     assert res.exit_reason == "consensus" and res.answer == "1"

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from programs.deepconf import kept
+from programs.deepconf import TOLERANCE, kept
 from sgl_tts.search import vote
 
 FRACTIONS = (0.9, 0.5, 0.1)
@@ -47,10 +47,10 @@ def offline_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
             ts = r["trajectories"][:k]
             answers, conf = [t["answer"] for t in ts], [t["score"] for t in ts]
             tokens += sum(t["tokens"] for t in ts)
-            picks = {"majority": vote(answers), "confidence_weighted": vote(answers, conf)}
+            picks = {"majority": vote(answers), "confidence_weighted": vote(answers, conf, TOLERANCE)}
             for f in FRACTIONS:
                 keep = kept(conf, f)
-                picks[f"filtered_{f}"] = vote([answers[i] for i in keep], [conf[i] for i in keep])
+                picks[f"filtered_{f}"] = vote([answers[i] for i in keep], [conf[i] for i in keep], TOLERANCE)
             for rule, a in picks.items():
                 right[rule] += a == r["reference"]
         rows.append({"n": k, "tokens_per_problem": tokens / len(records),

@@ -102,7 +102,7 @@ def test_the_cpu_engine_stops_a_sample_as_the_server_would(tiny_model_path, engi
     assert _confidences(always)[:window] == pytest.approx(conf[:window], abs=1e-5)
     # the forced token: all mass on the end of sequence, the rest clamped as SGLang clamps -inf
     last = meta["output_top_logprobs"][-1]
-    assert last[0][:2] == [0.0, eos] and {v for v, _, _ in last[1:]} == {torch.finfo(torch.float32).min}
+    assert list(last[0][:2]) == [0.0, eos] and {v for v, _, _ in last[1:]} == {torch.finfo(torch.float32).min}
 
 
 def test_a_processor_that_does_not_load_is_refused_in_the_callers_thread(tiny_model_path):

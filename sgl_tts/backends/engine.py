@@ -541,7 +541,10 @@ class BatchEngine:
             for k in {reqs[i].logprobs.top_logprobs_num for i in wanting} - {0}:
                 ask = [i for i in wanting if reqs[i].logprobs.top_logprobs_num == k]
                 vals, ids = logprobs[torch.tensor(ask)].topk(min(k, logprobs.shape[-1]), dim=-1)
-                tops.update(zip(ask, zip(vals.tolist(), ids.tolist())))   # (values, ids) per row
+                # (values, ids) per row, as tuples: the garbage collector stops tracking tuples of numbers,
+                # and these live until the request finishes (lists here made the full collections of a
+                # DeepConf run cost seconds: ~20 tracked objects per generated token)
+                tops.update(zip(ask, zip(map(tuple, vals.tolist()), map(tuple, ids.tolist()))))
         for i, r in enumerate(reqs):
             t = int(tokens[i])
             r.output_ids.append(t)
@@ -587,10 +590,12 @@ class BatchEngine:
             if lp.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = [
                     None if e is None else [[v, t, txt(t)] for v, t in e] for e in r.in_top]
-                # k entries per generated token: no call per entry when no text is asked for
+                # k entries per generated token, each a (logprob, id, text) tuple (SGLang's JSON has
+                # lists; read-only here, and untracked by the garbage collector), no call per entry when
+                # no text is asked for
                 meta["output_top_logprobs"] = (
-                    [[[v, t, txt(t)] for v, t in zip(*e)] for e in r.out_top] if lp.return_text_in_logprobs
-                    else [[[v, t, None] for v, t in zip(*e)] for e in r.out_top])
+                    [[(v, t, txt(t)) for v, t in zip(*e)] for e in r.out_top] if lp.return_text_in_logprobs
+                    else [[(v, t, None) for v, t in zip(*e)] for e in r.out_top])
             if lp.token_ids_logprob:
                 tids = lp.token_ids_logprob
                 meta["input_token_ids_logprobs"] = [

@@ -10,7 +10,9 @@ Semantics follow SGLang 0.5.15's server (``Req.update_finish_state`` and the det
   a length finish trims nothing;
 * input logprobs start at ``logprob_start_len`` and their first entry is ``None``; ``token_ids_logprob``
   rows are aligned the same way; sampled-token logprobs are taken after temperature scaling and
-  custom logit processors, clamped below at the dtype's smallest float (a masked token: finfo.min).
+  custom logit processors, clamped below at the dtype's smallest float (a masked token: finfo.min);
+* ``output_top_logprobs`` entries are ``(logprob, id, text)`` tuples, not lists as in SGLang's JSON:
+  read-only, and untracked by the garbage collector (k of them per generated token).
 """
 
 from __future__ import annotations

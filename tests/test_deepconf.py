@@ -291,20 +291,22 @@ def settling_backend():
     return ScriptedBackend(world.script, top_logprobs=world.top_logprobs, seconds_per_token=0.05)
 
 
-def test_consensus_mid_round_aborts_the_later_samples_chunks():
-    """Sample 3's text ends early in its first chunk; samples 4..7 run 32-token chunks slowly. Once 3
-    finishes the vote is settled, so their chunks are aborted on the backend and answer with the
-    tokens they had."""
+@pytest.mark.parametrize("chunk_tokens, most", [(32, 32), (0, 41)])
+def test_consensus_aborts_the_later_samples(chunk_tokens, most):
+    """Sample 3's text ends early; samples 4..7 run slowly (in 32-token chunks, or whole with the stop
+    inside generation). Once 3 finishes the vote is settled, so their requests are aborted on the
+    backend (one abort of the group's depth-0 prefix) and answer with the tokens they had."""
     backend = settling_backend()
     res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=0.7, chunk_tokens=32, search_group="dc-mid",
+                       warmup=3, consensus=0.7, chunk_tokens=chunk_tokens, search_group="dc-mid",
                        backend=backend).ret_value
     assert res.exit_reason == "consensus" and res.answer == "1"
     assert res.traces_stopped == 4 and res.requests_aborted == 4
     aborted = [d for d in backend.draws if d.finish_reason.get("type") == "abort"]
     assert len(aborted) == 4 and all(d.rid.startswith("tts/dc-mid/0/") for d in aborted)
-    # each aborted chunk had generated fewer than its 32 tokens; nothing is left running
-    assert 3 * 25 + 13 <= res.tokens_generated < 3 * 25 + 13 + 4 * 32
+    # each aborted request had generated fewer than it could (a chunk's 32, a whole sample's 41); nothing
+    # is left running
+    assert 3 * 25 + 13 <= res.tokens_generated < 3 * 25 + 13 + 4 * most
     assert backend.running() == 0
     assert [t.answer for t in res.trajectories] == ["1", "2", "2", "1"]
 
@@ -350,21 +352,6 @@ def test_online_stops_each_sample_at_its_token_inside_one_request():
     assert [r for r in rules if r] == [{"threshold": s, "window": 4, "top_k": 3, "temperature": 0.8}] * 5
     stopped = sorted((d.text, d.finish_reason["type"]) for d in backend.draws if len(d.text) < 24)
     assert stopped == [("s3:" + "x" * 8, "stop"), ("s6:x", "stop")]   # t tokens of text, then the end
-
-
-def test_online_token_mode_consensus_aborts_the_later_samples():
-    """Samples 3..7 run at once; 3 is short and settles the vote, so 4..7, still generating, are
-    aborted on the backend (one abort of the group's depth-0 prefix) with the tokens they had."""
-    backend = settling_backend()
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=0.7, search_group="dc-tok", backend=backend).ret_value
-    assert res.exit_reason == "consensus" and res.answer == "1"
-    assert res.traces_stopped == 4 and res.requests_aborted == 4
-    aborted = [d for d in backend.draws if d.finish_reason.get("type") == "abort"]
-    assert len(aborted) == 4 and all(d.rid.startswith("tts/dc-tok/0/") for d in aborted)
-    assert 3 * 25 + 13 <= res.tokens_generated < 3 * 25 + 13 + 4 * 41
-    assert backend.running() == 0
-    assert [t.answer for t in res.trajectories] == ["1", "2", "2", "1"]
 
 
 def test_a_backend_without_logprobs_is_named():

@@ -299,7 +299,8 @@ def _online_whole(rest: list[Sample], threshold: float, window: int, max_tokens:
 
 
 def _drop(samples: Sequence[Sample], prefix: str, name: str, top_logprobs: int, t0: float) -> None:
-    """Abort these samples' chunks (rid ``prefix``) and count what they had generated."""
+    """Abort these samples' requests in flight (rid ``prefix``: chunks, or whole samples) and count what
+    they had generated."""
     if samples:
         abort = getattr(samples[0].state.stream_executor.backend, "abort_prefix", None)
         if abort is not None:   # a backend without aborts lets the chunks run to their end

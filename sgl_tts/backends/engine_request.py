@@ -56,7 +56,7 @@ class _Request:
         self.cached_tokens = 0
         self.finish_reason: dict | None = None
         self.out_lp: list[float] = []
-        self.out_top: list[tuple[list[float], list[int]]] = []   # per token: top values, their ids
+        self.out_top: list[tuple[tuple[float, ...], tuple[int, ...]]] = []   # per token: top values, their ids
         self.out_ids_lp: list[list[float]] = []
         self.in_lp: list[float | None] = []
         self.in_top: list[list[tuple[float, int]] | None] = []

@@ -205,8 +205,6 @@ def top_logprobs(logprobs: "torch.Tensor", k: int) -> list[list[tuple[float, int
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
 
 
-
-
 class LogitProcessors:
     """SGLang custom logit processors by their serialized text (``CustomLogitProcessor.to_str()``),
     each loaded once with SGLang's deserializer, and applied as SGLang's sampler applies them."""

@@ -1,0 +1,255 @@
+"""Query-aware sparse decoding (seed 003, AsyncSpade) as plain torch functions.
+
+A decode step attends with one query per row over the row's whole context; here it attends over a
+selected subset of that context instead. Everything works per layer on a batch of rows:
+
+- :func:`predict_next_query`: the next step's query from the recent ones (the seed's temporal-regressive
+  prediction). For each window size ``w`` in ``windows``, ridge regression expresses the newest query
+  as a weighted sum of the ``w`` queries before it; the weights are softmax-normalised and applied to
+  the window shifted by one (the ``w`` newest queries), and the candidates of all window sizes are
+  averaged (the seed's "assembled regression with average pooling").
+- :func:`token_scores` and :func:`select_tokens`: token-level top-k under a token budget, by a query's
+  attention mass, always keeping the first ``sink`` and the last ``recent`` positions.
+- :func:`page_scores` and :func:`select_pages`: Quest's page-level selection (pages of 16 tokens, the
+  upper bound ``sum_d max(q_d min_d, q_d max_d)`` of a page's dot products), the seed's baseline.
+- :func:`sparse_attention`: the attention of each row's query over its selected tokens.
+- :func:`overlap_ratio`: the seed's Eq. 1, how much two selections of equal size agree.
+
+Choices where the seed's text leaves them open (each is a setting or documented here):
+
+- **Regression per KV head.** A KV head's group of query heads is one feature vector (the group's
+  heads concatenated), so one set of weights per row, layer and KV head; with one query head per KV
+  head this is per head.
+- **The ridge term is relative**: ``ridge * trace(X X^T) / w`` for the window ``X`` (``w`` queries),
+  so one setting fits every layer and model whatever the queries' scale. It also keeps the ``w x w``
+  system solvable when the window's queries are linearly dependent.
+- **Too little history**: window sizes needing more than the available queries are skipped; with
+  none left (fewer than two queries), the prediction is the newest query itself.
+- **Attention mass for a KV head** is the sum over its query heads of each head's softmax attention
+  weight on the token, so top-k keeps the tokens that carry the most of the group's attention.
+- **Always kept**: the first ``sink`` positions (attention sinks) and the last ``recent`` ones, which
+  include the tokens written after an asynchronous selection was made. They count in the budget.
+- **Quest with grouped heads**: a page's bound for a KV head is the largest of its query heads'
+  bounds (a page any head of the group may need is kept).
+- **Ties** go to the earlier position (a stable sort), so a selection is reproducible.
+
+Shapes: ``rows`` sequences, ``heads`` query heads, ``kv_heads`` KV heads, ``dim`` head dimension,
+``n`` positions (the longest context; shorter rows are masked by ``lengths``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+#: Quest's page size in the seed's comparison.
+QUEST_PAGE = 16
+
+
+def ridge_weights(window: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Softmax-normalised ridge weights expressing ``target`` by the rows of ``window``.
+
+    ``window`` ``[..., w, f]`` (oldest first) and ``target`` ``[..., f]``: solves
+    ``(X X^T + lam I) a = X y`` with ``lam = ridge * trace(X X^T) / w`` and returns ``softmax(a)``
+    ``[..., w]``."""
+    x = window.double()
+    gram = x @ x.transpose(-1, -2)                                    # [..., w, w]
+    w = gram.shape[-1]
+    lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / w          # [...]
+    lam = torch.where(lam > 0, lam, torch.ones_like(lam))              # an all-zero window: any weights
+    system = gram + lam[..., None, None] * torch.eye(w, dtype=x.dtype, device=x.device)
+    rhs = (x @ target.double()[..., :, None])                          # [..., w, 1]
+    a = torch.linalg.solve(system, rhs).squeeze(-1)
+    return torch.softmax(a, dim=-1).to(window.dtype)
+
+
+def predict_next_query(history: torch.Tensor, windows: Sequence[int], ridge: float,
+                       available: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The next query from ``history`` ``[rows, kv_heads, h, f]`` (the last ``h`` queries, oldest
+    first, a KV head's query heads concatenated into ``f``).
+
+    For each ``w`` in ``windows`` with ``w + 1 <= available``: weights from :func:`ridge_weights` of
+    the ``w`` queries before the newest against the newest, applied to the ``w`` newest; the mean of
+    these candidates. ``available`` ``[rows]``: how many of the ``h`` slots hold real queries (the
+    newest ``available``; default all); a row with no usable window predicts its newest query."""
+    rows, kv_heads, h, f = history.shape
+    if available is None:
+        available = torch.full((rows,), h, dtype=torch.long, device=history.device)
+    total = torch.zeros(rows, kv_heads, f, dtype=history.dtype, device=history.device)
+    count = torch.zeros(rows, dtype=history.dtype, device=history.device)
+    for w in sorted(set(int(x) for x in windows)):
+        if w < 1 or w + 1 > h:
+            continue
+        use = available >= w + 1
+        if not bool(use.any()):
+            continue
+        sel = use.nonzero().squeeze(1)
+        past = history[sel, :, h - w - 1:h - 1]                        # [r, kv, w, f]
+        newest = history[sel, :, h - 1]                                 # [r, kv, f]
+        a = ridge_weights(past, newest, ridge)                          # [r, kv, w]
+        shifted = history[sel, :, h - w:h]                              # [r, kv, w, f]
+        total[sel] += (a[..., None] * shifted).sum(-2)
+        count[sel] += 1
+    out = history[:, :, h - 1].clone()
+    has = count > 0
+    out[has] = total[has] / count[has][:, None, None]
+    return out
+
+
+def _valid(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]    # [rows, n]
+
+
+def token_scores(query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                 scale: Optional[float] = None) -> torch.Tensor:
+    """Each position's attention mass for each KV head: ``[rows, kv_heads, n]``.
+
+    ``query`` ``[rows, heads, dim]``, ``keys`` ``[rows, kv_heads, n, dim]``: per query head, the
+    softmax over the row's first ``lengths`` positions of ``scale * q . k`` (default scale
+    ``dim ** -0.5``), summed over the heads of each KV head's group; 0 past a row's length."""
+    rows, heads, dim = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    rep = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    q = query.reshape(rows, kv_heads, rep, dim)
+    logits = (q @ keys.transpose(-1, -2)) * scale                      # [rows, kv, rep, n]
+    valid = _valid(lengths, n)[:, None, None, :]
+    logits = logits.masked_fill(~valid, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(2)
+
+
+def budgets(lengths: torch.Tensor, budget: float, *, sink: int, recent: int) -> torch.Tensor:
+    """Tokens each row keeps: ``budget`` tokens (an int >= 1) or that fraction of the row's context
+    (a float in (0, 1), rounded up), at least ``sink + recent`` and at most the context."""
+    if isinstance(budget, float) and 0 < budget < 1:
+        want = torch.ceil(lengths.double() * budget).long()
+    else:
+        want = torch.full_like(lengths, int(budget))
+    return torch.minimum(torch.clamp(want, min=sink + recent), lengths)
+
+
+class Selection(NamedTuple):
+    """Selected positions per row and KV head, ``[rows, kv_heads, k]`` (ascending, padded at the end)
+    and which of them are real (``mask``, same shape)."""
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def _forced(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
+    pos = torch.arange(n, device=lengths.device)[None, :]
+    return (pos < sink) | (pos >= lengths[:, None] - recent)                     # [rows, n]
+
+
+def select_tokens(scores: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, *, sink: int,
+                  recent: int) -> Selection:
+    """Per row and KV head, ``keep[row]`` positions: the first ``sink`` and last ``recent``
+    positions, then the highest ``scores`` (``[rows, kv_heads, n]``) among the others (ties to the
+    earlier position); every position when ``keep`` covers the context."""
+    rows, kv_heads, n = scores.shape
+    valid = _valid(lengths, n)[:, None, :]
+    forced = _forced(lengths, n, sink, recent)[:, None, :] & valid
+    rank = scores.double().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    order = torch.sort(rank, dim=-1, descending=True, stable=True).indices       # [rows, kv, n]
+    k = int(keep.max()) if rows else 0
+    chosen = order[..., :k]
+    mask = torch.arange(k, device=scores.device)[None, None, :] < keep[:, None, None]
+    # ascending positions, padding (masked) after the real ones
+    key = torch.where(mask, chosen, torch.full_like(chosen, n))
+    positions = torch.sort(key, dim=-1).values
+    mask = positions < n
+    return Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask)
+
+
+def page_scores(query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                page: int = QUEST_PAGE) -> torch.Tensor:
+    """Quest's upper bound of each page's dot products, per KV head: ``[rows, kv_heads, pages]``.
+
+    A page is ``page`` consecutive positions; its elementwise min and max key (over its positions
+    within the row's length) bound ``q . k`` by ``sum_d max(q_d min_d, q_d max_d)``; the bound of a KV
+    head is the largest of its query heads'. Pages past a row's length score ``-inf``."""
+    rows, heads, dim = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    rep = heads // kv_heads
+    pages = -(-n // page)
+    padded = keys.new_zeros(rows, kv_heads, pages * page, dim)
+    padded[:, :, :n] = keys
+    valid = _valid(lengths, pages * page)[:, None, :, None]
+    big = torch.finfo(keys.dtype).max
+    low = padded.masked_fill(~valid, big).view(rows, kv_heads, pages, page, dim).amin(3)
+    high = padded.masked_fill(~valid, -big).view(rows, kv_heads, pages, page, dim).amax(3)
+    q = query.reshape(rows, kv_heads, rep, 1, dim)
+    bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(-1)    # [rows, kv, rep, pages]
+    bound = bound.amax(2)
+    used = torch.arange(pages, device=lengths.device)[None, :] * page < lengths[:, None]
+    return bound.masked_fill(~used[:, None, :], float("-inf"))
+
+
+def select_pages(bounds: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, *, sink: int, recent: int,
+                 page: int = QUEST_PAGE) -> Selection:
+    """Quest's selection as positions: whole pages by ``bounds`` (``[rows, kv_heads, pages]``, from
+    :func:`page_scores`), the pages holding the first ``sink`` and last ``recent`` positions first,
+    then the highest bounds, as many pages as ``keep[row] // page`` (at least those forced); every
+    position when ``keep`` covers the context."""
+    rows, kv_heads, pages = bounds.shape
+    n = pages * page
+    pos = torch.arange(n, device=lengths.device)
+    forced_pos = _forced(lengths, n, sink, recent) & (pos[None, :] < lengths[:, None])
+    forced = forced_pos.view(rows, pages, page).any(-1)                          # [rows, pages]
+    used = pos[::page][None, :] < lengths[:, None]
+    rank = bounds.double().masked_fill(forced[:, None, :], float("inf")).masked_fill(~used[:, None, :],
+                                                                                     float("-inf"))
+    order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
+    want = torch.maximum(keep // page, forced.sum(-1))
+    whole = keep >= lengths
+    want = torch.where(whole, used.sum(-1), want)
+    k = int(want.max()) if rows else 0
+    chosen = order[..., :k]                                                       # [rows, kv, k pages]
+    take = torch.arange(k, device=bounds.device)[None, None, :] < want[:, None, None]
+    key = torch.where(take, chosen, torch.full_like(chosen, pages))
+    chosen = torch.sort(key, dim=-1).values                                       # ascending pages
+    page_ok = chosen < pages
+    positions = chosen[..., None] * page + torch.arange(page, device=bounds.device)
+    mask = page_ok[..., None] & (positions < lengths[:, None, None, None])
+    positions = positions.flatten(2)
+    mask = mask.flatten(2)
+    return Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask)
+
+
+def gather_selected(keys: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """``keys`` ``[rows, kv_heads, n, dim]`` at the selected positions: ``[rows, kv_heads, k, dim]``."""
+    idx = selection.positions[..., None].expand(-1, -1, -1, keys.shape[-1])
+    return keys.gather(2, idx)
+
+
+def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of ``query`` ``[rows, heads, dim]`` over selected ``keys``/``values``
+    ``[rows, kv_heads, k, dim]`` where ``mask`` ``[rows, kv_heads, k]`` is true: ``[rows, heads, dim]``.
+    Query head ``h`` reads KV head ``h // (heads // kv_heads)``."""
+    rows, heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    rep = heads // kv_heads
+    q = query.reshape(rows, kv_heads, rep, dim)
+    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, :, None, :],
+                                                           scale=scale)
+    return out.reshape(rows, heads, values.shape[-1])
+
+
+def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
+    """The seed's Eq. 1 per row and KV head: ``|A & B| / |A|`` for selections of equal size."""
+    n = int(max(a.positions.max(), b.positions.max())) + 1 if a.positions.numel() else 1
+    rows, kv_heads, _ = a.positions.shape
+    onehot_a = torch.zeros(rows, kv_heads, n + 1, dtype=torch.bool, device=a.positions.device)
+    onehot_b = torch.zeros_like(onehot_a)
+    onehot_a.scatter_(2, torch.where(a.mask, a.positions, torch.full_like(a.positions, n)), True)
+    onehot_b.scatter_(2, torch.where(b.mask, b.positions, torch.full_like(b.positions, n)), True)
+    both = (onehot_a & onehot_b)[..., :n].sum(-1).double()
+    return both / a.mask.sum(-1).clamp(min=1).double()
+
+
+__all__ = ["QUEST_PAGE", "Selection", "budgets", "gather_selected", "overlap_ratio", "page_scores",
+           "predict_next_query", "ridge_weights", "select_pages", "select_tokens", "sparse_attention",
+           "token_scores"]

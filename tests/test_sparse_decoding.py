@@ -250,3 +250,42 @@ def test_overlap_ratio_counts_the_shared_positions():
     b = Selection(torch.tensor([[[2, 3, 7, 9]]]), torch.ones(1, 1, 4, dtype=torch.bool))
     assert overlap_ratio(a, b).tolist() == [[0.5]]
     assert overlap_ratio(a, a).tolist() == [[1.0]]
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotate_is_sglangs_rotary_embedding_and_its_inverse_undoes_it(neox, monkeypatch):
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding, base as rope_base
+    from sglang.srt.server_args import ServerArgs, get_global_server_args, set_global_server_args_for_scheduler
+
+    from sgl_tts.plugin.sparse_attention import find_rotary
+
+    try:
+        get_global_server_args()
+    except ValueError:   # what a CPU scheduler process holds (its layers read it when built)
+        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1,
+                                                        attention_backend="torch_native"))
+    # the platform a CPU server detects from SGLANG_USE_CPU_ENGINE at import (this process has none)
+    monkeypatch.setattr(rope_base, "_is_cpu", True)
+    from sgl_tts.plugin.sparse_decoding import Rotary, rotate
+
+    rope = RotaryEmbedding(head_size=16, rotary_dim=12, max_position_embeddings=64, base=10000,
+                           is_neox_style=neox, dtype=torch.float32)
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(5, 3 * 16, generator=g), torch.randn(5, 16, generator=g)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    want, _ = rope.forward_native(positions, q.clone(), k.clone())
+    rotary = Rotary(rope.cos_sin_cache, 12, neox)
+    got = rotate(q.view(5, 3, 16), positions, rotary)
+    assert torch.allclose(got.reshape(5, -1), want, atol=1e-6)
+    assert torch.allclose(rotate(got, positions, rotary, inverse=True), q.view(5, 3, 16), atol=1e-5)
+    # a query that is the same vector rotated to each position is one query in the rotary frame
+    base = torch.randn(1, 3, 16, generator=g).expand(5, 3, 16)
+    back = rotate(rotate(base, positions, rotary), positions, rotary, inverse=True)
+    assert torch.allclose(back, base, atol=1e-5)
+    # the model's rotary embedding is found where there is one, and only one kind of it
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), rope])
+    assert find_rotary(model) is rope
+    other = RotaryEmbedding(head_size=16, rotary_dim=12, max_position_embeddings=64, base=500, is_neox_style=neox,
+                            dtype=torch.float32)
+    assert find_rotary(torch.nn.ModuleList([rope, other])) is None
+    assert find_rotary(torch.nn.Linear(2, 2)) is None

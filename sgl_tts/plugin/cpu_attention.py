@@ -306,13 +306,23 @@ def register_backend() -> None:
 
 def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
     """AROUND hook on ``ModelRunner._get_attention_backend_from_str``: ``torch_native`` becomes the
-    ragged backend when ``--tts-cpu-attention ragged`` is on; every other choice is SGLang's."""
+    sparse backend (:mod:`sgl_tts.plugin.sparse_attention`) when ``--tts-sparse-attention`` is on, else
+    the ragged backend when ``--tts-cpu-attention ragged`` is; every other choice is SGLang's."""
     from sgl_tts.plugin.settings import TTSSettings
 
-    if backend_str == "torch_native" and TTSSettings.of(runner.server_args).cpu_attention == "ragged":
-        register_backend()
-        logger.info("sgl-tts: ragged CPU attention in place of torch_native (--tts-cpu-attention ragged)")
-        backend_str = BACKEND_NAME
+    if backend_str == "torch_native":
+        settings = TTSSettings.of(runner.server_args)
+        if settings.sparse.mode != "off":
+            from sgl_tts.plugin import sparse_attention
+
+            sparse_attention.register_backend()
+            logger.info("sgl-tts: sparse decode attention (%s) in place of torch_native (--tts-sparse-attention)",
+                        settings.sparse)
+            backend_str = sparse_attention.BACKEND_NAME
+        elif settings.cpu_attention == "ragged":
+            register_backend()
+            logger.info("sgl-tts: ragged CPU attention in place of torch_native (--tts-cpu-attention ragged)")
+            backend_str = BACKEND_NAME
     return original(runner, backend_str, *args, **kwargs)
 
 

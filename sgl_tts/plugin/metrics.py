@@ -238,9 +238,10 @@ def _make_prometheus() -> dict:
 
 # ------------------------------------------------------------------------------------- summary
 def scheduler_files(prefix: str | os.PathLike) -> list[Path]:
-    """The files a server started with ``--tts-metrics-file PREFIX`` wrote: ``PREFIX.<scheduler pid>``."""
+    """The files a server started with ``--tts-metrics-file PREFIX`` wrote: ``PREFIX.<scheduler pid>``
+    (not the sparse attention's ``PREFIX.sparse.<pid>`` counters)."""
     prefix = Path(prefix)
-    return sorted(prefix.parent.glob(prefix.name + ".*"))
+    return sorted(p for p in prefix.parent.glob(prefix.name + ".*") if p.name[len(prefix.name) + 1:].isdigit())
 
 
 def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any, Mapping
 
@@ -19,6 +20,109 @@ CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.cpu
 # --tts-locality-rules: which of the locality policy's two rules act (sgl_tts.plugin.residency);
 # one alone is for measuring what each contributes (the ablation of issue 32)
 LOCALITY_RULES = ("both", "eviction", "order")
+# --tts-sparse-attention (sgl_tts.plugin.sparse_attention): seed 003's asynchronous selection, the
+# same selection with the current query (synchronous), Quest's pages with the current query
+SPARSE_MODES = ("off", "async", "sync", "quest")
+# --tts-sparse-frame: where async predicts the next query (sgl_tts.plugin.sparse_decoding)
+SPARSE_FRAMES = ("rotary", "query")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSettings:
+    """Query-aware sparse decode attention (seed 003, AsyncSpade; :mod:`sgl_tts.plugin.sparse_attention`).
+
+    Attributes:
+        mode: ``off``; ``async`` (the next step's tokens chosen beside the current step from a
+            predicted query); ``sync`` (the same token-level choice from the current query, in the
+            step); ``quest`` (Quest's page-level choice from the current query).
+        budget: tokens a decode row attends to: an integer >= 1, or a fraction in (0, 1) of the
+            row's context (rounded up). Sinks and recent tokens count in it.
+        windows: the window sizes of the next-query regression (``async``).
+        ridge: the ridge term, relative to the window's mean squared query norm.
+        sink: the first positions always kept; recent: the last positions always kept.
+        dense_below: rows with a shorter context attend densely (so do rows whose budget covers
+            their context, and prefill).
+        dense_layers: the first layers always attend densely (Quest keeps its first two dense: their
+            attention follows the current token's content, which no earlier query predicts).
+        measure: also choose each sparse row's tokens with its current query (as ``sync`` does) and
+            count how many of them the row's selection has (the seed's overlap ratio, per layer, in
+            the counters): the quality of the selection, at the cost of a ``sync`` choice per row.
+        frame: ``rotary`` (default): ``async`` predicts the next query with the recent queries
+            rotated back to position 0 and turns the prediction to the next position; ``query``: on
+            the rotated queries themselves (the seed's literal reading).
+    """
+
+    mode: str = "off"
+    budget: float = 0.5
+    windows: tuple = (4, 8, 16)
+    ridge: float = 0.01
+    sink: int = 4
+    recent: int = 16
+    dense_below: int = 1024
+    dense_layers: int = 2
+    frame: str = "rotary"
+    measure: bool = False
+
+    def __post_init__(self):
+        if self.frame not in SPARSE_FRAMES:
+            raise ValueError(f"--tts-sparse-frame must be one of {', '.join(SPARSE_FRAMES)}, got {self.frame!r}")
+        if self.mode not in SPARSE_MODES:
+            raise ValueError(f"--tts-sparse-attention must be one of {', '.join(SPARSE_MODES)}, got {self.mode!r}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (
+                (isinstance(b, int) and b >= 1) or (isinstance(b, float) and (0 < b < 1 or (b >= 1 and b == int(b))))):
+            raise ValueError(f"--tts-sparse-budget must be a number of tokens (>= 1) or a fraction in (0, 1), "
+                             f"got {b!r}")
+        if isinstance(b, float) and b >= 1:
+            object.__setattr__(self, "budget", int(b))
+        windows = tuple(self.windows)
+        if not windows or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows):
+            raise ValueError(f"--tts-sparse-windows must be positive integers, got {self.windows!r}")
+        object.__setattr__(self, "windows", tuple(sorted(set(windows))))
+        if not (isinstance(self.ridge, (int, float)) and self.ridge > 0):
+            raise ValueError(f"--tts-sparse-ridge must be positive, got {self.ridge!r}")
+        for name in ("sink", "recent"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--tts-sparse-{name} must be a non-negative integer, got {v!r}")
+        if self.recent < 1:
+            raise ValueError("--tts-sparse-recent must be at least 1 (a row's own newest token)")
+        if isinstance(self.budget, int) and self.budget < self.sink + self.recent:
+            raise ValueError(f"--tts-sparse-budget {self.budget} is smaller than the tokens always kept "
+                             f"(--tts-sparse-sink {self.sink} + --tts-sparse-recent {self.recent})")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"--tts-sparse-dense-layers must be a non-negative integer, got {self.dense_layers!r}")
+        if isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 1:
+            raise ValueError(f"--tts-sparse-dense-below must be a positive integer, got {self.dense_below!r}")
+
+    @property
+    def history(self) -> int:
+        """Queries kept per row and layer: the longest window and the newest query."""
+        return max(self.windows) + 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SparseSettings":
+        try:
+            fields = json.loads(text)
+            return cls(**{**fields, "windows": tuple(fields.get("windows", cls.windows))})
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"SGLANG_TTS_SPARSE is not a sparse-attention setting: {text!r} ({exc})") from None
+
+    def args(self) -> list[str]:
+        """The flags off their defaults."""
+        d, out = SparseSettings(), []
+        for name in ("mode", "budget", "windows", "ridge", "sink", "recent", "dense_below", "dense_layers", "frame", "measure"):
+            v = getattr(self, name)
+            if v != getattr(d, name):
+                flag = "--tts-sparse-attention" if name == "mode" else "--tts-sparse-" + name.replace("_", "-")
+                if name == "measure":
+                    out.append("--tts-sparse-measure")
+                else:
+                    out += [flag, ",".join(map(str, v)) if name == "windows" else str(v)]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +149,8 @@ class TTSSettings:
             ``ragged`` (:mod:`sgl_tts.plugin.cpu_attention`: decode rows batched by length, extends
             over their new tokens only; equal to float rounding). Acts where the server runs
             ``torch_native`` (the CPU); elsewhere nothing changes.
+        sparse: :class:`SparseSettings` (``--tts-sparse-*``), query-aware sparse decode attention
+            where the server runs ``torch_native``; it implies ``ragged`` for the dense part.
     """
 
     policy: str = "off"
@@ -54,6 +160,7 @@ class TTSSettings:
     max_wait: float | None = 5.0
     cpu_attention: str = "native"
     locality_rules: str = "both"
+    sparse: SparseSettings = SparseSettings()
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -89,7 +196,8 @@ class TTSSettings:
     @property
     def any_on(self) -> bool:
         """Whether any ``--tts-*`` flag asks the plugin to act (all off: stock SGLang)."""
-        return self.active or bool(self.metrics_file) or self.seeded_sampling or self.cpu_attention != "native"
+        return (self.active or bool(self.metrics_file) or self.seeded_sampling or self.cpu_attention != "native"
+                or self.sparse.mode != "off")
 
     def args(self) -> list[str]:
         """These settings as ``launch_server`` flags, the ones off their defaults only (so a server
@@ -108,7 +216,7 @@ class TTSSettings:
             out += ["--tts-cpu-attention", self.cpu_attention]
         if self.locality_rules != d.locality_rules:
             out += ["--tts-locality-rules", self.locality_rules]
-        return out
+        return out + self.sparse.args()
 
     def env(self) -> dict[str, str]:
         env = {"SGLANG_TTS_POLICY": self.policy, "SGLANG_TTS_DEDUP_TOKENS": str(self.dedup_tokens)}
@@ -119,6 +227,7 @@ class TTSSettings:
         env["SGLANG_TTS_MAX_WAIT"] = "off" if self.max_wait is None else repr(float(self.max_wait))
         env["SGLANG_TTS_CPU_ATTENTION"] = self.cpu_attention
         env["SGLANG_TTS_LOCALITY_RULES"] = self.locality_rules
+        env["SGLANG_TTS_SPARSE"] = self.sparse.to_json()
         return env
 
     @classmethod
@@ -133,7 +242,9 @@ class TTSSettings:
                    env.get("SGLANG_TTS_SEEDED_SAMPLING", "") == "1",
                    parse_max_wait(env.get("SGLANG_TTS_MAX_WAIT", str(cls.max_wait))),
                    env.get("SGLANG_TTS_CPU_ATTENTION", cls.cpu_attention),
-                   env.get("SGLANG_TTS_LOCALITY_RULES", cls.locality_rules))
+                   env.get("SGLANG_TTS_LOCALITY_RULES", cls.locality_rules),
+                   SparseSettings.from_json(env["SGLANG_TTS_SPARSE"]) if env.get("SGLANG_TTS_SPARSE")
+                   else SparseSettings())
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
@@ -144,7 +255,8 @@ class TTSSettings:
                        bool(getattr(server_args, "tts_seeded_sampling", False)),
                        getattr(server_args, "tts_max_wait", cls.max_wait),
                        getattr(server_args, "tts_cpu_attention", cls.cpu_attention),
-                       getattr(server_args, "tts_locality_rules", cls.locality_rules))
+                       getattr(server_args, "tts_locality_rules", cls.locality_rules),
+                       getattr(server_args, "tts_sparse", None) or SparseSettings())
         return cls.from_env()
 
 
@@ -169,6 +281,26 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected tokens (>= 1) or a fraction in (0, 1), got {text!r}") from None
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+def _windows(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated window sizes, got {text!r}") from None
+
+
+def _sparse_default() -> SparseSettings:
+    env = os.environ.get("SGLANG_TTS_SPARSE")
+    return SparseSettings.from_json(env) if env else SparseSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,6 +355,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --tts-policy locality: both rules (default), or one alone to measure "
                             "what it contributes: eviction (evict what the waiting queue needs last) or "
                             "order (admit families whose prefix is cached first)")
+    _add_sparse_arguments(group)
+
+
+def _add_sparse_arguments(group) -> None:
+    """The ``--tts-sparse-*`` flags (:class:`SparseSettings`)."""
+    sparse = _sparse_default()
+    group.add_argument("--tts-sparse-attention", choices=SPARSE_MODES, default=sparse.mode,
+                       help="where the server runs SGLang's torch_native attention (the CPU): query-aware "
+                            "sparse decode attention (seed 003). async: each decode row attends to the "
+                            "tokens a predicted query chose beside the previous step; sync: the same choice "
+                            "from the current query, in the step; quest: Quest's 16-token pages from the "
+                            "current query; off (default): dense")
+    group.add_argument("--tts-sparse-budget", type=_budget, default=sparse.budget, metavar="TOKENS|FRACTION",
+                       help="tokens a sparse decode row attends to, or that fraction of its context "
+                            "(default 0.5)")
+    group.add_argument("--tts-sparse-windows", type=_windows, default=sparse.windows, metavar="W,W,...",
+                       help="window sizes of the next-query regression (default 4,8,16)")
+    group.add_argument("--tts-sparse-ridge", type=float, default=sparse.ridge,
+                       help="ridge term of the regression, relative to the queries' mean square (default 0.01)")
+    group.add_argument("--tts-sparse-sink", type=int, default=sparse.sink,
+                       help="first tokens every sparse row keeps (default 4)")
+    group.add_argument("--tts-sparse-recent", type=int, default=sparse.recent,
+                       help="last tokens every sparse row keeps (default 16)")
+    group.add_argument("--tts-sparse-dense-below", type=_positive_int, default=sparse.dense_below,
+                       metavar="TOKENS", help="rows with a shorter context attend densely (default 1024)")
+    group.add_argument("--tts-sparse-dense-layers", type=int, default=sparse.dense_layers, metavar="N",
+                       help="the first N layers always attend densely (default 2, as Quest)")
+    group.add_argument("--tts-sparse-measure", action="store_true", default=sparse.measure,
+                       help="also choose each sparse row's tokens from its current query and count the "
+                            "overlap with what it attended to (per layer, in the counters file "
+                            "--tts-metrics-file PATH.sparse.<pid>); costs a sync choice per row")
+    group.add_argument("--tts-sparse-frame", choices=SPARSE_FRAMES, default=sparse.frame,
+                       help="async: predict the next query in the rotary frame (recent queries rotated back "
+                            "to position 0, the prediction turned to the next position; default) or on the "
+                            "rotated queries themselves (query, the seed's reading)")
+
+
+def sparse_from_args(args: argparse.Namespace) -> SparseSettings:
+    """The ``--tts-sparse-*`` flags as :class:`SparseSettings` (defaults where a flag is absent)."""
+    d = SparseSettings()
+    return SparseSettings(getattr(args, "tts_sparse_attention", d.mode), getattr(args, "tts_sparse_budget", d.budget),
+                          tuple(getattr(args, "tts_sparse_windows", d.windows)),
+                          getattr(args, "tts_sparse_ridge", d.ridge), getattr(args, "tts_sparse_sink", d.sink),
+                          getattr(args, "tts_sparse_recent", d.recent),
+                          getattr(args, "tts_sparse_dense_below", d.dense_below),
+                          getattr(args, "tts_sparse_dense_layers", d.dense_layers),
+                          getattr(args, "tts_sparse_frame", d.frame),
+                          bool(getattr(args, "tts_sparse_measure", d.measure)))
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
@@ -232,7 +412,8 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
                            getattr(args, "tts_metrics_file", None), bool(getattr(args, "tts_seeded_sampling", False)),
                            getattr(args, "tts_max_wait", TTSSettings.max_wait),
                            getattr(args, "tts_cpu_attention", TTSSettings.cpu_attention),
-                           getattr(args, "tts_locality_rules", TTSSettings.locality_rules))
+                           getattr(args, "tts_locality_rules", TTSSettings.locality_rules),
+                           sparse_from_args(args))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
@@ -246,8 +427,10 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     server_args.tts_max_wait = settings.max_wait
     server_args.tts_cpu_attention = settings.cpu_attention
     server_args.tts_locality_rules = settings.locality_rules
+    server_args.tts_sparse = settings.sparse
     os.environ.update(settings.env())
     return settings
 
 
-__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "TTSSettings", "add_arguments", "apply"]
+__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SparseSettings", "TTSSettings",
+           "add_arguments", "apply", "sparse_from_args"]

@@ -8,6 +8,8 @@ selected subset of that context instead. Everything works per layer on a batch o
   as a weighted sum of the ``w`` queries before it; the weights are softmax-normalised and applied to
   the window shifted by one (the ``w`` newest queries), and the candidates of all window sizes are
   averaged (the seed's "assembled regression with average pooling").
+- :func:`rotate`: a rotary embedding's rotation (SGLang's ``RotaryEmbedding``, from its own
+  ``cos_sin_cache``) and its inverse, so that queries can be predicted in the rotary frame (below).
 - :func:`token_scores` and :func:`select_tokens`: token-level top-k under a token budget, by a query's
   attention mass, always keeping the first ``sink`` and the last ``recent`` positions.
 - :func:`page_scores` and :func:`select_pages`: Quest's page-level selection (pages of 16 tokens, the
@@ -31,7 +33,18 @@ Choices where the seed's text leaves them open (each is a setting or documented 
   include the tokens written after an asynchronous selection was made. They count in the budget.
 - **Quest with grouped heads**: a page's bound for a KV head is the largest of its query heads'
   bounds (a page any head of the group may need is kept).
+- **The rotary frame (our addition, ``--tts-sparse-frame rotary``, the default).** Queries reach
+  attention rotated by their position, so a head that looks a fixed distance back has a query that
+  turns a little every step; a softmax-weighted mean of the recent rotated queries is a convex
+  combination, it cannot turn ahead, and its choice lags one position behind (on the tiny generator,
+  whose heads copy digits at fixed offsets, that lag missed the token each step needed and every
+  answer went wrong). So the recent queries are un-rotated to position 0, regressed and combined
+  there, and the prediction is rotated to the next position. ``query`` is the seed's literal
+  reading (regression on the rotated queries); models without a known rotary embedding use it.
 - **Ties** go to the earlier position (a stable sort), so a selection is reproducible.
+
+torch is imported inside the functions: importing the plugin package loads no torch (the launcher
+process needs none; ``tests/test_layering.py``).
 
 Shapes: ``rows`` sequences, ``heads`` query heads, ``kv_heads`` KV heads, ``dim`` head dimension,
 ``n`` positions (the longest context; shorter rows are masked by ``lengths``).
@@ -39,12 +52,43 @@ Shapes: ``rows`` sequences, ``heads`` query heads, ``kv_heads`` KV heads, ``dim`
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: Quest's page size in the seed's comparison.
 QUEST_PAGE = 16
+
+
+class Rotary(NamedTuple):
+    """A rotary embedding as SGLang's ``RotaryEmbedding`` applies it: ``cos_sin`` ``[positions,
+    rotary_dim]`` (cosines, then sines, of each position's angles; its ``cos_sin_cache``), the leading
+    ``rotary_dim`` dimensions of a head rotated, in halves (``neox``) or in interleaved pairs."""
+
+    cos_sin: torch.Tensor
+    rotary_dim: int
+    neox: bool
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, *, inverse: bool = False) -> torch.Tensor:
+    """``x`` ``[rows, heads, dim]`` rotated to ``positions`` ``[rows]`` (``inverse``: rotated back from
+    them to position 0), as SGLang's ``RotaryEmbedding.forward_native`` rotates queries."""
+    import torch
+
+    rd = rotary.rotary_dim
+    cos, sin = rotary.cos_sin.index_select(0, positions).to(x.dtype).chunk(2, dim=-1)    # [rows, rd/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if inverse:
+        sin = -sin
+    part = x[..., :rd]
+    if rotary.neox:
+        x1, x2 = part.chunk(2, dim=-1)
+        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((turned, x[..., rd:]), dim=-1)
 
 
 def ridge_weights(window: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -53,6 +97,8 @@ def ridge_weights(window: torch.Tensor, target: torch.Tensor, ridge: float) -> t
     ``window`` ``[..., w, f]`` (oldest first) and ``target`` ``[..., f]``: solves
     ``(X X^T + lam I) a = X y`` with ``lam = ridge * trace(X X^T) / w`` and returns ``softmax(a)``
     ``[..., w]``."""
+    import torch
+
     x = window.double()
     gram = x @ x.transpose(-1, -2)                                    # [..., w, w]
     w = gram.shape[-1]
@@ -73,6 +119,8 @@ def predict_next_query(history: torch.Tensor, windows: Sequence[int], ridge: flo
     the ``w`` queries before the newest against the newest, applied to the ``w`` newest; the mean of
     these candidates. ``available`` ``[rows]``: how many of the ``h`` slots hold real queries (the
     newest ``available``; default all); a row with no usable window predicts its newest query."""
+    import torch
+
     rows, kv_heads, h, f = history.shape
     if available is None:
         available = torch.full((rows,), h, dtype=torch.long, device=history.device)
@@ -98,6 +146,8 @@ def predict_next_query(history: torch.Tensor, windows: Sequence[int], ridge: flo
 
 
 def _valid(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    import torch
+
     return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]    # [rows, n]
 
 
@@ -108,6 +158,8 @@ def token_scores(query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
     ``query`` ``[rows, heads, dim]``, ``keys`` ``[rows, kv_heads, n, dim]``: per query head, the
     softmax over the row's first ``lengths`` positions of ``scale * q . k`` (default scale
     ``dim ** -0.5``), summed over the heads of each KV head's group; 0 past a row's length."""
+    import torch
+
     rows, heads, dim = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     rep = heads // kv_heads
@@ -122,6 +174,8 @@ def token_scores(query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
 def budgets(lengths: torch.Tensor, budget: float, *, sink: int, recent: int) -> torch.Tensor:
     """Tokens each row keeps: ``budget`` tokens (an int >= 1) or that fraction of the row's context
     (a float in (0, 1), rounded up), at least ``sink + recent`` and at most the context."""
+    import torch
+
     if isinstance(budget, float) and 0 < budget < 1:
         want = torch.ceil(lengths.double() * budget).long()
     else:
@@ -138,6 +192,8 @@ class Selection(NamedTuple):
 
 
 def _forced(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
+    import torch
+
     pos = torch.arange(n, device=lengths.device)[None, :]
     return (pos < sink) | (pos >= lengths[:, None] - recent)                     # [rows, n]
 
@@ -147,6 +203,8 @@ def select_tokens(scores: torch.Tensor, lengths: torch.Tensor, keep: torch.Tenso
     """Per row and KV head, ``keep[row]`` positions: the first ``sink`` and last ``recent``
     positions, then the highest ``scores`` (``[rows, kv_heads, n]``) among the others (ties to the
     earlier position); every position when ``keep`` covers the context."""
+    import torch
+
     rows, kv_heads, n = scores.shape
     valid = _valid(lengths, n)[:, None, :]
     forced = _forced(lengths, n, sink, recent)[:, None, :] & valid
@@ -169,6 +227,8 @@ def page_scores(query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
     A page is ``page`` consecutive positions; its elementwise min and max key (over its positions
     within the row's length) bound ``q . k`` by ``sum_d max(q_d min_d, q_d max_d)``; the bound of a KV
     head is the largest of its query heads'. Pages past a row's length score ``-inf``."""
+    import torch
+
     rows, heads, dim = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     rep = heads // kv_heads
@@ -192,6 +252,8 @@ def select_pages(bounds: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor
     :func:`page_scores`), the pages holding the first ``sink`` and last ``recent`` positions first,
     then the highest bounds, as many pages as ``keep[row] // page`` (at least those forced); every
     position when ``keep`` covers the context."""
+    import torch
+
     rows, kv_heads, pages = bounds.shape
     n = pages * page
     pos = torch.arange(n, device=lengths.device)
@@ -223,11 +285,37 @@ def gather_selected(keys: torch.Tensor, selection: Selection) -> torch.Tensor:
     return keys.gather(2, idx)
 
 
+def gather_selected_pool(cache: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+    """An SGLang KV pool ``[pool tokens, kv_heads, dim]`` read at per-head slots ``pool_index``
+    ``[rows, kv_heads, k]``: ``[rows, kv_heads, k, dim]`` (KV head ``h`` of slot ``pool_index[r, h, j]``)."""
+    import torch
+
+    rows, kv_heads, k = pool_index.shape
+    flat = pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]
+    picked = cache.reshape(-1, cache.shape[-1]).index_select(0, flat.reshape(-1))
+    return picked.view(rows, kv_heads, k, cache.shape[-1])
+
+
+def selection_from_mask(chosen: torch.Tensor) -> Selection:
+    """The positions where ``chosen`` ``[rows, kv_heads, n]`` is true, ascending, as a :class:`Selection`."""
+    import torch
+
+    n = chosen.shape[-1]
+    k = int(chosen.sum(-1).max()) if chosen.numel() else 0
+    pos = torch.arange(n, device=chosen.device).expand_as(chosen)
+    key = torch.where(chosen, pos, torch.full_like(pos, n))
+    positions = torch.sort(key, dim=-1).values[..., :k]
+    mask = positions < n
+    return Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask)
+
+
 def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                      scale: Optional[float] = None) -> torch.Tensor:
     """Attention of ``query`` ``[rows, heads, dim]`` over selected ``keys``/``values``
     ``[rows, kv_heads, k, dim]`` where ``mask`` ``[rows, kv_heads, k]`` is true: ``[rows, heads, dim]``.
     Query head ``h`` reads KV head ``h // (heads // kv_heads)``."""
+    import torch
+
     rows, heads, dim = query.shape
     kv_heads = keys.shape[1]
     rep = heads // kv_heads
@@ -240,6 +328,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
     """The seed's Eq. 1 per row and KV head: ``|A & B| / |A|`` for selections of equal size."""
+    import torch
+
     n = int(max(a.positions.max(), b.positions.max())) + 1 if a.positions.numel() else 1
     rows, kv_heads, _ = a.positions.shape
     onehot_a = torch.zeros(rows, kv_heads, n + 1, dtype=torch.bool, device=a.positions.device)
@@ -250,6 +340,6 @@ def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
     return both / a.mask.sum(-1).clamp(min=1).double()
 
 
-__all__ = ["QUEST_PAGE", "Selection", "budgets", "gather_selected", "overlap_ratio", "page_scores",
-           "predict_next_query", "ridge_weights", "select_pages", "select_tokens", "sparse_attention",
-           "token_scores"]
+__all__ = ["QUEST_PAGE", "Rotary", "Selection", "rotate", "budgets", "gather_selected", "gather_selected_pool", "overlap_ratio",
+           "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
+           "selection_from_mask", "sparse_attention", "token_scores"]

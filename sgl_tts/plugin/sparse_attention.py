@@ -1,0 +1,526 @@
+"""Query-aware sparse decode attention for SGLang's CPU servers (``--tts-sparse-attention``, seed 003).
+
+A decode row whose context is at least ``--tts-sparse-dense-below`` tokens, and longer than its budget,
+attends to a selection of its context (:mod:`sgl_tts.plugin.sparse_decoding` has the math):
+
+- ``sync``: the tokens with the most attention mass under the *current* query, chosen inside the step
+  (the upper bound on selection quality; the choice waits for the query and reads every key);
+- ``quest``: Quest's 16-token pages by their upper bound under the current query, inside the step;
+- ``async`` (AsyncSpade): the tokens chosen for this step by a worker thread (the seed's "cache rank")
+  while the previous step was still computing, from the query predicted out of each row's recent
+  queries. The step never waits for the worker: a row uses the newest selection that has finished
+  (counted ``late`` when it is older than the previous step), and a row with none attends densely
+  (counted ``missing``). Tokens written after a selection was made are among the ``recent`` ones,
+  which every selection keeps.
+
+Prefill, short rows, rows whose budget covers their context, and everything that is not plain causal
+self-attention are dense, by :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend (this backend is that
+one with the decode path replaced). With a budget that covers every context the output is dense
+attention's (float rounding aside; ``tests/test_sparse_attention.py``).
+
+:class:`SparseDecoder` holds everything but the SGLang class (queries, selections, the worker,
+counters; with ``--tts-metrics-file PATH`` the counters are rewritten to ``PATH.sparse.<pid>`` after
+every decode step) and works on SGLang's own tensors (the KV pools, ``req_to_token``, the rows' pool indices and
+lengths), so tests drive it in-process with the same inputs a server gives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from sgl_tts.plugin.settings import SparseSettings
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "sgl_tts_sparse"
+#: decode steps between two counter lines in the server's log
+LOG_EVERY = 500
+
+
+@dataclasses.dataclass
+class SparseCounters:
+    """What the decoder did, summed over layers and rows (one row of one layer counts once)."""
+
+    dense_rows: int = 0          # attended densely: short, budget covers the context, or no selection
+    sparse_rows: int = 0         # attended to a selection
+    late: int = 0                # async: the newest finished selection was older than the previous step
+    missing: int = 0             # async: no selection for the row yet (it attended densely)
+    context_tokens: int = 0      # sparse rows: their contexts' tokens
+    attended_tokens: int = 0     # sparse rows: the tokens they attended to
+    selections: int = 0          # rows selected (by the worker or in the step)
+    selection_seconds: float = 0.0
+    dropped_jobs: int = 0        # async: a layer's job superseded by a newer one before the worker took it
+    # measure: per layer, the summed overlap ratio (seed 003's Eq. 1) of a sparse row's selection with the
+    # current query's choice (per KV head), and how many row-heads were compared
+    overlap_sum: dict = dataclasses.field(default_factory=dict)
+    overlap_count: dict = dataclasses.field(default_factory=dict)
+
+    def overlap(self) -> dict:
+        """Mean overlap per layer."""
+        return {layer: self.overlap_sum[layer] / self.overlap_count[layer] for layer in sorted(self.overlap_sum)
+                if self.overlap_count.get(layer)}
+
+    def line(self) -> str:
+        share = self.attended_tokens / self.context_tokens if self.context_tokens else 0.0
+        return (f"sgl-tts sparse attention: rows sparse {self.sparse_rows} dense {self.dense_rows}, "
+                f"attended {share:.1%} of their context, late {self.late}, missing {self.missing}, "
+                f"selections {self.selections} in {self.selection_seconds:.2f}s, dropped jobs {self.dropped_jobs}")
+
+
+class _History:
+    """Each pool slot's last ``h`` queries for one layer (in the frame the decoder predicts in), with
+    how many are real and the context length at the newest (a row's next query continues the history
+    only at length + 1)."""
+
+    def __init__(self, slots: int, h: int, heads: int, dim: int, dtype, device):
+        import torch
+
+        self.q = torch.zeros(slots, h, heads, dim, dtype=dtype, device=device)
+        self.available = torch.zeros(slots, dtype=torch.long, device=device)
+        self.length = torch.full((slots,), -1, dtype=torch.long, device=device)
+
+    def append(self, slots: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Record ``queries`` [rows, heads, dim], the queries at positions ``lengths - 1``."""
+        import torch
+
+        continues = self.length[slots] == lengths - 1
+        h = self.q.shape[1]
+        rolled = torch.roll(self.q[slots], -1, dims=1)
+        rolled[:, -1] = queries
+        self.q[slots] = rolled
+        self.available[slots] = torch.where(continues, torch.clamp(self.available[slots] + 1, max=h),
+                                            torch.ones_like(lengths))
+        self.length[slots] = lengths
+
+    def reset(self, slot: int, queries: torch.Tensor, length: int) -> None:
+        """A slot's context was (re)filled: its history is the newest of ``queries`` [n, heads, dim]."""
+        h = self.q.shape[1]
+        n = min(h, int(queries.shape[0]))
+        self.q[slot].zero_()
+        if n:
+            self.q[slot, h - n:] = queries[-n:]
+        self.available[slot] = n
+        self.length[slot] = length
+
+
+@dataclasses.dataclass
+class _Job:
+    layer: int
+    slots: list            # pool slots of the rows
+    epochs: list           # each slot's epoch when the job was made
+    lengths: "torch.Tensor"      # context length at the newest query
+    history: "torch.Tensor"      # [rows, h, heads, dim]
+    available: "torch.Tensor"    # [rows]
+    scale: Optional[float]
+    k_cache: "torch.Tensor"
+    index: "torch.Tensor"        # [rows, longest] pool slots of the rows' contexts
+    rotary: object = None        # the history is in the rotary frame: turn the prediction to its position
+
+
+class SparseDecoder:
+    """The sparse decode path of one model runner (see the module docstring)."""
+
+    def __init__(self, settings: "SparseSettings", *, threaded: bool = True, stats_path: Optional[str] = None,
+                 rotary=None):
+        self.s = settings
+        #: the model's rotary embedding (:class:`~sgl_tts.plugin.sparse_decoding.Rotary`), if known: with
+        #: ``frame="rotary"`` queries are predicted with their rotation removed
+        self.rotary = rotary
+        self.counters = SparseCounters()
+        self.stats_path = stats_path
+        self._top_layer = -1
+        self._history: dict[int, _History] = {}
+        self._epoch: dict[int, int] = {}
+        # layer -> slot -> (epoch, length the selection was made at, positions [kv, k], mask [kv, k])
+        self._selected: dict[int, dict[int, tuple]] = {}
+        self._steps = 0
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = None
+        if settings.mode == "async" and threaded:
+            self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
+            self._thread.start()
+
+    # --------------------------------------------------------------------------------- extend
+    def record_extend(self, layer: int, query: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                      extend_seq_lens: torch.Tensor) -> None:
+        """After a prefill/extend: each sequence's slot starts a new epoch, its history the newest of its
+        new tokens' queries (``query`` [tokens, heads, dim], sequence after sequence)."""
+        if self.s.mode != "async" or layer < self.s.dense_layers:
+            if layer == 0:
+                for slot in slots.tolist():
+                    self._epoch[slot] = self._epoch.get(slot, 0) + 1
+            return
+        import torch
+
+        hist = self._history_for(layer, query)
+        start = 0
+        for slot, total, new in zip(slots.tolist(), seq_lens.tolist(), extend_seq_lens.tolist()):
+            if layer == 0:
+                self._epoch[slot] = self._epoch.get(slot, 0) + 1
+            kept = min(new, hist.q.shape[1])
+            queries = query[start + new - kept:start + new]
+            hist.reset(slot, self._to_frame(queries, torch.arange(total - kept, total)), total)
+            self._selected.setdefault(layer, {}).pop(slot, None)
+            start += new
+
+    def _history_for(self, layer: int, query: torch.Tensor) -> _History:
+        hist = self._history.get(layer)
+        if hist is None:
+            hist = self._history[layer] = _History(self._slots, self.s.history, query.shape[1], query.shape[2],
+                                                   query.dtype, query.device)
+        return hist
+
+    _slots = 0
+
+    @property
+    def rotary_frame(self) -> bool:
+        return self.s.frame == "rotary" and self.rotary is not None
+
+    def _to_frame(self, queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Queries at ``positions`` in the prediction's frame (rotated back to position 0, or as they are)."""
+        from sgl_tts.plugin.sparse_decoding import rotate
+
+        return rotate(queries, positions, self.rotary, inverse=True) if self.rotary_frame else queries
+
+    def bind(self, slots: int) -> "SparseDecoder":
+        """How many pool slots (rows of ``req_to_token``) the server has."""
+        self._slots = slots
+        return self
+
+    # --------------------------------------------------------------------------------- decode
+    def decode(self, layer: int, query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, req_to_token: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+               scale: Optional[float], dense) -> None:
+        """One layer's decode attention for every row; ``dense(rows)`` attends ``rows`` (a long tensor of
+        batch positions) densely into ``out``."""
+        import torch
+
+        from sgl_tts.plugin import sparse_decoding as sd
+
+        s = self.s
+        if layer == 0:
+            self._steps += 1
+            if self._steps % LOG_EVERY == 0:
+                logger.info(self.counters.line())
+        keep = sd.budgets(lengths, s.budget, sink=s.sink, recent=s.recent)
+        eligible = (lengths >= s.dense_below) & (keep < lengths) & (layer >= s.dense_layers)
+        rows = eligible.nonzero().squeeze(1)
+        selection = None
+        if len(rows):
+            if s.mode == "async":
+                rows, selection = self._finished_selections(layer, slots, rows, lengths)
+            else:
+                selection = self._select_now(query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
+                                             keep[rows], scale)
+        dense_rows = torch.ones(len(lengths), dtype=torch.bool)
+        dense_rows[rows] = False
+        dense_idx = dense_rows.nonzero().squeeze(1)
+        c = self.counters
+        c.dense_rows += len(dense_idx)
+        if len(dense_idx):
+            dense(dense_idx)
+        if len(rows):
+            c.sparse_rows += len(rows)
+            c.context_tokens += int(lengths[rows].sum()) * selection.mask.shape[1]
+            c.attended_tokens += int(selection.mask.sum())
+            pool = torch.gather(req_to_token[slots[rows]], 1, selection.positions.flatten(1)).view_as(selection.positions)
+            keys = sd.gather_selected_pool(k_cache, pool)
+            values = sd.gather_selected_pool(v_cache, pool)
+            if keys.dtype != query.dtype:
+                keys, values = keys.to(query.dtype), values.to(query.dtype)
+            out[rows] = sd.sparse_attention(query[rows], keys, values, selection.mask, scale)
+            if s.measure:
+                self._measure(layer, selection, query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
+                              keep[rows], scale)
+        if s.mode == "async":
+            self._after_step(layer, query, k_cache, req_to_token, slots, lengths, scale)
+        self._top_layer = max(self._top_layer, layer)
+        if self.stats_path and layer == self._top_layer:
+            self.write_stats()
+
+    def write_stats(self) -> None:
+        """The counters as JSON at ``stats_path`` (replaced whole: a reader never sees half a file)."""
+        tmp = f"{self.stats_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self.counters), f)
+        os.replace(tmp, self.stats_path)
+
+    def _measure(self, layer, selection, query, k_cache, req_to_token, slots, lengths, keep, scale) -> None:
+        """``measure``: the overlap of ``selection`` with the current query's token-level choice."""
+        from sgl_tts.plugin import sparse_decoding as sd
+
+        # the reference is always token-level, whatever the mode
+        best = self._select_now(query, k_cache, req_to_token, slots, lengths, keep, scale, mode="sync", count=False)
+        ratio = sd.overlap_ratio(best, selection)
+        c = self.counters
+        c.overlap_sum[layer] = c.overlap_sum.get(layer, 0.0) + float(ratio.sum())
+        c.overlap_count[layer] = c.overlap_count.get(layer, 0) + int(ratio.numel())
+
+    def _select_now(self, query, k_cache, req_to_token, slots, lengths, keep, scale, mode=None, count=True):
+        """``sync``/``quest`` (``mode``, default the setting's): the selection from the current query,
+        inside the step."""
+        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.cpu_attention import gather
+
+        t0 = time.perf_counter()
+        n = int(lengths.max())
+        keys = gather(k_cache, req_to_token[slots, :n]).transpose(1, 2)      # [rows, kv, n, dim]
+        if keys.dtype != query.dtype:
+            keys = keys.to(query.dtype)
+        if (mode or self.s.mode) == "quest":
+            bounds = sd.page_scores(query, keys, lengths)
+            selection = sd.select_pages(bounds, lengths, keep, sink=self.s.sink, recent=self.s.recent)
+        else:
+            scores = sd.token_scores(query, keys, lengths, scale)
+            selection = sd.select_tokens(scores, lengths, keep, sink=self.s.sink, recent=self.s.recent)
+        if count:
+            self.counters.selections += len(lengths)
+            self.counters.selection_seconds += time.perf_counter() - t0
+        return selection
+
+    def _finished_selections(self, layer, slots, rows, lengths):
+        """``async``: the rows among ``rows`` that have a finished selection of their current epoch, and
+        that selection widened to the sinks and the current recent tokens."""
+        import torch
+
+        from sgl_tts.plugin import sparse_decoding as sd
+
+        table = self._selected.get(layer, {})
+        have, picks = [], []
+        for i in rows.tolist():
+            slot = int(slots[i])
+            got = table.get(slot)
+            if got is None or got[0] != self._epoch.get(slot, 0) or got[1] >= int(lengths[i]):
+                self.counters.missing += 1
+                continue
+            if got[1] < int(lengths[i]) - 1:
+                self.counters.late += 1
+            have.append(i)
+            picks.append(got)
+        if not have:
+            return rows[:0], None
+        rows = torch.tensor(have, dtype=torch.long)
+        lengths = lengths[rows]
+        n = int(lengths.max())
+        kv = picks[0][2].shape[0]
+        chosen = torch.zeros(len(have), kv, n, dtype=torch.bool)
+        for r, (_, _, positions, mask) in enumerate(picks):
+            chosen[r].scatter_(1, torch.where(mask, positions, torch.zeros_like(positions)), mask)
+        pos = torch.arange(n)
+        forced = (pos[None, :] < self.s.sink) | (pos[None, :] >= lengths[:, None] - self.s.recent)
+        chosen |= (forced & (pos[None, :] < lengths[:, None]))[:, None, :]
+        return rows, sd.selection_from_mask(chosen)
+
+    def _after_step(self, layer, query, k_cache, req_to_token, slots, lengths, scale) -> None:
+        """``async``: record the step's queries and hand the rows near or past ``dense_below`` to the
+        worker, which chooses their next step's tokens."""
+        if layer < self.s.dense_layers:
+            return
+        hist = self._history_for(layer, query)
+        hist.append(slots, self._to_frame(query, lengths - 1), lengths)
+        near = (lengths + 1 >= self.s.dense_below).nonzero().squeeze(1)
+        if not len(near):
+            return
+        sl = slots[near]
+        n = int(lengths[near].max())
+        job = _Job(layer, sl.tolist(), [self._epoch.get(int(x), 0) for x in sl.tolist()], lengths[near].clone(),
+                   hist.q[sl].clone(), hist.available[sl].clone(), scale, k_cache,
+                   req_to_token[sl, :n].clone(), self.rotary if self.rotary_frame else None)
+        if self._thread is None:
+            self._run(job)
+        else:
+            self._idle.clear()
+            self._jobs.put(job)
+
+    # --------------------------------------------------------------------------------- worker
+    def _work(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(1)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            batch = [job]
+            while True:         # take everything waiting; a newer job of a layer supersedes an older one
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    return
+                batch.append(more)
+            newest: dict[int, _Job] = {}
+            for j in batch:
+                if j.layer in newest:
+                    self.counters.dropped_jobs += 1
+                newest[j.layer] = j
+            for j in newest.values():
+                try:
+                    self._run(j)
+                except Exception:  # noqa: BLE001 - a failed selection leaves rows dense, never the server down
+                    logger.exception("sgl-tts sparse attention: a selection failed")
+            if self._jobs.empty():
+                self._idle.set()
+
+    def _run(self, job: _Job) -> None:
+        """Predict each row's next query, score its context (the positions before the next one) and
+        store the chosen tokens for the next step."""
+        import torch
+
+        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.cpu_attention import gather
+
+        t0 = time.perf_counter()
+        s = self.s
+        rows, h, heads, dim = job.history.shape
+        keys = gather(job.k_cache, job.index).transpose(1, 2)               # [rows, kv, n, dim]
+        kv = keys.shape[1]
+        rep = heads // kv
+        grouped = job.history.view(rows, h, kv, rep * dim).transpose(1, 2)   # [rows, kv, h, rep*dim]
+        predicted = sd.predict_next_query(grouped, s.windows, s.ridge, job.available)
+        query = predicted.reshape(rows, kv, rep, dim).reshape(rows, heads, dim)
+        if job.rotary is not None:      # the prediction turned to the next position, the context's length
+            query = sd.rotate(query, job.lengths, job.rotary)
+        if keys.dtype != query.dtype:
+            keys = keys.to(query.dtype)
+        scores = sd.token_scores(query, keys, job.lengths, job.scale)
+        keep = sd.budgets(job.lengths + 1, s.budget, sink=s.sink, recent=s.recent)
+        # the next step's context is one longer; its newest position is always among the recent ones
+        selection = sd.select_tokens(scores, job.lengths, torch.clamp(keep - 1, min=1), sink=s.sink,
+                                     recent=max(0, s.recent - 1))
+        table = self._selected.setdefault(job.layer, {})
+        for r, (slot, epoch) in enumerate(zip(job.slots, job.epochs)):
+            table[slot] = (epoch, int(job.lengths[r]), selection.positions[r], selection.mask[r])
+        self.counters.selections += rows
+        self.counters.selection_seconds += time.perf_counter() - t0
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Tests and benchmarks: until the worker has taken and finished every job given so far."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=10)
+
+
+def backend_class():
+    """:class:`SparseAttnBackend`, built on first use (it subclasses the ragged backend, itself SGLang's
+    ``TorchNativeAttnBackend``)."""
+    global _BACKEND_CLASS
+    if _BACKEND_CLASS is None:
+        _BACKEND_CLASS = _make_backend_class()
+    return _BACKEND_CLASS
+
+
+_BACKEND_CLASS = None
+
+
+def _make_backend_class():
+    from sgl_tts.plugin import cpu_attention
+    from sgl_tts.plugin.settings import TTSSettings
+
+    class SparseAttnBackend(cpu_attention.backend_class()):
+        """The ragged backend with query-aware sparse decode attention (:mod:`sgl_tts.plugin.sparse_attention`)."""
+
+        def __init__(self, model_runner):
+            super().__init__(model_runner)
+            settings = TTSSettings.of(model_runner.server_args)
+            stats = f"{settings.metrics_file}.sparse.{os.getpid()}" if settings.metrics_file else None
+            self.sparse = SparseDecoder(settings.sparse, stats_path=stats).bind(
+                int(self.req_to_token_pool.req_to_token.shape[0]))
+            self._layer_id = 0
+            self._runner = model_runner
+            self._rope = None
+
+        def _refresh_rotary(self):
+            """The model's rotary embedding, found once, read each pass (SGLang may grow its cache)."""
+            if self._rope is None:
+                self._rope = find_rotary(getattr(self._runner, "model", None)) or False
+                logger.info("sgl-tts sparse attention: %s", "predicting in the rotary frame" if self._rope
+                            else "no rotary embedding found: predicting on the queries as they are")
+            if self._rope:
+                from sgl_tts.plugin.sparse_decoding import Rotary
+
+                self.sparse.rotary = Rotary(self._rope.cos_sin_cache, int(self._rope.rotary_dim),
+                                            bool(self._rope.is_neox_style))
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if layer.layer_id == 0:
+                self._refresh_rotary()
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            if not layer.is_cross_attention and forward_batch.extend_seq_lens is not None:
+                self.sparse.record_extend(layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                                          forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                          forward_batch.extend_seq_lens)
+            return o
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            self._layer_id = layer.layer_id
+            if layer.layer_id == 0:
+                self._refresh_rotary()
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+        def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                     seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                                     causal=False, is_cross_attn=False, sliding_window_size=None):
+            if not cpu_attention._plain(encoder_lens, is_cross_attn, True, sliding_window_size):
+                return super()._run_sdpa_forward_decode(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
+                    scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+
+            def dense(rows):
+                part = output.new_empty((len(rows),) + tuple(output.shape[1:]))
+                cpu_attention.decode_rows(query[rows], part, k_cache, v_cache, req_to_token,
+                                          req_pool_indices[rows], seq_lens[rows], scale=scaling,
+                                          enable_gqa=enable_gqa)
+                output[rows] = part
+
+            self.sparse.decode(self._layer_id, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                               seq_lens, scaling, dense)
+            return output
+
+    return SparseAttnBackend
+
+
+def find_rotary(model):
+    """The one rotary embedding of ``model`` (an SGLang model) that rotates by absolute position the way
+    SGLang's base ``RotaryEmbedding`` does, or ``None`` (none, several different ones, or a kind that
+    rotates otherwise, such as multimodal rope)."""
+    if model is None:
+        return None
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    found = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if not found or any(type(m).forward_native is not RotaryEmbedding.forward_native for m in found):
+        return None
+    first = found[0]
+    if any(m.cos_sin_cache.shape != first.cos_sin_cache.shape or not bool((m.cos_sin_cache == first.cos_sin_cache).all())
+           for m in found[1:] if m is not first):
+        return None
+    return first
+
+
+def register_backend() -> None:
+    """Register :data:`BACKEND_NAME` in SGLang's attention registry (idempotent)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(lambda runner: backend_class()(runner))
+
+
+__all__ = ["BACKEND_NAME", "SparseCounters", "SparseDecoder", "backend_class", "find_rotary", "register_backend"]

@@ -1,0 +1,314 @@
+"""The sparse decode path (``sgl_tts.plugin.sparse_attention.SparseDecoder``) on SGLang-shaped inputs: a
+KV pool with each row's context at scattered slots, ``req_to_token``, pool indices and lengths, as the
+server's attention backend gives them. Expected outputs are re-derived by hand from the definitions
+(``test_sparse_decoding``'s plain-Python helpers): which rows are dense, which tokens each sparse row
+attends to (sync: the current query's; async: the query predicted from the row's recorded queries one
+step earlier, widened to the sinks and the current recent tokens), and the attention over them; and
+the asynchronous step never waits for a late selection, it uses the last finished one and counts it."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from sgl_tts.plugin import cpu_attention
+from sgl_tts.plugin.settings import SparseSettings
+from sgl_tts.plugin.sparse_attention import SparseDecoder
+from test_sparse_decoding import _attention_by_hand, _mass_by_hand, _predict_by_hand, _select_by_hand
+
+HEADS, KV, DIM = 4, 2, 8
+SCALE = DIM ** -0.5
+
+
+class Pool:
+    """A KV pool and a request table the way SGLang lays them out: slot ``s``'s context is at pool
+    entries ``req_to_token[s, :length]``, scattered."""
+
+    def __init__(self, lengths, seed=0, slots=8, capacity=512):
+        self.g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(capacity, KV, DIM, generator=self.g, dtype=torch.float64)
+        self.v = torch.randn(capacity, KV, DIM, generator=self.g, dtype=torch.float64)
+        self.free = torch.randperm(capacity, generator=self.g).tolist()
+        self.req_to_token = torch.zeros(slots, capacity, dtype=torch.long)
+        self.slots = torch.tensor([5, 1, 6, 3][:len(lengths)])
+        self.lengths = torch.tensor(lengths)
+        for s, n in zip(self.slots.tolist(), lengths):
+            self.req_to_token[s, :n] = torch.tensor([self.free.pop() for _ in range(n)])
+
+    def grow(self):
+        """Each row gets one more token (its KV written at a new scattered entry)."""
+        for s, n in zip(self.slots.tolist(), self.lengths.tolist()):
+            self.req_to_token[s, n] = self.free.pop()
+        self.lengths = self.lengths + 1
+
+    def context(self, row):
+        s, n = int(self.slots[row]), int(self.lengths[row])
+        idx = self.req_to_token[s, :n].tolist()
+        return [self.k[i].tolist() for i in idx], [self.v[i].tolist() for i in idx]
+
+    def run(self, decoder, query, layer=0):
+        out = torch.full_like(query, float("nan"))
+
+        def dense(rows):
+            part = out.new_empty((len(rows),) + tuple(out.shape[1:]))
+            cpu_attention.decode_rows(query[rows], part, self.k, self.v, self.req_to_token, self.slots[rows],
+                                      self.lengths[rows], scale=SCALE, enable_gqa=True)
+            out[rows] = part
+
+        decoder.decode(layer, query, out, self.k, self.v, self.req_to_token, self.slots, self.lengths, SCALE, dense)
+        return out
+
+
+def _keep(settings, length):
+    b = settings.budget
+    want = math.ceil(length * b) if isinstance(b, float) else b
+    return min(max(want, settings.sink + settings.recent), length)
+
+
+def _expected(pool, query, row, positions_per_kv):
+    """The row's output, flattened over heads: each head's attention over its KV head's positions."""
+    keys, values = pool.context(row)
+    out = []
+    for h in range(HEADS):
+        ps = positions_per_kv[h // (HEADS // KV)]
+        out += _attention_by_hand(query[row, h].tolist(), [keys[p][h // 2] for p in ps],
+                                  [values[p][h // 2] for p in ps], SCALE)
+    return out
+
+
+def _dense_positions(pool, row):
+    return [list(range(int(pool.lengths[row])))] * KV
+
+
+@pytest.mark.parametrize("mode", ["sync", "quest"])
+def test_sync_rows_attend_to_what_the_current_query_selects_and_short_rows_are_dense(mode):
+    s = SparseSettings(mode, budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0)
+    pool = Pool([70, 39, 120, 44], seed=1)
+    query = torch.randn(4, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+    dec = SparseDecoder(s)
+    got = pool.run(dec, query)
+    for row in range(4):
+        n = int(pool.lengths[row])
+        keys, _ = pool.context(row)
+        if n < s.dense_below:
+            want_pos = _dense_positions(pool, row)
+        elif mode == "sync":
+            mass = _mass_by_hand(query[row].tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV,
+                                 SCALE)
+            want_pos = [_select_by_hand(mass[kv], n, _keep(s, n), s.sink, s.recent) for kv in range(KV)]
+        else:
+            want_pos = [_quest_by_hand(query[row], keys, n, kv, _keep(s, n), s) for kv in range(KV)]
+        assert got[row].flatten().tolist() == pytest.approx(_expected(pool, query, row, want_pos), rel=1e-9), row
+    assert (dec.counters.sparse_rows, dec.counters.dense_rows) == (3, 1)
+    assert dec.counters.attended_tokens < dec.counters.context_tokens
+
+
+def _quest_by_hand(q, keys, n, kv, keep, s, page=16):
+    pages = -(-n // page)
+    bound = []
+    for p in range(pages):
+        ks = [k[kv] for k in keys[p * page:min((p + 1) * page, n)]]
+        low, high = [min(c) for c in zip(*ks)], [max(c) for c in zip(*ks)]
+        bound.append(max(sum(max(x * lo, x * hi) for x, lo, hi in zip(q[h].tolist(), low, high))
+                         for h in (2 * kv, 2 * kv + 1)))
+    forced = sorted({p // page for p in range(n) if p < s.sink or p >= n - s.recent})
+    others = sorted((p for p in range(pages) if p not in forced), key=lambda p: (-bound[p], p))
+    chosen = sorted(forced + others[:max(0, keep // page - len(forced))])
+    return [p * page + i for p in chosen for i in range(page) if p * page + i < n]
+
+
+def test_the_first_layers_attend_densely():
+    s = SparseSettings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=2)
+    pool = Pool([70, 120], seed=6)
+    query = torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+    dec = SparseDecoder(s)
+    for layer in (0, 1):
+        got = pool.run(dec, query, layer=layer)
+        for row in range(2):
+            assert got[row].flatten().tolist() == pytest.approx(_expected(pool, query, row, _dense_positions(pool, row)),
+                                                                rel=1e-9)
+    assert (dec.counters.sparse_rows, dec.counters.dense_rows) == (0, 4)
+    pool.run(dec, query, layer=2)
+    assert dec.counters.sparse_rows == 2
+
+
+def test_a_budget_that_covers_every_context_is_dense_attention():
+    s = SparseSettings("sync", budget=100_000, dense_below=1, dense_layers=0)
+    pool = Pool([70, 9, 120], seed=2)
+    query = torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+    dec = SparseDecoder(s)
+    got = pool.run(dec, query)
+    for row in range(3):
+        assert got[row].flatten().tolist() == pytest.approx(_expected(pool, query, row, _dense_positions(pool, row)), rel=1e-9)
+    assert dec.counters.sparse_rows == 0
+
+
+def _grouped(q):
+    """A query [heads, dim] as the regression's per-KV-head features (the group's heads concatenated)."""
+    return [sum((q[kv * 2 + r].tolist() for r in range(2)), []) for kv in range(KV)]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(threaded):
+    s = SparseSettings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0)
+    pool = Pool([45, 60, 30], seed=3)
+    dec = SparseDecoder(s, threaded=threaded).bind(8)
+    # the prefill: each row's last (up to 5 = history) prompt queries are recorded
+    prompt_q = [torch.randn(int(n), HEADS, DIM, generator=pool.g, dtype=torch.float64) for n in pool.lengths]
+    dec.record_extend(0, torch.cat(prompt_q), pool.slots, pool.lengths, pool.lengths)
+    history = [[q for q in pq[-s.history:]] for pq in prompt_q]
+    made = [None] * 3            # the selection the previous step made per row: (length, positions per kv)
+    for step in range(6):
+        pool.grow()
+        query = torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+        before = (dec.counters.missing, dec.counters.sparse_rows)
+        got = pool.run(dec, query)
+        assert dec.wait_idle(10)       # the worker's choice for the next step is in before it starts
+        missing = sparse = 0
+        for row in range(3):
+            n = int(pool.lengths[row])
+            if n < s.dense_below or made[row] is None:
+                want_pos = _dense_positions(pool, row)
+                missing += n >= s.dense_below
+            else:
+                sparse += 1
+                forced = [p for p in range(n) if p < s.sink or p >= n - s.recent]
+                want_pos = [sorted(set(made[row][kv]) | set(forced)) for kv in range(KV)]
+            assert got[row].flatten().tolist() == pytest.approx(_expected(pool, query, row, want_pos), rel=1e-9), (step, row)
+        assert (dec.counters.missing - before[0], dec.counters.sparse_rows - before[1]) == (missing, sparse)
+        # this step's choice for the next one, by hand: predicted query, its mass over [0, n), the budget
+        # of n + 1 less the next token (which the recent ones keep)
+        for row in range(3):
+            history[row] = (history[row] + [query[row]])[-s.history:]
+            n = int(pool.lengths[row])
+            if n + 1 < s.dense_below:
+                made[row] = None
+                continue
+            feats = [[_grouped(q)[kv] for q in history[row]] for kv in range(KV)]
+            pred = [_predict_by_hand(feats[kv], s.windows, s.ridge) for kv in range(KV)]
+            pred_q = torch.tensor([pred[h // 2][(h % 2) * DIM:(h % 2 + 1) * DIM] for h in range(HEADS)])
+            keys, _ = pool.context(row)
+            mass = _mass_by_hand(pred_q.tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV, SCALE)
+            made[row] = [_select_by_hand(mass[kv], n, _keep(s, n + 1) - 1, s.sink, s.recent - 1) for kv in range(KV)]
+    assert dec.counters.sparse_rows > 0 and dec.counters.late == 0
+    dec.close()
+
+
+class GatedDecoder(SparseDecoder):
+    """The worker takes each job only when the test opens the gate: a cache rank that falls behind."""
+
+    def __init__(self, *args, **kwargs):
+        self.gate = threading.Semaphore(0)
+        super().__init__(*args, **kwargs)
+
+    def _run(self, job):
+        self.gate.acquire()
+        super()._run(job)
+
+
+def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
+    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    pool = Pool([30, 30], seed=4)
+    dec = GatedDecoder(s).bind(8)
+    try:
+        dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
+        pool.grow()
+        pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # no selection yet: dense, missing
+        assert (dec.counters.missing, dec.counters.sparse_rows) == (2, 0)
+        dec.gate.release()                                                  # the worker finishes that job
+        assert dec.wait_idle(10)
+        pool.grow()
+        pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # fresh selection: sparse, not late
+        assert (dec.counters.sparse_rows, dec.counters.late) == (2, 0)
+        # the worker is held: the next steps do not wait, they use the selection made two steps back
+        for step in range(2):
+            pool.grow()
+            out = pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))
+            assert not torch.isnan(out).any()
+        assert (dec.counters.sparse_rows, dec.counters.late) == (6, 4)
+    finally:
+        for _ in range(8):
+            dec.gate.release()
+        dec.close()
+
+
+def test_a_slot_refilled_by_another_request_drops_the_old_selection():
+    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    pool = Pool([30], seed=5)
+    dec = SparseDecoder(s, threaded=False).bind(8)
+    dec.record_extend(0, torch.randn(30, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
+    pool.grow()
+    pool.run(dec, torch.randn(1, HEADS, DIM, dtype=torch.float64))
+    pool.grow()
+    pool.run(dec, torch.randn(1, HEADS, DIM, dtype=torch.float64))
+    assert dec.counters.sparse_rows == 1
+    # a new request takes the slot (a prefill of it): the selection made for the old one is not used
+    dec.record_extend(0, torch.randn(32, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
+    pool.grow()
+    pool.run(dec, torch.randn(1, HEADS, DIM, dtype=torch.float64))
+    assert (dec.counters.sparse_rows, dec.counters.missing) == (1, 2)
+
+
+def test_a_row_history_restarts_when_its_next_query_does_not_continue_it():
+    from sgl_tts.plugin.sparse_attention import _History
+
+    hist = _History(4, 3, HEADS, DIM, torch.float64, "cpu")
+    slots = torch.tensor([2])
+    qs = [torch.full((1, HEADS, DIM), float(i), dtype=torch.float64) for i in range(5)]
+    for i, length in enumerate([10, 11, 12, 13]):
+        hist.append(slots, qs[i], torch.tensor([length]))
+    assert int(hist.available[2]) == 3 and hist.q[2, :, 0, 0].tolist() == [1.0, 2.0, 3.0]
+    hist.append(slots, qs[4], torch.tensor([20]))      # not 14: another context, one query known
+    assert int(hist.available[2]) == 1 and float(hist.q[2, -1, 0, 0]) == 4.0
+
+
+def test_measure_counts_the_overlap_with_the_current_querys_choice():
+    s = SparseSettings("quest", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0, measure=True)
+    pool = Pool([70, 120], seed=7)
+    query = torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+    dec = SparseDecoder(s)
+    pool.run(dec, query, layer=3)
+    want = []
+    for row in range(2):
+        n = int(pool.lengths[row])
+        keys, _ = pool.context(row)
+        mass = _mass_by_hand(query[row].tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV, SCALE)
+        for kv in range(KV):
+            best = _select_by_hand(mass[kv], n, _keep(s, n), s.sink, s.recent)
+            pages = _quest_by_hand(query[row], keys, n, kv, _keep(s, n), s)
+            want.append(len(set(best) & set(pages)) / len(best))
+    assert dec.counters.overlap() == {3: pytest.approx(sum(want) / len(want))}
+    assert dec.counters.overlap_count == {3: 4} and dec.counters.selections == 2
+
+
+def test_the_sparse_flags_reach_server_args_and_the_environment_and_bad_values_are_named(monkeypatch):
+    import os
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from sgl_tts.plugin.settings import TTSSettings
+
+    for var in ("SGLANG_TTS_SPARSE", "SGLANG_TTS_POLICY", "SGLANG_TTS_CPU_ATTENTION"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    load_plugins()      # the plugin's flags on SGLang's parser, through its entry point
+    sa = prepare_server_args(["--model-path", "dummy", "--tts-sparse-attention", "async", "--tts-sparse-budget", "96",
+                              "--tts-sparse-windows", "8,2", "--tts-sparse-dense-below", "512", "--tts-sparse-measure"])
+    want = SparseSettings("async", budget=96, windows=(2, 8), dense_below=512, measure=True)
+    assert sa.tts_sparse == want and TTSSettings.of(sa).sparse == want
+    assert SparseSettings.from_json(os.environ["SGLANG_TTS_SPARSE"]) == want
+    assert TTSSettings(sparse=want).args() == ["--tts-sparse-attention", "async", "--tts-sparse-budget", "96",
+                                               "--tts-sparse-windows", "2,8", "--tts-sparse-dense-below", "512",
+                                               "--tts-sparse-measure"]
+    assert prepare_server_args(["--model-path", "dummy", "--tts-sparse-budget", "0.25"]).tts_sparse.budget == 0.25
+    with pytest.raises(ValueError, match=r"--tts-sparse-budget 8 is smaller than the tokens always kept "
+                                         r"\(--tts-sparse-sink 4 \+ --tts-sparse-recent 16\)"):
+        prepare_server_args(["--model-path", "dummy", "--tts-sparse-attention", "sync", "--tts-sparse-budget", "8"])
+    with pytest.raises(ValueError, match="--tts-sparse-budget must be a number of tokens"):
+        SparseSettings("sync", budget=1.5)
+    with pytest.raises(ValueError, match="SGLANG_TTS_SPARSE is not a sparse-attention setting"):
+        SparseSettings.from_json('{"mode": "sideways"}')

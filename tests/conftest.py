@@ -101,7 +101,7 @@ def live(tmp_path_factory, tiny_model_path):
     sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
     SGLANG_PLUGINS=none), ``generator_4slots`` (plugin, prefix-aware, --max-running-requests 4),
     ``prm`` (the step-tag PRM), ``generator_ragged`` and ``prm_ragged`` (plugin, --tts-policy off,
-    --tts-cpu-attention ragged) and ``reward_head`` (``write_reward_head`` of
+    --tts-cpu-attention ragged), ``generator_sparse`` (plugin, --tts-sparse-attention async) and ``reward_head`` (``write_reward_head`` of
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
     right on the CPU, see sgl_tts.launch.cpu_serving). A server that cannot start fails the test with its log."""
     from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
@@ -125,6 +125,11 @@ def live(tmp_path_factory, tiny_model_path):
         # the plugin's ragged CPU attention (tests/test_live_cpu_attention.py; stopped after it)
         "generator_ragged": LiveServer(gen, policy="off", kv_bytes=LIVE_KV_BYTES, cpu_attention="ragged"),
         "prm_ragged": LiveServer(prm, policy="off", kv_bytes=LIVE_KV_BYTES, cpu_attention="ragged"),
+        # sparse decode attention (seed 003; tests/test_live_sparse_attention.py; stopped after it): rows
+        # from 24 tokens on attend to half their context, chosen asynchronously
+        "generator_sparse": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
+                                       extra=("--tts-sparse-attention", "async", "--tts-sparse-budget", "0.5",
+                                              "--tts-sparse-dense-below", "24", "--tts-sparse-measure")),
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
     }
     servers = LiveServers(specs, work / "servers")

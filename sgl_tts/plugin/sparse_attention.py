@@ -272,11 +272,10 @@ class SparseDecoder:
         """``sync``/``quest`` (``mode``, default the setting's): the selection from the current query,
         inside the step."""
         from sgl_tts.plugin import sparse_decoding as sd
-        from sgl_tts.plugin.cpu_attention import gather
 
         t0 = time.perf_counter()
         n = int(lengths.max())
-        keys = gather(k_cache, req_to_token[slots, :n]).transpose(1, 2)      # [rows, kv, n, dim]
+        keys = sd.gather_heads(k_cache, req_to_token[slots, :n])            # [rows, kv, n, dim]
         if keys.dtype != query.dtype:
             keys = keys.to(query.dtype)
         if (mode or self.s.mode) == "quest":
@@ -382,12 +381,11 @@ class SparseDecoder:
         import torch
 
         from sgl_tts.plugin import sparse_decoding as sd
-        from sgl_tts.plugin.cpu_attention import gather
 
         t0 = time.perf_counter()
         s = self.s
         rows, h, heads, dim = job.history.shape
-        keys = gather(job.k_cache, job.index).transpose(1, 2)               # [rows, kv, n, dim]
+        keys = sd.gather_heads(job.k_cache, job.index)                      # [rows, kv, n, dim]
         kv = keys.shape[1]
         rep = heads // kv
         grouped = job.history.view(rows, h, kv, rep * dim).transpose(1, 2)   # [rows, kv, h, rep*dim]

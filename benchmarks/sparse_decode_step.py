@@ -7,6 +7,9 @@ layer, a budget of ``--budget`` of the context. Sides:
 
 - ``dense``: the ragged backend's decode (``cpu_attention.decode_rows``), what a server without the
   sparse flag runs;
+- ``dense-heads``: the same attention with the keys and values gathered per head
+  (``sparse_decoding.gather_heads``, the layout the sparse sides read), to tell the layout's share of
+  a difference from the sparsity's;
 - ``sync``: token-level top-k from the current query, chosen inside the step;
 - ``quest``: Quest's 16-token pages from the current query, inside the step (its page bounds computed
   from the keys each step: Quest keeps them incrementally, so this side's time is an upper bound);
@@ -53,7 +56,7 @@ def run_side(side: str, context: int, rows: int, budget: float, steps: int, seed
     lengths = torch.full((rows,), context)
     scale = DIM ** -0.5
     decoder = None
-    if side != "dense":
+    if side not in ("dense", "dense-heads"):
         decoder = SparseDecoder(SparseSettings(side, budget=budget, dense_below=1, dense_layers=0)).bind(rows)
         # the prompt's last queries, as a prefill records them
         decoder.record_extend(0, torch.randn(rows * 17, HEADS, DIM), slots, lengths, torch.full((rows,), 17))
@@ -71,7 +74,14 @@ def run_side(side: str, context: int, rows: int, budget: float, steps: int, seed
                 out[idx] = part
 
             t0 = time.perf_counter()
-            if decoder is None:
+            if side == "dense-heads":
+                from sgl_tts.plugin.sparse_decoding import gather_heads
+
+                index = req_to_token[slots, :int(lengths.max())]     # every row as long: no mask
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query.view(rows, KV, HEADS // KV, DIM), gather_heads(k, index), gather_heads(v, index),
+                    scale=scale).view(rows, HEADS, DIM)
+            elif decoder is None:
                 dense(slots)
             else:
                 decoder.decode(0, query, out, k, v, req_to_token, slots, lengths, scale, dense)
@@ -99,7 +109,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,8")
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--sides", default="dense,sync,quest,async")
+    p.add_argument("--sides", default="dense,dense-heads,sync,quest,async")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 

@@ -32,7 +32,8 @@ def test_the_sparse_backend_serves_the_generator_from_asynchronous_selections(sp
     log = sparse.log_text("generator_sparse")
     assert "sparse decode attention" in log and "predicting in the rotary frame" in log
     questions = [p.question + "\n\n" for p in task.test_split()[:16]]
-    got, dense = _greedy(url, questions), _greedy(sparse.url("generator_stock"), questions)
+    # the session's main generator (dense torch_native attention; the one most likely running already)
+    got, dense = _greedy(url, questions), _greedy(sparse.url("generator"), questions)
     assert all(t.startswith("Step 1:") for t in got)
     # a half budget chosen one step ahead keeps most answers exactly (41 of 64 here on 2026-11-28;
     # selections broken in any way keep none: the prediction's frame wrong, or a row's tokens mixed up)

@@ -133,6 +133,7 @@ class SparseDecoder:
     def __init__(self, settings: "SparseSettings", *, threaded: bool = True, stats_path: Optional[str] = None,
                  rotary=None):
         self.s = settings
+        self._slots = 0           # pool slots (rows of req_to_token): :meth:`bind`
         #: the model's rotary embedding (:class:`~sgl_tts.plugin.sparse_decoding.Rotary`), if known: with
         #: ``frame="rotary"`` queries are predicted with their rotation removed
         self.rotary = rotary
@@ -145,8 +146,8 @@ class SparseDecoder:
         self._selected: dict[int, dict[int, tuple]] = {}
         self._steps = 0
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._done = threading.Condition()
+        self._given = self._finished = 0      # jobs handed to the worker, jobs it has finished or dropped
         self._thread = None
         if settings.mode == "async" and threaded:
             self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
@@ -181,8 +182,6 @@ class SparseDecoder:
             hist = self._history[layer] = _History(self._slots, self.s.history, query.shape[1], query.shape[2],
                                                    query.dtype, query.device)
         return hist
-
-    _slots = 0
 
     @property
     def rotary_frame(self) -> bool:
@@ -340,7 +339,8 @@ class SparseDecoder:
         if self._thread is None:
             self._run(job)
         else:
-            self._idle.clear()
+            with self._done:
+                self._given += 1
             self._jobs.put(job)
 
     # --------------------------------------------------------------------------------- worker
@@ -372,8 +372,9 @@ class SparseDecoder:
                     self._run(j)
                 except Exception:  # noqa: BLE001 - a failed selection leaves rows dense, never the server down
                     logger.exception("sgl-tts sparse attention: a selection failed")
-            if self._jobs.empty():
-                self._idle.set()
+            with self._done:
+                self._finished += len(batch)
+                self._done.notify_all()
 
     def _run(self, job: _Job) -> None:
         """Predict each row's next query, score its context (the positions before the next one) and
@@ -407,8 +408,10 @@ class SparseDecoder:
         self.counters.selection_seconds += time.perf_counter() - t0
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Tests and benchmarks: until the worker has taken and finished every job given so far."""
-        return self._idle.wait(timeout)
+        """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
+        so far; false if ``timeout`` passed first."""
+        with self._done:
+            return self._done.wait_for(lambda: self._finished >= self._given, timeout)
 
     def close(self) -> None:
         if self._thread is not None:

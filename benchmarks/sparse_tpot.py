@@ -1,0 +1,142 @@
+"""Benchmark: time per output token of live CPU SGLang servers at long contexts, dense against sparse
+decode attention (issue 36, seed 003).
+
+The shipped tiny generator's architecture with its context raised (``--max-context``) and random
+weights (``--load-format dummy``): what the server computes per token, not what it answers. Per side
+one server; per (rows, context): ``rows`` different prompts of ``context`` tokens are prefilled once
+(one generated token), then generated again from the cached prompts for ``--short`` and ``--long``
+tokens (``ignore_eos``), all rows at once; the time per output token is the difference of the two
+wall times over the difference of the tokens, the prefill and the request overheads cancelling out.
+Sides: ``dense`` (the plugin's ragged attention, what a server without the sparse flag runs),
+``async`` and ``sync`` with the default two dense layers, and ``async-all`` / ``sync-all`` with every
+layer sparse (the tiny model has only 4 layers, so two dense ones are half its attention).
+
+    ./dev.sh run python benchmarks/sparse_tpot.py --out docs/benchmarks/sparse_tpot.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SPARSE = ("--tts-sparse-budget", "0.5", "--tts-sparse-dense-below", "1024")
+SIDES = {
+    "dense": (),
+    "async": ("--tts-sparse-attention", "async") + SPARSE,
+    "sync": ("--tts-sparse-attention", "sync") + SPARSE,
+    "async-all": ("--tts-sparse-attention", "async", "--tts-sparse-dense-layers", "0") + SPARSE,
+    "sync-all": ("--tts-sparse-attention", "sync", "--tts-sparse-dense-layers", "0") + SPARSE,
+}
+
+
+def long_model(max_context: int, workdir: Path) -> Path:
+    """The shipped generator's folder with its context raised to ``max_context``."""
+    from sgl_tts.models import shipped_model
+
+    src = Path(shipped_model("generator"))
+    dst = workdir / "generator-long"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = max_context
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def generate(url: str, prompts: list[str], tokens: int) -> float:
+    import httpx
+
+    def one(p: str):
+        r = httpx.post(url + "/generate", json={"text": p, "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}}, timeout=3600)
+        r.raise_for_status()
+        return r.json()["meta_info"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(one, prompts))
+    if any(n != tokens for n in done):
+        raise RuntimeError(f"asked for {tokens} tokens, got {done}")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="4096,16384")
+    p.add_argument("--rows", default="1,4")
+    p.add_argument("--short", type=int, default=4)
+    p.add_argument("--long", type=int, default=36)
+    p.add_argument("--max-context", type=int, default=17000)
+    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    from sgl_tts.launch.live_servers import LiveServer, LiveServers
+    from sgl_tts.machine import describe
+
+    contexts = [int(x) for x in args.contexts.split(",")]
+    rows_list = [int(x) for x in args.rows.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="sgl-tts-sparse-tpot-"))
+    model = long_model(args.max_context, work)
+    kv_tokens = max(rows_list) * (max(contexts) + args.long + 64) + args.max_context
+    kv_bytes = kv_tokens * 4 * 2 * 2 * 64 * 4          # layers x (K, V) x kv heads x head dim x float32
+    rng = random.Random(0)
+    records = []
+    sides = args.sides.split(",")
+    specs = {s: LiveServer(str(model), policy="off", metrics=True, kv_bytes=kv_bytes,
+                           cpu_attention="ragged" if s == "dense" else "native",
+                           extra=("--load-format", "dummy") + SIDES[s]) for s in sides}
+    with LiveServers(specs, work / "servers") as servers:
+        for side in sides:
+            url = servers.url(side)
+            for rows in rows_list:
+                for context in contexts:
+                    # digits and spaces: one token per character with the byte-level tokenizer
+                    prompts = ["".join(rng.choice("0123456789 ") for _ in range(context)) for _ in range(rows)]
+                    generate(url, prompts, 1)                    # prefill, cached from here on
+                    short = generate(url, prompts, args.short)
+                    long = generate(url, prompts, args.long)
+                    rec = {"side": side, "rows": rows, "context": context,
+                           "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
+                    records.append(rec)
+                    print(json.dumps(rec), flush=True)
+            stats = sorted((work / "servers").glob(f"{side}.metrics.jsonl.sparse.*"))
+            if stats:
+                c = json.loads(stats[-1].read_text())
+                for r in records:
+                    if r["side"] == side:
+                        r["late_share_of_side"] = round(c["late"] / max(1, c["sparse_rows"]), 3)
+            servers.stop(side)
+    meta = {"machine": describe(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python " + " ".join(sys.argv),
+            "revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(), "max_context": args.max_context}
+    print(table(records))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def table(records: list[dict]) -> str:
+    sides = list(dict.fromkeys(r["side"] for r in records))
+    lines = ["| rows | context | " + " | ".join(f"{s} ms/token" for s in sides) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in sides) + " |"]
+    for rows, context in dict.fromkeys((r["rows"], r["context"]) for r in records):
+        by = {r["side"]: r for r in records if (r["rows"], r["context"]) == (rows, context)}
+        lines.append(f"| {rows} | {context} | " + " | ".join(f"{by[s]['tpot_ms']:.1f}" if s in by else "-"
+                                                            for s in sides) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -292,7 +292,10 @@ def test_the_sparse_flags_reach_server_args_and_the_environment_and_bad_values_a
 
     from sgl_tts.plugin.settings import TTSSettings
 
-    for var in ("SGLANG_TTS_SPARSE", "SGLANG_TTS_POLICY", "SGLANG_TTS_CPU_ATTENTION"):
+    # prepare_server_args writes these into os.environ itself: registered first, so they are gone after the test
+    for var in ("SGLANG_TTS_SPARSE", "SGLANG_TTS_POLICY", "SGLANG_TTS_CPU_ATTENTION", "SGLANG_TTS_DEDUP_TOKENS",
+                "SGLANG_TTS_MAX_WAIT", "SGLANG_TTS_LOCALITY_RULES", "SGLANG_TTS_METRICS_FILE",
+                "SGLANG_TTS_SEEDED_SAMPLING"):
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     load_plugins()      # the plugin's flags on SGLang's parser, through its entry point

@@ -16,7 +16,6 @@ and the asynchronous side's late and missing selections. Contexts on this task a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import math

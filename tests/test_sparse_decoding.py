@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tts.plugin.sparse_decoding import (Selection, budgets, gather_selected, overlap_ratio, page_scores,
+from sgl_tts.plugin.sparse_decoding import (Selection, budgets, overlap_ratio, page_scores,
                                             predict_next_query, ridge_weights, select_pages, select_tokens,
                                             sparse_attention, token_scores)
 
@@ -210,6 +210,11 @@ def test_quest_page_bounds_and_pages_follow_the_definition():
 def _attention_by_hand(q, keys, values, scale):
     p = _softmax([scale * _dot(q, k) for k in keys])
     return [sum(p[j] * values[j][d] for j in range(len(keys))) for d in range(len(values[0]))]
+
+
+def gather_selected(keys, selection):
+    """``keys`` ``[rows, kv_heads, n, dim]`` at the selected positions: ``[rows, kv_heads, k, dim]``."""
+    return keys.gather(2, selection.positions[..., None].expand(-1, -1, -1, keys.shape[-1]))
 
 
 def test_sparse_attention_attends_over_the_selected_tokens_only():

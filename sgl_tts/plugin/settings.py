@@ -69,12 +69,12 @@ class SparseSettings:
         if self.mode not in SPARSE_MODES:
             raise ValueError(f"--tts-sparse-attention must be one of {', '.join(SPARSE_MODES)}, got {self.mode!r}")
         b = self.budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (
-                (isinstance(b, int) and b >= 1) or (isinstance(b, float) and (0 < b < 1 or (b >= 1 and b == int(b))))):
+        if isinstance(b, float) and b >= 1 and b == int(b):        # 64.0 (JSON, YAML) is 64 tokens
+            object.__setattr__(self, "budget", b := int(b))
+        tokens = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+        if not (tokens or (isinstance(b, float) and 0 < b < 1)):
             raise ValueError(f"--tts-sparse-budget must be a number of tokens (>= 1) or a fraction in (0, 1), "
                              f"got {b!r}")
-        if isinstance(b, float) and b >= 1:
-            object.__setattr__(self, "budget", int(b))
         windows = tuple(self.windows)
         if not windows or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows):
             raise ValueError(f"--tts-sparse-windows must be positive integers, got {self.windows!r}")

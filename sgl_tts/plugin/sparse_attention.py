@@ -316,9 +316,7 @@ class SparseDecoder:
         chosen = torch.zeros(len(have), kv, n, dtype=torch.bool)
         for r, (_, _, positions, mask) in enumerate(picks):
             chosen[r].scatter_(1, torch.where(mask, positions, torch.zeros_like(positions)), mask)
-        pos = torch.arange(n)
-        forced = (pos[None, :] < self.s.sink) | (pos[None, :] >= lengths[:, None] - self.s.recent)
-        chosen |= (forced & (pos[None, :] < lengths[:, None]))[:, None, :]
+        chosen |= sd.always_kept(lengths, n, self.s.sink, self.s.recent)[:, None, :]
         return rows, sd.selection_from_mask(chosen)
 
     def _after_step(self, layer, query, k_cache, req_to_token, slots, lengths, scale) -> None:
@@ -504,14 +502,14 @@ def find_rotary(model):
     rotates otherwise, such as multimodal rope)."""
     if model is None:
         return None
+    import torch
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 
     found = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     if not found or any(type(m).forward_native is not RotaryEmbedding.forward_native for m in found):
         return None
     first = found[0]
-    if any(m.cos_sin_cache.shape != first.cos_sin_cache.shape or not bool((m.cos_sin_cache == first.cos_sin_cache).all())
-           for m in found[1:] if m is not first):
+    if any(not torch.equal(m.cos_sin_cache, first.cos_sin_cache) for m in found[1:]):
         return None
     return first
 

@@ -191,11 +191,13 @@ class Selection(NamedTuple):
     mask: torch.Tensor
 
 
-def _forced(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
+def always_kept(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
+    """``[rows, n]``: the positions every selection keeps, the first ``sink`` and the last ``recent``
+    of each row's ``lengths`` (none past a row's length)."""
     import torch
 
     pos = torch.arange(n, device=lengths.device)[None, :]
-    return (pos < sink) | (pos >= lengths[:, None] - recent)                     # [rows, n]
+    return ((pos < sink) | (pos >= lengths[:, None] - recent)) & (pos < lengths[:, None])
 
 
 def select_tokens(scores: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, *, sink: int,
@@ -210,7 +212,7 @@ def select_tokens(scores: torch.Tensor, lengths: torch.Tensor, keep: torch.Tenso
 
     rows, kv_heads, n = scores.shape
     valid = _valid(lengths, n)[:, None, :]
-    forced = _forced(lengths, n, sink, recent)[:, None, :] & valid
+    forced = always_kept(lengths, n, sink, recent)[:, None, :]
     rank = scores.double().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     k = int(keep.max()) if rows else 0
     if k == 0:
@@ -262,8 +264,7 @@ def select_pages(bounds: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor
     rows, kv_heads, pages = bounds.shape
     n = pages * page
     pos = torch.arange(n, device=lengths.device)
-    forced_pos = _forced(lengths, n, sink, recent) & (pos[None, :] < lengths[:, None])
-    forced = forced_pos.view(rows, pages, page).any(-1)                          # [rows, pages]
+    forced = always_kept(lengths, n, sink, recent).view(rows, pages, page).any(-1)                          # [rows, pages]
     used = pos[::page][None, :] < lengths[:, None]
     rank = bounds.double().masked_fill(forced[:, None, :], float("inf")).masked_fill(~used[:, None, :],
                                                                                      float("-inf"))
@@ -282,12 +283,6 @@ def select_pages(bounds: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor
     positions = positions.flatten(2)
     mask = mask.flatten(2)
     return Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask)
-
-
-def gather_selected(keys: torch.Tensor, selection: Selection) -> torch.Tensor:
-    """``keys`` ``[rows, kv_heads, n, dim]`` at the selected positions: ``[rows, kv_heads, k, dim]``."""
-    idx = selection.positions[..., None].expand(-1, -1, -1, keys.shape[-1])
-    return keys.gather(2, idx)
 
 
 def gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -357,6 +352,6 @@ def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
     return both / a.mask.sum(-1).clamp(min=1).double()
 
 
-__all__ = ["QUEST_PAGE", "Rotary", "Selection", "rotate", "budgets", "gather_heads", "gather_selected", "gather_selected_pool", "overlap_ratio",
+__all__ = ["QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads", "gather_selected_pool", "overlap_ratio",
            "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
            "selection_from_mask", "sparse_attention", "token_scores"]

@@ -241,14 +241,15 @@ def test_no_library_module_parses_arguments():
     """The split's point: argparse and a ``main`` live in sgl_tts/cli/ only. The exceptions: the plugin
     adds its flags to SGLang's own server parser (``python -m sglang.launch_server``: SGLang's command
     line, not ours); ``python -m sgl_tts.bench.group_abort`` is a stand-alone benchmark script, not an
-    sgl-tts command; the CPU engine's child process starts at ``engine_process.main`` (no flags: a
-    socket's file descriptor, and it must load no more than the engine)."""
+    sgl-tts command; the CPU engine's child process starts at ``engine_process.main`` and the zygote
+    that forks them at ``engine_zygote.main`` (no flags: a socket's file descriptor, and they must load
+    no more than the engine)."""
     import ast
     from pathlib import Path
 
     root = Path(sgl_tts.__file__).parent
     allowed = {"plugin/settings.py": {"argparse"}, "bench/group_abort.py": {"argparse", "main"},
-               "backends/engine_process.py": {"main"}}
+               "backends/engine_process.py": {"main"}, "backends/engine_zygote.py": {"main"}}
     offenders = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()

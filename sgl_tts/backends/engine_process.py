@@ -27,9 +27,9 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Sequence
 
+from sgl_tts.backends import engine_zygote
 from sgl_tts.backends.engine import EngineStats
 from sgl_tts.backends.semantics import LogprobSpec, SamplingSpec, UnsupportedFeatureError, check_request
 
@@ -185,13 +185,14 @@ class EngineProcess:
         self.max_running = spec.max_running
         self.threads = spec.threads
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        # The child imports sgl_tts from where this process did (a checkout need not be installed).
-        home = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", CHILD_COMMAND, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        self._process: subprocess.Popen | engine_zygote.ForkedChild
+        try:   # forked by the zygote, which has the imports already (engine_zygote's docstring)
+            self._process = engine_zygote.start().spawn(theirs.fileno())
+        except (OSError, RuntimeError) as exc:
+            logger.warning("starting the engine process afresh: the engine zygote failed (%s)", exc)
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", CHILD_COMMAND, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=engine_zygote.child_environment())
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send(spec)

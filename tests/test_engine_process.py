@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import shutil
+import subprocess
 import time
 
 import pytest
 
 from sgl_tts import LocalBackend
+from sgl_tts.backends import engine_zygote
 from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
 from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
@@ -228,3 +230,50 @@ def test_running_rows_come_from_the_kv_budget_up_to_the_cap():
     assert LocalBackend(shipped_model("generator"), max_running=3).engine.max_running == 3
     with pytest.raises(ValueError, match="max_running must be at least 1, got 0"):
         LocalBackend(shipped_model("generator"), max_running=0)
+
+
+# ----------------------------------------------------------------------------------- the zygote
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_engines_are_forked_by_one_zygote_and_survive_its_end(tiny_model_path):
+    a = LocalBackend(tiny_model_path, seed=0, engine_in="process")
+    b = LocalBackend(tiny_model_path, seed=0, engine_in="process")
+    try:
+        ids = a.encode(PROMPT)
+        first = a.engine.generate(ids, SamplingSpec(max_new_tokens=6, seed=3))
+        zygote = engine_zygote.start()
+        assert isinstance(a.engine._process, engine_zygote.ForkedChild)
+        assert _parent_pid(a.engine.pid) == _parent_pid(b.engine.pid) == zygote._process.pid
+        os.kill(zygote._process.pid, signal.SIGKILL)        # the zygote dies; its engines go on
+        zygote._reader.join(30)
+        assert not zygote.alive
+        assert b.engine.generate(ids, SamplingSpec(max_new_tokens=6, seed=3)).text == first.text
+        c = LocalBackend(tiny_model_path, seed=0, engine_in="process")   # a new zygote forks this one
+        try:
+            assert c.engine.generate(ids, SamplingSpec(max_new_tokens=6, seed=3)).text == first.text
+            assert _parent_pid(c.engine.pid) == engine_zygote.start()._process.pid != zygote._process.pid
+        finally:
+            c.shutdown()
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert b.engine._process.wait(5) is None     # it has ended; its exit code went with the zygote
+
+
+def test_without_a_zygote_the_engine_is_started_afresh(tiny_model_path, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no zygote here")
+
+    monkeypatch.setattr(engine_zygote, "start", broken)
+    be = LocalBackend(tiny_model_path, seed=0, engine_in="process")
+    try:
+        assert isinstance(be.engine._process, subprocess.Popen)
+        assert "the engine zygote failed (no zygote here)" in caplog.text
+        ids = be.encode(PROMPT)
+        assert be.engine.generate(ids, SamplingSpec(max_new_tokens=3, seed=1)).meta_info["completion_tokens"] == 3
+    finally:
+        be.shutdown()
+    assert be.engine._process.poll() == 0

@@ -30,6 +30,7 @@ from sgl_tts.backends.engine_process import (
     check_supported_architecture,
     load_model,
 )
+from sgl_tts.backends.replicas import EngineReplicas
 from sgl_tts.backends.request import RequestFields, take_request_fields
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,11 @@ class LocalBackend(BaseBackend):
             (:class:`~sgl_tts.backends.engine_process.EngineProcess`), so that the searches' threads
             do not share an interpreter lock with it: faster with many searches in flight, a few
             seconds more to start. ``model`` is then ``None`` in this process.
+        replicas: engines of this model, each in a process of its own (``engine_in="process"``),
+            requests routed by the prompt prefixes each has seen
+            (:class:`~sgl_tts.backends.replicas.EngineReplicas`): one core per engine for a small
+            model, whose decode step one core runs. ``kv_memory_mb`` and ``prefix_cache_mb`` are
+            shared out among them; ``max_running`` is per engine.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
@@ -108,7 +114,7 @@ class LocalBackend(BaseBackend):
                  seed: int | None = None,
                  chat_template: str | None = None, gather_window_ms: float = 4.0,
                  threads: int | None = 1, trust_remote_code: bool = False,
-                 engine_in: EngineIn = "thread"):
+                 engine_in: EngineIn = "thread", replicas: int = 1):
         super().__init__()
         from transformers import AutoConfig, AutoTokenizer
 
@@ -124,21 +130,31 @@ class LocalBackend(BaseBackend):
                              f"with CUDA use sgl_tts.connect(path) for an in-process SGLang runtime")
         if engine_in not in ("thread", "process"):
             raise ValueError(f"engine_in must be 'thread' or 'process', got {engine_in!r}")
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        if replicas > 1 and engine_in != "process":
+            raise ValueError(f"replicas={replicas} needs engine_in='process' (engines on threads of one "
+                             f"process share its interpreter lock, so a second one adds no core)")
         self.model_path = str(path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if max_running is None:
-            max_running = running_rows(config, 2 if dtype in ("bfloat16", "float16") else 4, kv_memory_mb << 20,
-                                       cap=running_cap)
+            max_running = running_rows(config, 2 if dtype in ("bfloat16", "float16") else 4,
+                                       (kv_memory_mb << 20) // replicas, cap=running_cap)
         elif max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         spec = EngineSpec(self.model_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                          max_running=max_running, prefix_cache_bytes=prefix_cache_mb << 20, seed=seed,
+                          max_running=max_running, prefix_cache_bytes=(prefix_cache_mb << 20) // replicas, seed=seed,
                           gather_window_s=gather_window_ms / 1000.0, threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.engine: BatchEngine | EngineProcess
+        self.engine: BatchEngine | EngineProcess | EngineReplicas
         if engine_in == "process":
             check_supported_architecture(config)
-            self.engine = EngineProcess(spec)
+            if replicas == 1:
+                self.engine = EngineProcess(spec)
+            else:  # each its own seed for unseeded requests, so that their draws differ
+                self.engine = EngineReplicas([
+                    EngineProcess(spec if seed is None else dataclasses.replace(spec, seed=seed + i))
+                    for i in range(replicas)])
             self.model = None
         else:
             self.model = load_model(path, dtype, trust_remote_code)
@@ -213,6 +229,13 @@ class LocalBackend(BaseBackend):
 
     def shutdown(self) -> None:
         self.engine.close()
+
+    def wait_ready(self) -> None:
+        """Block until the model is loaded (engines in processes load while this process goes on;
+        a load failure is raised here)."""
+        wait = getattr(self.engine, "wait_ready", None)
+        if wait is not None:
+            wait()
 
     def concatenate_and_append(self, src_rids, dst_rid):
         raise UnsupportedFeatureError("concatenate_and_append (KV concatenation of forks)")

@@ -18,6 +18,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else the machine's count, at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def describe() -> str:
     """One line: cores, CPU model, and the CUDA device if there is one."""
     try:

@@ -234,13 +234,9 @@ def machine_identity() -> dict:
     """What a profile is valid for besides the model: CPU model, usable cores, SGLang's version."""
     from importlib.metadata import version
 
-    from sgl_tts.machine import cpu_model
+    from sgl_tts.machine import cpu_model, usable_cores
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return {"cpu": cpu_model(), "cores": cores, "sglang": version("sglang")}
+    return {"cpu": cpu_model(), "cores": usable_cores(), "sglang": version("sglang")}
 
 
 def profile_key(model: str | os.PathLike, settings: dict, grid: ProfileGrid = DEFAULT_GRID) -> str:

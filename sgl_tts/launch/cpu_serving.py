@@ -44,11 +44,9 @@ if TYPE_CHECKING:
 def _threads_per_server() -> str:
     """OpenMP threads for each CPU server: the caller's ``OMP_NUM_THREADS``, else half this process's
     cores (a generator and a PRM share the machine), at least 1."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 2
-    return os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // 2))
+    from sgl_tts.machine import usable_cores
+
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, usable_cores() // 2))
 
 
 CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": _threads_per_server()}

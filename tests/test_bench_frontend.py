@@ -21,7 +21,7 @@ FIELDS = {
     "settings", "machine", "command", "date", "decode_iterations", "decode_rows", "decode_batch_mean",
     "limit_batch_source", "nominal_batch", "nominal_limit_tokens_per_s", "nominal_limit_fraction",
     "server_processes", "server_user_s", "server_system_s", "client_own_system_share", "started_at", "ended_at",
-    "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine",
+    "decode_context_mean", "decode_s", "extend_s", "extend_iterations", "engine_processes", "cpu_engine", "cpu_replicas",
     "cpu_running_cap", "server_attention"}
 # the server's records also have the limit at the searches' context (the plugin's records give it)
 CONTEXT_FIELDS = {"context_limit_prompt_tokens", "context_limit_tokens_per_s", "context_limit_fraction"}
@@ -309,8 +309,18 @@ def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
             for k in (4, 8)] == ["thread", "process", "thread", "process", "thread", "thread"]
     assert [frontend.cpu_engine_for(s, p, 8).running_cap for p in ("beam_search", "mcts", "best_of_n")] == \
         [1024, 1024, 256]
+    # processes chosen by auto: one engine per core of each model (cores read, not assumed)
+    from sgl_tts.machine import usable_cores
+
+    assert [frontend.cpu_engine_for(s, p, 8).replicas for p in ("beam_search", "mcts", "best_of_n")] == \
+        [usable_cores(), usable_cores(), 1]
+    assert frontend.cpu_engine_for(FrontendSettings(cpu_replicas=1), "mcts", 8).replicas == 1
+    assert FrontendSettings(cpu_replicas=1).key() != s.key()
+    with pytest.raises(ValueError, match="--cpu-replicas must be at least 1, got 0"):
+        FrontendSettings(cpu_replicas=0)
     thread = FrontendSettings(cpu_engine="thread")
     assert frontend.cpu_engine_for(thread, "mcts", 128).engine_in == "thread"
+    assert frontend.cpu_engine_for(thread, "mcts", 128).replicas == 1
     # each placement has its own key, and none reuses the records from before layouts existed (threads
     # with 256 rows everywhere, key 9516a6ebd41a): "thread" now gives tree searches 1,024 rows
     keys = {FrontendSettings(cpu_engine=e).key() for e in ("auto", "thread", "process")}

@@ -184,24 +184,46 @@ MANY, FEW = TREE_SEARCH_RUNNING_CAP, DEFAULT_RUNNING_CAP
 
 
 @pytest.mark.parametrize("setting, tree_search, in_flight, expected", [
-    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, ("process", MANY)),
-    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, ("thread", FEW)),
-    ("auto", False, 128, ("thread", FEW)),          # best-of-N: measured slower in a child and with more rows
-    ("thread", True, 128, ("thread", MANY)),        # the setting places the engines; the workload sizes them
-    ("process", False, 1, ("process", FEW)),
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, ("process", MANY, 3)),   # a generator engine per core
+    ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, ("thread", FEW, 1)),
+    ("auto", False, 128, ("thread", FEW, 1)),          # best-of-N: measured slower in a child and with more rows
+    ("thread", True, 128, ("thread", MANY, 1)),        # the setting places the engines; the workload sizes them
+    ("process", False, 1, ("process", FEW, 1)),        # processes asked for by name: one each unless told
 ])
 def test_how_the_engines_are_laid_out(setting, tree_search, in_flight, expected):
-    layout = choose_engine(setting, tree_search=tree_search, in_flight=in_flight)
-    assert (layout.engine_in, layout.running_cap) == expected
-    assert layout.options() == {"engine_in": expected[0], "running_cap": expected[1]}
+    layout = choose_engine(setting, tree_search=tree_search, in_flight=in_flight, cores=3)
+    assert (layout.engine_in, layout.running_cap, layout.replicas) == expected
+    assert layout.options() == {"engine_in": expected[0], "running_cap": expected[1], "replicas": expected[2]}
+    assert layout.prm_options() == {"engine_in": expected[0], "running_cap": expected[1]}   # one PRM engine
     with pytest.raises(ValueError, match="cpu engine must be auto, thread or process, got 'gpu'"):
         choose_engine("gpu", tree_search=True, in_flight=8)
 
 
+def test_replicas_can_be_asked_for_and_need_processes():
+    assert choose_engine("process", tree_search=False, in_flight=1, replicas=2).replicas == 2
+    assert choose_engine("auto", tree_search=True, in_flight=8, replicas=1, cores=4).replicas == 1
+    from sgl_tts.machine import usable_cores
+
+    assert choose_engine("auto", tree_search=True, in_flight=8).replicas == usable_cores()
+    with pytest.raises(ValueError, match=r"2 cpu replicas need engines in processes, and this layout has "
+                                         r"threads \(cpu engine 'auto'\)"):
+        choose_engine("auto", tree_search=False, in_flight=64, replicas=2)
+    with pytest.raises(ValueError, match="cpu replicas must be at least 1, got 0"):
+        choose_engine("process", tree_search=True, in_flight=8, replicas=0)
+    with pytest.raises(RunError, match="cpu_replicas: 2 cpu replicas need engines in processes"):
+        RunConfig(program="best_of_n", in_flight=64, cpu_replicas=2).engine_layout
+    with pytest.raises(RunError, match="cpu_replicas must be at least 1, got 0"):
+        RunConfig(cpu_replicas=0).validate()
+    assert RunConfig(cpu_replicas=2).run_key() == RunConfig().run_key()   # placement changes no result
+
+
 def test_a_run_resolves_auto_from_its_program_and_in_flight():
-    assert RunConfig(program="beam_search", in_flight=8).engine_layout == EngineLayout("process", MANY)
-    assert RunConfig(program="dvts", in_flight=32).engine_layout == EngineLayout("process", MANY)
-    assert RunConfig(program="mcts", in_flight=8).engine_layout == EngineLayout("process", MANY)
+    from sgl_tts.machine import usable_cores
+
+    cores = usable_cores()
+    assert RunConfig(program="beam_search", in_flight=8).engine_layout == EngineLayout("process", MANY, cores)
+    assert RunConfig(program="dvts", in_flight=32).engine_layout == EngineLayout("process", MANY, cores)
+    assert RunConfig(program="mcts", in_flight=8).engine_layout == EngineLayout("process", MANY, cores)
     assert RunConfig(program="mcts", in_flight=4).engine_layout == EngineLayout("thread", FEW)
     assert RunConfig(program="best_of_n", in_flight=64).engine_layout == EngineLayout("thread", FEW)
     assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_layout == \

@@ -257,12 +257,13 @@ def open_cpu(s: FrontendSettings, layout=None) -> Target:
 
     gen = LocalBackend(shipped_model("generator"), seed=s.seed, **layout.options())
     try:
-        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed, **layout.options())
+        prm_backend = LocalBackend(shipped_model("prm"), seed=s.seed, **layout.prm_options())
     except BaseException:
         gen.shutdown()
         raise
     ids = tuple(i for i in (gen.engine.native_thread_id, prm_backend.engine.native_thread_id) if i is not None)
-    pids = tuple(getattr(b.engine, "pid", None) for b in (gen, prm_backend))
+    pids = tuple(p for b in (gen, prm_backend)
+                 for p in getattr(b.engine, "pids", (getattr(b.engine, "pid", None),)))
 
     def flush() -> None:
         gen.flush_cache()
@@ -550,6 +551,7 @@ def run_frontend(s: FrontendSettings, out: Path, records: list[dict], todo: Sequ
                     rec.update(key=key, cpu_engine=layout and layout.engine_in,
                                server_attention=s.server_attention if started_here else None,
                                cpu_running_cap=layout and layout.running_cap,
+                               cpu_replicas=layout and layout.replicas,
                                max_running=target.max_running, options=program_options(s, program),
                                settings=settings, **provenance,
                                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))

@@ -56,6 +56,7 @@ class FrontendSettings:
         cpu_engine: where the ``cpu`` backend's engines run: ``thread`` (in this process),
             ``process`` (a child process each, :class:`~sgl_tts.backends.engine_process.EngineProcess`)
             or ``auto`` (per block, as ``sgl-tts run`` decides: :func:`cpu_engine_for`).
+        cpu_replicas: engines per model in processes (``None``: as ``sgl-tts run`` decides).
         server_attention: the attention of the ``server`` backend's servers started here (the
             plugin's ``--tts-cpu-attention``): ``ragged`` (the default, what ``sgl-tts serve
             --device cpu`` runs) or ``native`` (SGLang's ``torch_native``). Servers given by URL run
@@ -78,6 +79,7 @@ class FrontendSettings:
     temperature: float = 0.8
     seed: int = 0
     cpu_engine: str = "auto"
+    cpu_replicas: int | None = None
     server_attention: str = "ragged"
 
     # --quick: K in {1, 4}, 4 searches, small budgets (a CI check, not a measurement)
@@ -91,6 +93,8 @@ class FrontendSettings:
         _names(",".join(self.programs), "--programs", PROGRAMS)
         if self.cpu_engine not in ("auto", "thread", "process"):
             raise ValueError(f"--cpu-engine must be auto, thread or process, got {self.cpu_engine!r}")
+        if self.cpu_replicas is not None and self.cpu_replicas < 1:
+            raise ValueError(f"--cpu-replicas must be at least 1, got {self.cpu_replicas}")
         if self.server_attention not in CPU_ATTENTION:
             raise ValueError(f"--server-attention must be one of {', '.join(CPU_ATTENTION)}, "
                              f"got {self.server_attention!r}")
@@ -151,7 +155,8 @@ def cpu_engine_for(s: FrontendSettings, program: str, k: int):
     from sgl_tts import registry
     from sgl_tts.backends.local import choose_engine
 
-    return choose_engine(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k)
+    return choose_engine(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k,
+                         replicas=s.cpu_replicas)
 
 
 def program_options(s: FrontendSettings, program: str) -> dict[str, Any]:

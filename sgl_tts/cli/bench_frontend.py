@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-engine", choices=("auto", "thread", "process"), default=None,
                    help=f"where the cpu backend's model engines run: a thread of this process, a child "
                         f"process each, or auto: as sgl-tts run decides per program and K (default {d.cpu_engine})")
+    p.add_argument("--cpu-replicas", type=int, default=None, metavar="N",
+                   help="engines of each model in processes of their own, requests routed by prompt prefix "
+                        "(default: as sgl-tts run decides: one per core where auto chose processes)")
     p.add_argument("--server-attention", choices=CPU_ATTENTION, default=None,
                    help=f"the attention of the servers started here (the plugin's --tts-cpu-attention; default "
                         f"{d.server_attention}: decode rows batched by length, extends over their new tokens)")

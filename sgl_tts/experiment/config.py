@@ -115,6 +115,9 @@ class RunConfig:
         cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
             each) or ``auto`` (a process for tree searches with 8+ in flight; see
             :func:`sgl_tts.backends.local.choose_engine`).
+        cpu_replicas: engines of each CPU model, each in a process of its own, requests routed by
+            prompt prefix (:mod:`sgl_tts.backends.replicas`); ``None``: one per core where ``auto``
+            chose processes, else 1.
         prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
             PRM (best-of-N then ranks nothing and picks the majority).
         prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
@@ -173,6 +176,7 @@ class RunConfig:
     generator: str | None = None
     runtime: str = "auto"
     cpu_engine: str = "auto"
+    cpu_replicas: int | None = None
     prm: str | None = None
     prm_kind: str = "step_tag"
     prm_tokenizer: str | None = None
@@ -187,7 +191,7 @@ class RunConfig:
     # dataset's path is one: a resumed run checks each written problem's question instead.
     NOT_IN_RUN_KEY: typing.ClassVar[tuple[str, ...]] = (
         "problems", "output", "limit", "in_flight", "plot", "progress", "runtime", "cpu_engine",
-        "speculation_curve", "verifier_shares_device", "verifier_slowdown")
+        "cpu_replicas", "speculation_curve", "verifier_shares_device", "verifier_slowdown")
     # Settings added after runs were written: at their default they stay out of the run key, so an
     # earlier run (which behaved as the default) still resumes. Programs' own settings (registry) too:
     # beam search's semantics, filter_duplicates, sort_completed and accept_threshold, MCTS's settings.
@@ -282,6 +286,8 @@ class RunConfig:
             bad(f"unknown runtime {self.runtime!r}; choose auto, server, cuda or cpu", "runtime")
         if self.cpu_engine not in ("auto", "thread", "process"):
             bad(f"unknown cpu_engine {self.cpu_engine!r}; choose auto, thread or process", "cpu_engine")
+        if self.cpu_replicas is not None and self.cpu_replicas < 1:
+            bad(f"cpu_replicas must be at least 1, got {self.cpu_replicas}", "cpu_replicas")
 
     @property
     def engine_layout(self):
@@ -290,8 +296,11 @@ class RunConfig:
         from sgl_tts.backends.local import choose_engine
 
         spec = registry.find(self.program)
-        return choose_engine(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
-                             in_flight=self.in_flight)
+        try:
+            return choose_engine(self.cpu_engine, tree_search=spec is not None and spec.budget != "samples",
+                                 in_flight=self.in_flight, replicas=self.cpu_replicas)
+        except ValueError as exc:
+            raise RunError(f"cpu_replicas: {exc}", ("cpu_replicas", "cpu_engine")) from None
 
     @property
     def uses_prm(self) -> bool:

@@ -38,7 +38,7 @@ def open_prm(cfg: RunConfig):
         backend = LocalClassifier(target)
     else:
         from sgl_tts.backends import LocalBackend
-        backend = LocalBackend(target, seed=cfg.seed, **cfg.engine_layout.options())
+        backend = LocalBackend(target, seed=cfg.seed, **cfg.engine_layout.prm_options())
     try:
         if cfg.prm_kind == "reward_head":
             prm = RewardHeadPRM(backend, tag=cfg.prm_tag)

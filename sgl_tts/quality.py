@@ -234,15 +234,23 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
 
 def measure(generator: str | Path | None = None, prm: str | Path | None = None, *, count: int = task.TEST_SIZE,
             ns: Sequence[int] = (1, 4, 16), beam_width: int = 4, temperature: float = 0.8,
-            aggregation: str = "last", seed: int = 0) -> Comparison:
+            aggregation: str = "last", seed: int = 0, layout=None) -> Comparison:
     """:func:`compare` on the first ``count`` test problems, with the generator and the PRM folders
-    (default: the shipped ones) on :class:`~sgl_tts.LocalBackend` (``sgl-tts quality``)."""
+    (default: the shipped ones) on :class:`~sgl_tts.LocalBackend` engines laid out as ``layout``
+    (default: as :func:`~sgl_tts.backends.local.choose_engine` lays best-of-N out with ``count`` in
+    flight) (``sgl-tts quality``)."""
     from sgl_tts import LocalBackend
+    from sgl_tts.backends.local import choose_engine
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 
-    gen = LocalBackend(generator or shipped_model("generator"), max_running=256, seed=seed)
-    prm_backend = LocalBackend(prm or shipped_model("prm"), max_running=256, seed=seed)
+    layout = layout or choose_engine("auto", tree_search=False, in_flight=count)
+    gen = LocalBackend(generator or shipped_model("generator"), seed=seed, **layout.options())
+    try:
+        prm_backend = LocalBackend(prm or shipped_model("prm"), seed=seed, **layout.prm_options())
+    except BaseException:
+        gen.shutdown()
+        raise
     try:
         return compare(gen, StepTagPRM(prm_backend), task.test_split()[:count], ns=ns, beam_width=beam_width,
                        temperature=temperature, aggregation=aggregation, seed=seed)

@@ -302,18 +302,18 @@ def test_process_tree_cpu_counts_a_servers_children(tmp_path):
     assert frontend.process_tree_cpu([launcher.pid]) == (0.0, 0.0)
 
 
-def test_auto_puts_tree_searches_engines_in_processes_from_k_8():
+def test_auto_puts_the_engines_in_processes_from_k_8():
     s = FrontendSettings()
     assert s.cpu_engine == "auto"
     assert [frontend.cpu_engine_for(s, p, k).engine_in for p in ("beam_search", "mcts", "best_of_n")
-            for k in (4, 8)] == ["thread", "process", "thread", "process", "thread", "thread"]
+            for k in (4, 8)] == ["thread", "process", "thread", "process", "thread", "process"]
     assert [frontend.cpu_engine_for(s, p, 8).running_cap for p in ("beam_search", "mcts", "best_of_n")] == \
         [1024, 1024, 256]
     # processes chosen by auto: one engine per core of each model (cores read, not assumed)
     from sgl_tts.machine import usable_cores
 
-    assert [frontend.cpu_engine_for(s, p, 8).replicas for p in ("beam_search", "mcts", "best_of_n")] == \
-        [usable_cores(), usable_cores(), 1]
+    assert [frontend.cpu_engine_for(s, p, k).replicas for p in ("beam_search", "mcts", "best_of_n")
+            for k in (8, 128)] == [usable_cores(), 1, usable_cores(), 1, usable_cores(), usable_cores()]
     assert frontend.cpu_engine_for(FrontendSettings(cpu_replicas=1), "mcts", 8).replicas == 1
     assert FrontendSettings(cpu_replicas=1).key() != s.key()
     with pytest.raises(ValueError, match="--cpu-replicas must be at least 1, got 0"):

@@ -17,7 +17,7 @@ from sgl_tts.backends import engine_zygote
 from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
 from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
-                                    EngineLayout, choose_engine)
+                                    TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT, EngineLayout, choose_engine)
 from sgl_tts.experiment import RunConfig, RunError, program_function
 from sgl_tts.models import shipped_model
 from sgl_tts.prm import StepTagPRM
@@ -185,8 +185,11 @@ MANY, FEW = TREE_SEARCH_RUNNING_CAP, DEFAULT_RUNNING_CAP
 
 @pytest.mark.parametrize("setting, tree_search, in_flight, expected", [
     ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT, ("process", MANY, 3)),   # a generator engine per core
+    ("auto", True, TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT - 1, ("process", MANY, 3)),
+    ("auto", True, TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT, ("process", MANY, 1)),  # the client needs the CPU
     ("auto", True, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, ("thread", FEW, 1)),
-    ("auto", False, 128, ("thread", FEW, 1)),          # best-of-N: measured slower in a child and with more rows
+    ("auto", False, PROCESS_ENGINE_MIN_IN_FLIGHT - 1, ("thread", FEW, 1)),
+    ("auto", False, 128, ("process", FEW, 3)),         # best-of-N: 256 rows per engine (more: slower)
     ("thread", True, 128, ("thread", MANY, 1)),        # the setting places the engines; the workload sizes them
     ("process", False, 1, ("process", FEW, 1)),        # processes asked for by name: one each unless told
 ])
@@ -207,11 +210,11 @@ def test_replicas_can_be_asked_for_and_need_processes():
     assert choose_engine("auto", tree_search=True, in_flight=8).replicas == usable_cores()
     with pytest.raises(ValueError, match=r"2 cpu replicas need engines in processes, and this layout has "
                                          r"threads \(cpu engine 'auto'\)"):
-        choose_engine("auto", tree_search=False, in_flight=64, replicas=2)
+        choose_engine("auto", tree_search=False, in_flight=4, replicas=2)
     with pytest.raises(ValueError, match="cpu replicas must be at least 1, got 0"):
         choose_engine("process", tree_search=True, in_flight=8, replicas=0)
     with pytest.raises(RunError, match="cpu_replicas: 2 cpu replicas need engines in processes"):
-        RunConfig(program="best_of_n", in_flight=64, cpu_replicas=2).engine_layout
+        RunConfig(program="best_of_n", in_flight=4, cpu_replicas=2).engine_layout
     with pytest.raises(RunError, match="cpu_replicas must be at least 1, got 0"):
         RunConfig(cpu_replicas=0).validate()
     assert RunConfig(cpu_replicas=2).run_key() == RunConfig().run_key()   # placement changes no result
@@ -225,7 +228,9 @@ def test_a_run_resolves_auto_from_its_program_and_in_flight():
     assert RunConfig(program="dvts", in_flight=32).engine_layout == EngineLayout("process", MANY, cores)
     assert RunConfig(program="mcts", in_flight=8).engine_layout == EngineLayout("process", MANY, cores)
     assert RunConfig(program="mcts", in_flight=4).engine_layout == EngineLayout("thread", FEW)
-    assert RunConfig(program="best_of_n", in_flight=64).engine_layout == EngineLayout("thread", FEW)
+    assert RunConfig(program="beam_search", in_flight=64).engine_layout == EngineLayout("process", MANY)
+    assert RunConfig(program="best_of_n", in_flight=64).engine_layout == EngineLayout("process", FEW, cores)
+    assert RunConfig(program="best_of_n", in_flight=4).engine_layout == EngineLayout("thread", FEW)
     assert RunConfig(program="beam_search", in_flight=64, cpu_engine="thread").engine_layout == \
         EngineLayout("thread", MANY)
     # where the engines run changes no result: a run resumes under another placement

@@ -147,9 +147,9 @@ def test_readme_main_command_compares_the_methods(tmp_path):
     (["--ns", "4,16"], "sgl-tts: error: N values must be positive and include 1"),
     (["--ns", "1,a"], "sgl-tts: error: --ns takes comma-separated integers, got '1,a'"),
     (["--problems", "0"], "sgl-tts: error: --problems must be at least 1"),
-    (["--replicas", "0"], "sgl-tts: error: --replicas must be at least 1, got 0"),
-    (["--cpu-engine", "thread", "--replicas", "2"],
-     "sgl-tts: error: --replicas needs engines in processes (--cpu-engine auto or process)"),
+    (["--cpu-replicas", "0"], "sgl-tts: error: cpu replicas must be at least 1, got 0"),
+    (["--cpu-engine", "thread", "--cpu-replicas", "2"],
+     "sgl-tts: error: 2 cpu replicas need engines in processes, and this layout has threads (cpu engine 'thread')"),
 ])
 def test_demo_reports_bad_input_in_one_line(tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

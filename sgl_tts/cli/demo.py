@@ -25,38 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--runtime", choices=["auto", "server", "cuda", "cpu"], default="auto")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--cpu-engine", choices=["auto", "thread", "process"], default="auto",
-                   help="where the CPU backend's model engines run: auto (default): each in a process "
-                        "of its own, the generator in one per core (--replicas); process: one process "
-                        "per model; thread: threads of this process")
-    d.add_argument("--replicas", type=int, default=None,
-                   help="generator engines, each in a process of its own, requests routed by prompt "
-                        "prefix (default: one per core with --cpu-engine auto, else 1)")
+                   help="where the CPU backend's model engines run: auto (default): as sgl-tts run decides "
+                        "for best-of-N with --problems in flight (from 8: each in a process of its own, the "
+                        "generator in one per core); process: one process per model; thread: threads of "
+                        "this process")
+    d.add_argument("--cpu-replicas", type=int, default=None, metavar="N",
+                   help="generator engines, each in a process of its own, requests routed by prompt prefix")
     d.add_argument("--plot", default="sgl-tts-demo.png", help="accuracy-vs-N plot file")
     d.add_argument("--no-plot", action="store_true", help="do not save the plot")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return d
 
 
-def cpu_engines(setting: str, replicas: int | None) -> tuple[str, int]:
-    """Where the CPU backend's engines run for ``--cpu-engine`` and ``--replicas``: ``(engine_in,
-    generator replicas)``. ``auto`` puts every engine in a process of its own and the generator in one
-    per core: a tiny model's decode step keeps one core busy and cannot use a second
-    (:mod:`sgl_tts.backends.replicas`), and the demo keeps 50 searches in flight."""
-    from sgl_tts.machine import usable_cores
-
-    if replicas is not None and replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    if setting == "thread":
-        if replicas not in (None, 1):
-            raise ValueError("--replicas needs engines in processes (--cpu-engine auto or process)")
-        return "thread", 1
-    return "process", replicas or (usable_cores() if setting == "auto" else 1)
-
-
 def demo(args: argparse.Namespace) -> int:
     """Run the comparison the flags ask for and print it (a table, or one JSON object)."""
     import sgl_tts
     from sgl_tts import quality
+    from sgl_tts.backends.local import choose_engine
     from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
@@ -70,10 +55,11 @@ def demo(args: argparse.Namespace) -> int:
         raise FileNotFoundError("no PRM: this source tree ships no trained PRM; pass --prm PATH "
                                 "(train one with `sgl-tts train-tiny --out DIR`)")
     t0 = time.perf_counter()
-    engine_in, replicas = cpu_engines(args.cpu_engine, args.replicas)
+    # every program runs with all problems in flight; the rows and the PRM are sized as best-of-N's
+    layout = choose_engine(args.cpu_engine, tree_search=False, in_flight=args.problems, replicas=args.cpu_replicas)
     generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime,
-                                local_options={"engine_in": engine_in, "replicas": replicas})
-    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed, engine_in=engine_in)
+                                local_options=layout.options())
+    prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed, **layout.prm_options())
     for backend in (generator, prm_backend):   # engines in processes load in the background: wait here,
         wait = getattr(backend, "wait_ready", None)   # so that no method's seconds include it
         if wait is not None:

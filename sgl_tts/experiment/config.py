@@ -113,11 +113,11 @@ class RunConfig:
         generator: generator model folder or SGLang server URL; ``None``: the embedded default.
         runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
         cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
-            each) or ``auto`` (a process for tree searches with 8+ in flight; see
+            each) or ``auto`` (processes from 8 in flight; see
             :func:`sgl_tts.backends.local.choose_engine`).
-        cpu_replicas: engines of each CPU model, each in a process of its own, requests routed by
-            prompt prefix (:mod:`sgl_tts.backends.replicas`); ``None``: one per core where ``auto``
-            chose processes, else 1.
+        cpu_replicas: generator engines, each in a process of its own, requests routed by prompt
+            prefix (:mod:`sgl_tts.backends.replicas`); ``None``: one per core where ``auto`` chose
+            processes (a tree search with 64+ in flight: one), else 1.
         prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
             PRM (best-of-N then ranks nothing and picks the majority).
         prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /

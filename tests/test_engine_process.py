@@ -18,11 +18,10 @@ from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
 from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
                                     TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT, EngineLayout, choose_engine)
-from sgl_tts.experiment import RunConfig, RunError, program_function
+from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.models import shipped_model
-from sgl_tts.prm import StepTagPRM
-from sgl_tts.search.runner import run_continuously
 from sgl_tts.tiny import task
+from search_outcomes import search_outcomes
 
 PROMPT = "Question: compute ((3+4)*5)-6.\n\n"
 
@@ -106,15 +105,7 @@ def test_the_same_searches_on_a_thread_engine_and_on_process_engines():
                 cfg = RunConfig(program=program, n=4, beam_width=2, max_depth=6, parallel=2,
                                 cpu_engine=where)
                 assert cfg.engine_layout.engine_in == where
-                prm = StepTagPRM(prm_backend)
-                args = [cfg.program_arguments(p.question, prm) for p in problems]
-                got = {}
-                for i, state in run_continuously(program_function(program), args, backend=gen, in_flight=3):
-                    assert not isinstance(state, BaseException) and state.error() is None
-                    r = state.ret_value
-                    got[i] = (r.answer, r.tokens_generated, [t.steps for t in r.trajectories],
-                              [round(s, 6) for t in r.trajectories for s in t.step_scores])
-                outcomes[(where, program)] = got
+                outcomes[(where, program)] = search_outcomes(cfg, problems, gen, prm_backend, in_flight=3)
         finally:
             gen.shutdown()
             prm_backend.shutdown()

@@ -10,11 +10,10 @@ import pytest
 from sgl_tts import LocalBackend
 from sgl_tts.backends.engine import SamplingSpec
 from sgl_tts.backends.replicas import PrefixRouter, block_keys
-from sgl_tts.experiment import RunConfig, program_function
+from sgl_tts.experiment import RunConfig
 from sgl_tts.models import shipped_model
-from sgl_tts.prm import StepTagPRM
-from sgl_tts.search.runner import run_continuously
 from sgl_tts.tiny import task
+from search_outcomes import search_outcomes
 
 
 def _common(a, b) -> int:
@@ -152,15 +151,7 @@ def test_replicas_sample_what_one_engine_samples():
         try:
             for program in ("beam_search", "best_of_n"):
                 cfg = RunConfig(program=program, n=4, beam_width=2, max_depth=6)
-                prm = StepTagPRM(prm_backend)
-                args = [cfg.program_arguments(p.question, prm) for p in problems]
-                got = {}
-                for i, state in run_continuously(program_function(program), args, backend=gen, in_flight=4):
-                    assert not isinstance(state, BaseException) and state.error() is None
-                    r = state.ret_value
-                    got[i] = (r.answer, r.tokens_generated, [t.steps for t in r.trajectories],
-                              [round(s, 6) for t in r.trajectories for s in t.step_scores])
-                outcomes[(replicas, program)] = got
+                outcomes[(replicas, program)] = search_outcomes(cfg, problems, gen, prm_backend, in_flight=4)
             if replicas == 2:
                 router = gen.engine.router
                 per_engine = [e.stats.requests for e in gen.engine.engines]

@@ -237,10 +237,10 @@ def measure(generator: str | Path | None = None, prm: str | Path | None = None, 
             aggregation: str = "last", seed: int = 0, layout=None) -> Comparison:
     """:func:`compare` on the first ``count`` test problems, with the generator and the PRM folders
     (default: the shipped ones) on :class:`~sgl_tts.LocalBackend` engines laid out as ``layout``
-    (default: as :func:`~sgl_tts.backends.local.choose_engine` lays best-of-N out with ``count`` in
+    (default: as :func:`~sgl_tts.backends.layout.choose_engine` lays best-of-N out with ``count`` in
     flight) (``sgl-tts quality``)."""
     from sgl_tts import LocalBackend
-    from sgl_tts.backends.local import choose_engine
+    from sgl_tts.backends.layout import choose_engine
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
 

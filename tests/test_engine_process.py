@@ -16,7 +16,7 @@ from sgl_tts import LocalBackend
 from sgl_tts.backends import engine_zygote
 from sgl_tts.backends.engine import LogprobSpec, SamplingSpec
 from sgl_tts.backends.engine_process import EngineProcess, EngineSpec
-from sgl_tts.backends.local import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
+from sgl_tts.backends.layout import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_FLIGHT, TREE_SEARCH_RUNNING_CAP,
                                     TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT, EngineLayout, choose_engine)
 from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.models import shipped_model

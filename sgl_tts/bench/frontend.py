@@ -248,7 +248,7 @@ def server_max_running(url: str) -> int:
 def open_cpu(s: FrontendSettings, layout=None) -> Target:
     """The tiny generator and PRM on :class:`~sgl_tts.LocalBackend` engines laid out as ``layout``
     (a :class:`~sgl_tts.backends.local.EngineLayout`; default: threads of this process, 256 rows)."""
-    from sgl_tts.backends.local import DEFAULT_RUNNING_CAP, EngineLayout
+    from sgl_tts.backends.layout import DEFAULT_RUNNING_CAP, EngineLayout
 
     layout = layout or EngineLayout("thread", DEFAULT_RUNNING_CAP)
     from sgl_tts import LocalBackend

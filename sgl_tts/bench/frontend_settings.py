@@ -151,9 +151,9 @@ class FrontendSettings:
 
 def cpu_engine_for(s: FrontendSettings, program: str, k: int):
     """How the ``cpu`` backend lays its engines out for a block: ``s.cpu_engine``, with ``auto``
-    resolved as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.local.choose_engine`)."""
+    resolved as ``sgl-tts run`` resolves it (:func:`sgl_tts.backends.layout.choose_engine`)."""
     from sgl_tts import registry
-    from sgl_tts.backends.local import choose_engine
+    from sgl_tts.backends.layout import choose_engine
 
     return choose_engine(s.cpu_engine, tree_search=registry.program(program).budget != "samples", in_flight=k,
                          replicas=s.cpu_replicas)

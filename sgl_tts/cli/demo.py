@@ -37,11 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     return d
 
 
+def engine_layout(args: argparse.Namespace):
+    """The CPU engines' layout: every program runs with all problems in flight, so as
+    :func:`~sgl_tts.backends.layout.choose_engine` lays best-of-N out with that many (its rows, one
+    PRM engine)."""
+    from sgl_tts.backends.layout import choose_engine
+
+    return choose_engine(args.cpu_engine, tree_search=False, in_flight=args.problems, replicas=args.cpu_replicas)
+
+
 def demo(args: argparse.Namespace) -> int:
     """Run the comparison the flags ask for and print it (a table, or one JSON object)."""
     import sgl_tts
     from sgl_tts import quality
-    from sgl_tts.backends.local import choose_engine
     from sgl_tts.machine import describe
     from sgl_tts.models import shipped_model
     from sgl_tts.prm import StepTagPRM
@@ -55,8 +63,7 @@ def demo(args: argparse.Namespace) -> int:
         raise FileNotFoundError("no PRM: this source tree ships no trained PRM; pass --prm PATH "
                                 "(train one with `sgl-tts train-tiny --out DIR`)")
     t0 = time.perf_counter()
-    # every program runs with all problems in flight; the rows and the PRM are sized as best-of-N's
-    layout = choose_engine(args.cpu_engine, tree_search=False, in_flight=args.problems, replicas=args.cpu_replicas)
+    layout = engine_layout(args)
     generator = sgl_tts.connect(args.target or args.generator, runtime=args.runtime,
                                 local_options=layout.options())
     prm_backend = sgl_tts.LocalBackend(prm_path, seed=args.seed, **layout.prm_options())
@@ -104,12 +111,12 @@ def demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cpu_engine != "thread":
-        from sgl_tts.backends import engine_zygote
-
-        engine_zygote.start()   # the engines' imports, in a process that overlaps this one's
     quiet_logging()
     try:
+        if args.problems >= 1 and engine_layout(args).engine_in == "process":
+            from sgl_tts.backends import engine_zygote
+
+            engine_zygote.start()   # the engines' imports, in a process that overlaps this one's
         return demo(args)
     except (ConnectionError, FileNotFoundError, ValueError) as exc:
         print(f"sgl-tts: error: {exc}", file=sys.stderr)

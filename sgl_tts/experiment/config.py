@@ -114,7 +114,7 @@ class RunConfig:
         runtime: ``auto``, ``server``, ``cuda`` or ``cpu`` (see :func:`sgl_tts.connect`).
         cpu_engine: where the CPU backend's models run: ``thread``, ``process`` (a child process
             each) or ``auto`` (processes from 8 in flight; see
-            :func:`sgl_tts.backends.local.choose_engine`).
+            :func:`sgl_tts.backends.layout.choose_engine`).
         cpu_replicas: generator engines, each in a process of its own, requests routed by prompt
             prefix (:mod:`sgl_tts.backends.replicas`); ``None``: one per core where ``auto`` chose
             processes (a tree search with 64+ in flight: one), else 1.
@@ -293,7 +293,7 @@ class RunConfig:
     def engine_layout(self):
         """How a CPU backend opened for this run lays its engines out (``cpu_engine`` resolved for the
         program and ``in_flight``): a :class:`~sgl_tts.backends.local.EngineLayout`."""
-        from sgl_tts.backends.local import choose_engine
+        from sgl_tts.backends.layout import choose_engine
 
         spec = registry.find(self.program)
         try:

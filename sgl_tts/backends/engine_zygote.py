@@ -156,15 +156,6 @@ class Zygote:
                 raise RuntimeError(f"the engine zygote is gone ({exc})") from None
         return child
 
-    def close(self) -> None:
-        """End the zygote (its children go on until their own sockets close)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._process.wait()
-        self._reader.join(5)
-
     def _read(self) -> None:
         with self._sock.makefile("rb") as lines:
             for line in lines:

@@ -139,14 +139,6 @@ class EngineReplicas:
         return sum(e.max_running for e in self.engines)
 
     @property
-    def vocab_size(self) -> int:
-        return self.engines[0].vocab_size
-
-    @property
-    def max_positions(self) -> int | None:
-        return self.engines[0].max_positions
-
-    @property
     def pids(self) -> tuple[int, ...]:
         """The engines' process ids (those that run in processes)."""
         return tuple(p for p in (getattr(e, "pid", None) for e in self.engines) if p is not None)

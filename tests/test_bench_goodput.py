@@ -358,14 +358,17 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
 
 def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path, capsys):
     """The locality ablation (issue 32): sgl-tts+locality runs both rules on both servers, the
-    -eviction and -order sides one rule alone (--tts-locality-rules), on the sgl-tts pools."""
+    -eviction and -order sides one rule alone (--tts-locality-rules), on the sgl-tts pools; so does
+    sgl-tts+locality+overlap (both rules; its program overlaps verification)."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
-                       "--sides", "sgl-tts+locality", "sgl-tts+locality-eviction", "sgl-tts+locality-order"])
+                       "--sides", "sgl-tts+locality", "sgl-tts+locality-eviction", "sgl-tts+locality-order",
+                       "sgl-tts+locality+overlap"])
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = out.out.splitlines()
     cmds = dict(zip(lines[1::2], lines[2::2]))
-    rules = {"sgl-tts+locality": None, "sgl-tts+locality-eviction": "eviction", "sgl-tts+locality-order": "order"}
+    rules = {"sgl-tts+locality": None, "sgl-tts+locality-eviction": "eviction", "sgl-tts+locality-order": "order",
+             "sgl-tts+locality+overlap": None}
     assert list(cmds) == [f"# {side} {server}" for side in rules for server in ("generator", "prm")]
     for name, cmd in cmds.items():
         side, server = name[2:].split()
@@ -373,6 +376,50 @@ def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path,
         got = cmd.split("--tts-locality-rules ")[1].split()[0] if "--tts-locality-rules" in cmd else None
         assert got == rules[side], name
         assert ("--tts-metrics-file" in cmd) == (server == "generator"), name
+
+
+def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_policy(tmp_path, capsys):
+    """--pressure (issue 32): n = 256's recorded budget (32 MiB, both pools of a side), a 512-token
+    prompt, SGLang's three policies then sgl-tts and sgl-tts+locality; the stock generator's pool is
+    half of 32 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64, float16): 8,192 tokens."""
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
+                       "--pressure", "--n", "256", "--algorithms", "beam_search"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    cfg = json.loads(lines[0])
+    assert (cfg["n"], cfg["prompt_tokens"], cfg["algorithms"]) == ([256], 512, ["beam_search"])
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    assert [name.split()[1] for name in list(cmds)[::2]] == ["stock", "stock-lpm", "stock-dfs-weight", "sgl-tts",
+                                                              "sgl-tts+locality", "sgl-tts+locality+overlap"]
+    assert {int(cmd.split("--max-total-tokens ")[1].split()[0]) for name, cmd in cmds.items()
+            if name.endswith("generator")} == {2 ** 24 // (4 * 2 * 2 * 64 * 2)}
+    # --sides still chooses the sides
+    assert bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
+                       "--pressure", "--n", "64", "128", "--sides", "stock-lpm"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1::2] == ["# stock-lpm generator", "# stock-lpm prm"]
+    assert int(lines[2].split("--max-total-tokens ")[1].split()[0]) == 2 ** 23 // (4 * 2 * 2 * 64 * 2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--pressure needs --n (its budgets are measured for n = 64: 16MiB, n = 128: 16MiB, n = 256: 32MiB)"),
+    (["--n", "128", "256"], "--pressure: n = 128, 256 run at different budgets (n = 64: 16MiB, n = 128: 16MiB, "
+                            "n = 256: 32MiB); run one budget at a time"),
+    (["--n", "64", "32"], "--pressure: no budget measured for n = 32 (n = 64: 16MiB, n = 128: 16MiB, n = 256: "
+                          "32MiB); give --kv-memory and --prompt-tokens without --pressure"),
+    (["--n", "64", "--kv-memory", "24MiB"], "--pressure sets --kv-memory 16MiB at n = 64; leave --kv-memory out "
+                                            "(got 24MiB)"),
+    (["--n", "64", "--prompt-tokens", "64"], "--pressure sets --prompt-tokens 512 at n = 64; leave --prompt-tokens "
+                                             "out (got 64)"),
+    (["--n", "64", "--device", "cuda", "--generator", "g", "--prm", "p"], "--pressure is a --device cpu workload"),
+])
+def test_pressure_refuses_what_contradicts_its_measured_settings(tmp_path, capsys, extra, message):
+    argv = ["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--pressure", *extra]
+    with pytest.raises(SystemExit) as exc:
+        bench_main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"sgl-tts bench: error: {message}"
 
 
 def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorter_trace(tmp_path, capsys):

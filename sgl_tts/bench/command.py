@@ -48,11 +48,59 @@ CPU_TRACE = {"median_tokens": 32.0, "sigma": 1.0, "max_tokens": 512}
 CPU_PROMPT_TOKENS = 64
 CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
+# --pressure (issue 32; docs/BENCHMARKS.md "CPU under memory pressure"): the CPU workload under which the
+# scheduler plugin must win. Every beam shares a 512-token prompt (a few-shot prefix worth keeping), and
+# each n gets a KV budget (both pools of a side) that the search's live generator KV overflows. The live
+# peaks were measured on stock with 1 GiB (nothing evicted; SGLang's #token): about 4,200 (n = 64) and
+# 7,400 (n = 128) tokens, against generator pools (the stock split, 0.5) of 4,096 at 16 MiB: 1.0x and
+# 1.8x. n = 256's was not measured unpressured; at twice n = 128's it is ~1.8x the 8,192 of 32 MiB (at
+# 32 MiB its stock side ran 81 requests with 129 waiting, the pool 70% full). Below 16 MiB one PRM
+# context no longer fits the PRM's pool at that split, so n = 64 cannot be pressed harder with this prompt.
+CPU_PRESSURE_PROMPT_TOKENS = 512
+CPU_PRESSURE_BUDGETS = {64: "16MiB", 128: "16MiB", 256: "32MiB"}
+CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-tts+locality", "sgl-tts+locality+overlap")
+
+
+def apply_pressure(args) -> None:
+    """``--pressure``: the measured pressure budget of the given n, the shared 512-token prompt and the
+    five sides (stock under each of SGLang's policies, sgl-tts, sgl-tts+locality) unless ``--sides``
+    is given (in place). A setting that contradicts it raises :class:`ValueError` naming it."""
+    if not getattr(args, "pressure", False):
+        return
+    measured = ", ".join(f"n = {n}: {b}" for n, b in CPU_PRESSURE_BUDGETS.items())
+    if args.device != "cpu":
+        raise ValueError("--pressure is a --device cpu workload")
+    if not args.n:
+        raise ValueError(f"--pressure needs --n (its budgets are measured for {measured})")
+    unknown = [n for n in args.n if n not in CPU_PRESSURE_BUDGETS]
+    if unknown:
+        raise ValueError(f"--pressure: no budget measured for n = {', '.join(map(str, unknown))} ({measured}); "
+                         "give --kv-memory and --prompt-tokens without --pressure")
+    budgets = {CPU_PRESSURE_BUDGETS[n] for n in args.n}
+    if len(budgets) > 1:
+        raise ValueError(f"--pressure: n = {', '.join(map(str, args.n))} run at different budgets ({measured}); "
+                         "run one budget at a time")
+    budget = budgets.pop()
+    for flag, given, wanted in (("--kv-memory", args.kv_memory, budget),
+                                ("--prompt-tokens", args.prompt_tokens, CPU_PRESSURE_PROMPT_TOKENS)):
+        if given is not None and given != wanted:
+            raise ValueError(f"--pressure sets {flag} {wanted} at n = {', '.join(map(str, args.n))}; "
+                             f"leave {flag} out (got {given})")
+    args.kv_memory, args.prompt_tokens = budget, CPU_PRESSURE_PROMPT_TOKENS
+    args.sides = args.sides or list(CPU_PRESSURE_SIDES)
 
 
 def apply_device_defaults(args) -> None:
-    """Fill what the user left out with ``args.device``'s defaults (in place)."""
+    """Fill what the user left out with ``args.device``'s defaults (in place); ``--pressure`` first
+    (:func:`apply_pressure`)."""
+    from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
+
+    apply_pressure(args)
     cpu = args.device == "cpu"
+    if args.kv_memory is None:
+        args.kv_memory = DEFAULT_KV_MEMORY
+    if args.sides is None:
+        args.sides = list(SIDES)
     if cpu:
         args.generator = args.generator or CPU_MODELS["generator"]
         args.prm = args.prm or CPU_MODELS["prm"]

@@ -38,6 +38,8 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+overlap": {"overlap_verification": True},
     # the setting to recommend: speculation where the curve says it pays, verification overlapped
     "sgl-tts+auto+overlap": {"speculative": "auto", "overlap_verification": True},
+    # under KV pressure (issue 32): the locality policy on both servers and overlapped verification
+    "sgl-tts+locality+overlap": {"overlap_verification": True},
 }
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
@@ -46,6 +48,7 @@ SERVER_POLICIES: dict[str, dict[str, str]] = {
     "sgl-tts+locality": {"policy": "locality"},
     "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
     "sgl-tts+locality-order": {"policy": "locality", "locality_rules": "order"},
+    "sgl-tts+locality+overlap": {"policy": "locality"},
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
 

@@ -14,7 +14,8 @@ from sgl_tts.cli.plan import add_plan_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sgl_tts.bench.command import CPU_MODELS, DEVICES, MODEL_CACHE
+    from sgl_tts.bench.command import (CPU_MODELS, CPU_PRESSURE_BUDGETS, CPU_PRESSURE_PROMPT_TOKENS, CPU_PRESSURE_SIDES,
+                                       DEVICES, MODEL_CACHE)
     from sgl_tts.bench.goodput import ALGORITHMS, ALL_SIDES, DEFAULT_SERVER_ARGS, SIDES
 
     ap = argparse.ArgumentParser(
@@ -37,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "trace, the stock sides --stock-split of --kv-memory and the sgl-tts side the "
                          "planner's split on measured CPU profiles (or --sgl-tts-split; the GPU flags are "
                          "ignored)")
-    ap.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY,
+    ap.add_argument("--kv-memory", default=None,
                     help=f"with --device cpu: RAM both KV pools of a side take together (default {DEFAULT_KV_MEMORY})")
+    ap.add_argument("--pressure", action="store_true",
+                    help="with --device cpu: the memory-pressure workload (issue 32): the KV budget measured for "
+                         "the given --n (" + ", ".join(f"{n}: {b}" for n, b in CPU_PRESSURE_BUDGETS.items())
+                         + f"), a shared {CPU_PRESSURE_PROMPT_TOKENS}-token prompt and the sides "
+                         + " ".join(CPU_PRESSURE_SIDES) + " unless --sides is given")
     b = ap.add_argument_group("benchmark")
     b.add_argument("--n", type=int, nargs="+", default=None,
                    help="beam counts (default 8 .. 512; --device cpu: 8 32 64)")
@@ -65,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device cpu: the sgl-tts side's generator share of --kv-memory, instead of the "
                         "memory planner's split on both models' measured CPU profiles (the default; the "
                         "report's header says which split each side used and whether it was planned)")
-    b.add_argument("--sides", nargs="+", default=list(SIDES), choices=ALL_SIDES,
-                   help="stock and sgl-tts by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix policies "
+    b.add_argument("--sides", nargs="+", default=None, choices=ALL_SIDES,
+                   help=f"{' and '.join(SIDES)} by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix policies "
                         "(--schedule-policy lpm / dfs-weight); sgl-tts+spec...: speculative beam extension, then LookAhead, "
                         "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
                         "-order): --tts-policy locality (or one of its rules alone) on both servers")
@@ -108,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device != "cpu" and not (args.generator and args.prm):
         ap.error("--generator and --prm are required with --device cuda")
-    apply_device_defaults(args)
+    try:
+        apply_device_defaults(args)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     def fail(msg: str) -> int:
         print(f"sgl-tts bench: error: {msg}", file=sys.stderr)

@@ -999,3 +999,31 @@ def test_the_observer_s_counters_are_read_from_the_multiprocess_exposition():
     assert format_counters(sides, ["stock", "stock-lpm", "sgl-tts"]).splitlines()[2:] == [
         "| stock | 5 | 0 | 0 | - | - | - | - |", "| stock-lpm | 5 | 0 | 0 | - | - | - | - |",
         "| sgl-tts | 0 | 0 | 0 | 320 | 0 | 4.000 | 4.000 |"]
+
+
+def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
+    """Each side that ran has its goodput line and its latency bar, whatever its place in ALL_SIDES
+    (a fixed list of five styles zipped with ALL_SIDES once left every later side, the locality
+    and overlap sides among them, out of the goodput panel)."""
+    import matplotlib.figure
+
+    from sgl_tts.bench.goodput import ALL_SIDES, ReportRow, SideRow, plot_report
+
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def look_then_save(fig, *args, **kwargs):
+        top, bottom = fig.axes[0], fig.axes[1]
+        drawn["lines"] = [line.get_label() for line in top.get_lines()]
+        drawn["bars"] = [t.get_text() for t in bottom.get_xticklabels()]
+        drawn["title"] = fig._suptitle.get_text()
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", look_then_save)
+    ran = ["stock", "stock-dfs-weight", "sgl-tts+locality", "sgl-tts+locality+overlap"]
+    rows = [ReportRow("beam_search", n, {side: SideRow(1, 1.0 + i, 10.0, 8.0, 2.0, 100, 50, 0.9, 0.8)
+                                         for i, side in enumerate(ran)}, 3.0, n, True, []) for n in (64, 128)]
+    plot_report(rows, tmp_path / "p.png", title="x " * 200)
+    assert drawn["lines"] == [s for s in ALL_SIDES if s in ran] + ["generator-bound limit"]
+    assert len(drawn["bars"]) == 2 * len(ran)
+    assert max(len(line) for line in drawn["title"].splitlines()) <= 15 * 6

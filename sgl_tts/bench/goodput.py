@@ -563,10 +563,12 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
     for col, algorithm in enumerate(algorithms):
         mine = [r for r in rows if r.algorithm == algorithm]
         ax = axes[0][col]
-        for side, style in zip(ALL_SIDES, ("o-", "s-", "^-", "v-", "d-")):
+        # every side that ran, in ALL_SIDES's order (a marker each, cycling): a fixed list of styles
+        # zipped with ALL_SIDES once dropped every side after the fifth from this panel
+        shown = [side for side in ALL_SIDES if any(side in r.sides for r in mine)]
+        for i, side in enumerate(shown):
             pts = [(r.n, r.sides[side].goodput) for r in mine if side in r.sides]
-            if pts:
-                ax.plot(*zip(*pts), style, label=side)
+            ax.plot(*zip(*pts), "osv^dP*Xh<>p"[i % 12] + "-", color=f"C{i % 10}", label=side)
         lim = [(r.n, r.limit_goodput) for r in mine if r.limit_goodput]
         if lim:
             ax.plot(*zip(*lim), "k--", label="generator-bound limit")
@@ -574,7 +576,7 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
         ax.set_xlabel("n (beams)")
         ax.set_ylabel("precise goodput (tokens/s)")
         ax.set_title(f"{algorithm}: goodput")
-        ax.legend()
+        ax.legend(fontsize=8)
         ax = axes[1][col]
         labels, gen, ver = [], [], []
         for r in mine:
@@ -586,12 +588,12 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
         xs = range(len(labels))
         ax.bar(xs, gen, label="generator")
         ax.bar(xs, ver, bottom=gen, label="verifier (PRM)")
-        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_xticks(list(xs), labels, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("seconds per search (mean)")
         ax.set_title(f"{algorithm}: completion latency")
         ax.legend()
-    if title:
-        fig.suptitle(textwrap.fill(title, 120))   # long headers (the CPU run) would be cut
+    if title:   # wrapped to the figure's width: long headers (the CPU run) would be cut
+        fig.suptitle(textwrap.fill(title, int(15 * fig.get_figwidth())), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

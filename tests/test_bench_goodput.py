@@ -886,12 +886,12 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
     for algorithm in cfg.algorithms:
         # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality and its two rules alone
         # (server policies only), sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
-        # sgl-tts+overlap (overlapped verification alone), and the two together
+        # sgl-tts+overlap (overlapped verification alone), the two together, and overlap on the locality servers
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, False), (None, False), (None, False), (None, False), (Speculation(lookahead=False), False),
             (Speculation(), False), (Speculation(), True), (None, False), (None, False), (None, False),
             (Speculation(controlled=True, verifier_shares_device=True), False), (None, True),
-            (Speculation(controlled=True, verifier_shares_device=True), True)]
+            (Speculation(controlled=True, verifier_shares_device=True), True), (None, True)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

@@ -15,8 +15,8 @@ from sgl_tts.cli.plan import add_plan_arguments
 
 def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.command import (CPU_MODELS, CPU_PRESSURE_BUDGETS, CPU_PRESSURE_PROMPT_TOKENS, CPU_PRESSURE_SIDES,
-                                       DEVICES, MODEL_CACHE)
-    from sgl_tts.bench.goodput import ALGORITHMS, ALL_SIDES, DEFAULT_SERVER_ARGS, SIDES
+                                       DEVICES)
+    from sgl_tts.bench.goodput import ALGORITHMS, ALL_SIDES, SIDES
 
     ap = argparse.ArgumentParser(
         prog="sgl-tts bench",
@@ -79,16 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
-    s = ap.add_argument_group("servers")
-    s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
-    s.add_argument("--server-args", default=None,
-                   help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r}; --device cpu: none, "
-                        f"the CPU flags come from sgl_tts.launch.cpu_serving)")
-    s.add_argument("--models-dir", default=str(MODEL_CACHE), help="where config names become model folders")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--generator-port", type=int, default=30000)
-    s.add_argument("--prm-port", type=int, default=30001)
-    s.add_argument("--health-timeout", type=float, default=900.0)
+    _add_server_arguments(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the settings and both sides' commands, then exit")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
     ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
@@ -99,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
                          "table; the servers' logs go to stderr")
     return ap
+
+
+def _add_server_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``servers`` group: how each side's servers are launched and reached."""
+    from sgl_tts.bench.command import MODEL_CACHE
+    from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+
+    s = ap.add_argument_group("servers")
+    s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
+    s.add_argument("--server-args", default=None,
+                   help=f"extra flags for every server (default: {DEFAULT_SERVER_ARGS!r}; --device cpu: none, "
+                        f"the CPU flags come from sgl_tts.launch.cpu_serving)")
+    s.add_argument("--models-dir", default=str(MODEL_CACHE), help="where config names become model folders")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--generator-port", type=int, default=30000)
+    s.add_argument("--prm-port", type=int, default=30001)
+    s.add_argument("--health-timeout", type=float, default=900.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

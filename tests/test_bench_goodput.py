@@ -380,8 +380,9 @@ def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path,
 
 def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_policy(tmp_path, capsys):
     """--pressure (issue 32): n = 256's recorded budget (32 MiB, both pools of a side), a 512-token
-    prompt, SGLang's three policies then sgl-tts and sgl-tts+locality; the stock generator's pool is
-    half of 32 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64, float16): 8,192 tokens."""
+    prompt, SGLang's three policies then sgl-tts, sgl-tts+locality and sgl-tts+locality+overlap; the
+    stock generator's pool is half of 32 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64,
+    float16): 8,192 tokens."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--pressure", "--n", "256", "--algorithms", "beam_search"])
     out = capsys.readouterr()
@@ -1016,7 +1017,7 @@ def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
         top, bottom = fig.axes[0], fig.axes[1]
         drawn["lines"] = [line.get_label() for line in top.get_lines()]
         drawn["bars"] = [t.get_text() for t in bottom.get_xticklabels()]
-        drawn["title"] = fig._suptitle.get_text()
+        drawn["title"] = fig.get_suptitle()
         return save(fig, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", look_then_save)

@@ -62,9 +62,9 @@ CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-
 
 
 def apply_pressure(args) -> None:
-    """``--pressure``: the measured pressure budget of the given n, the shared 512-token prompt and the
-    five sides (stock under each of SGLang's policies, sgl-tts, sgl-tts+locality) unless ``--sides``
-    is given (in place). A setting that contradicts it raises :class:`ValueError` naming it."""
+    """``--pressure``: the measured pressure budget of the given n, the shared prompt and
+    :data:`CPU_PRESSURE_SIDES` unless ``--sides`` is given (in place). A setting that contradicts it
+    raises :class:`ValueError` naming it."""
     if not getattr(args, "pressure", False):
         return
     measured = ", ".join(f"n = {n}: {b}" for n, b in CPU_PRESSURE_BUDGETS.items())
@@ -72,19 +72,20 @@ def apply_pressure(args) -> None:
         raise ValueError("--pressure is a --device cpu workload")
     if not args.n:
         raise ValueError(f"--pressure needs --n (its budgets are measured for {measured})")
+    ns = ", ".join(map(str, args.n))
     unknown = [n for n in args.n if n not in CPU_PRESSURE_BUDGETS]
     if unknown:
         raise ValueError(f"--pressure: no budget measured for n = {', '.join(map(str, unknown))} ({measured}); "
                          "give --kv-memory and --prompt-tokens without --pressure")
     budgets = {CPU_PRESSURE_BUDGETS[n] for n in args.n}
     if len(budgets) > 1:
-        raise ValueError(f"--pressure: n = {', '.join(map(str, args.n))} run at different budgets ({measured}); "
+        raise ValueError(f"--pressure: n = {ns} run at different budgets ({measured}); "
                          "run one budget at a time")
     budget = budgets.pop()
     for flag, given, wanted in (("--kv-memory", args.kv_memory, budget),
                                 ("--prompt-tokens", args.prompt_tokens, CPU_PRESSURE_PROMPT_TOKENS)):
         if given is not None and given != wanted:
-            raise ValueError(f"--pressure sets {flag} {wanted} at n = {', '.join(map(str, args.n))}; "
+            raise ValueError(f"--pressure sets {flag} {wanted} at n = {ns}; "
                              f"leave {flag} out (got {given})")
     args.kv_memory, args.prompt_tokens = budget, CPU_PRESSURE_PROMPT_TOKENS
     args.sides = args.sides or list(CPU_PRESSURE_SIDES)

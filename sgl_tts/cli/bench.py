@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{' and '.join(SIDES)} by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix policies "
                         "(--schedule-policy lpm / dfs-weight); sgl-tts+spec...: speculative beam extension, then LookAhead, "
                         "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
-                        "-order): --tts-policy locality (or one of its rules alone) on both servers")
+                        "-order): --tts-policy locality (or one of its rules alone) on both servers; "
+                        "sgl-tts+locality+overlap: that policy with overlapped verification")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

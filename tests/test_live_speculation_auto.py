@@ -1,7 +1,8 @@
 """``speculative: auto`` on the live CPU servers (issue 33): the generator's decode curve measured on
 its own server and cached, and ``sgl-tts run``'s beam search under the controller, which keeps
 exactly the plain search's trajectories. On this CPU a row costs time (the curve rises with the
-batch): auto stood down on every branch when measured (2026-11-27: 216 of 216 declined). That a
+batch): auto stood down on every branch when measured (2026-11-27: 216 of 216 declined), unless a
+noisy curve dips somewhere (then a few start and the measured slowdown stops them at the barrier). That a
 controlled search keeps the plain search's beams while it does start branches is
 tests/test_speculation_cost.py's (scripted curves)."""
 
@@ -17,7 +18,7 @@ from sgl_tts.experiment import RunConfig, run
 from sgl_tts.launch.decode_curve import curve_for_server
 from sgl_tts.launch.live_servers import settled_loads
 from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
-from sgl_tts.search.speculation_cost import COSTS_MORE
+from sgl_tts.search.speculation_cost import COSTS_MORE, SLOWS_VERIFIER
 
 pytestmark = pytest.mark.server
 
@@ -88,10 +89,14 @@ def test_auto_keeps_the_plain_searchs_trajectories_and_stands_down_where_rows_co
     origin_b = branches["origin"]
     assert sum(b["started"] for b in origin_b) == 0 and sum(b["declined"] for b in origin_b) > 0
     assert all(b["stood_down"] == {COSTS_MORE: b["declined"]} for b in origin_b)
-    # the measured CPU curve decided every branch on cost (a curve was there: none stood down for
-    # the want of one); how many it started depends on this machine's curve, so it is printed
+    # the measured CPU curve decided every branch on cost, and the measured slowdown every stop at the
+    # barrier (both were there: none stood down for the want of one). How many it started depends on
+    # this machine's curve (2026-11-28 CI: batch 16 timed under batch 8, so branches started there and
+    # then stopped at the barrier), so it is printed
     measured = branches["measured"]
     assert sum(b["started"] + b["declined"] for b in measured) > 0
-    assert all(set(b["stood_down"]) <= {COSTS_MORE} for b in measured)
+    for b in measured:
+        assert set(b["stood_down"]) <= {COSTS_MORE, SLOWS_VERIFIER}, b
+        assert (b["stood_down"].get(COSTS_MORE, 0), b["stood_down"].get(SLOWS_VERIFIER, 0)) == (b["declined"], b["stopped"]), b
     print(f"\nmeasured CPU curve: {sum(b['started'] for b in measured)} branches started, "
           f"{sum(b['declined'] for b in measured)} declined, {sum(b['stopped'] for b in measured)} stopped")

@@ -3,6 +3,8 @@ client, programs and PRM are the real ones), the kept-beam check, the report, re
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 import threading
@@ -256,6 +258,13 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     assert lines[4] == (f"| beam_search | 8 | {spec} | 2 | 100.0 | 2.00x | 2.00 | 1.80 | 0.20 | 400 | 75 (45) | "
                         "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
     assert row.sides["sgl-tts+auto"].branches_declined == 5 and row.sides["sgl-tts+auto"].branches_started == 0
+    # a pressured CPU run's goodputs lie below 1 tok/s: two places there (".1f" read 0.4 against 0.7
+    # for 1.82x, and the limit ".0f" read 0)
+    slow = dataclasses.replace(row, limit_goodput=0.525,
+                               sides={"stock": dataclasses.replace(row.sides["stock"], goodput=0.4449)})
+    assert format_report([slow]).splitlines()[2] == (
+        "| beam_search | 8 | stock | 2 | 0.44 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | - | 400 | "
+        "75.0% | 50.0% | 0.53 (b=4) | 85% | match |")
     assert lines[5] == ("| beam_search | 8 | sgl-tts+auto | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 0 (0); 5 declined | "
                         "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
 
@@ -1016,6 +1025,7 @@ def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
     def look_then_save(fig, *args, **kwargs):
         top, bottom = fig.axes[0], fig.axes[1]
         drawn["lines"] = [line.get_label() for line in top.get_lines()]
+        drawn["markers"] = [line.get_marker() for line in top.get_lines()]
         drawn["bars"] = [t.get_text() for t in bottom.get_xticklabels()]
         drawn["title"] = fig.get_suptitle()
         return save(fig, *args, **kwargs)
@@ -1026,5 +1036,7 @@ def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
                                          for i, side in enumerate(ran)}, 3.0, n, True, []) for n in (64, 128)]
     plot_report(rows, tmp_path / "p.png", title="x " * 200)
     assert drawn["lines"] == [s for s in ALL_SIDES if s in ran] + ["generator-bound limit"]
+    # every line has a marker, the limit's too: a run of one n draws single points
+    assert all(m not in ("None", "", " ", None) for m in drawn["markers"]), drawn["markers"]
     assert len(drawn["bars"]) == 2 * len(ran)
     assert max(len(line) for line in drawn["title"].splitlines()) <= 15 * 6

@@ -521,6 +521,12 @@ def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRo
     return rows
 
 
+def _rate(tokens_per_s: float, decimals: int) -> str:
+    """A goodput for the table: ``decimals`` places from 10 tok/s up, two below, so that the slow
+    rows of a pressured CPU run (0.4 against 0.7 tok/s) keep their ratio readable."""
+    return f"{tokens_per_s:.{decimals if tokens_per_s >= 10 else 2}f}"
+
+
 def format_report(rows: Sequence[ReportRow]) -> str:
     """Markdown tables: one row per (algorithm, n, side)."""
     head = ("| algorithm | n | side | problems | goodput (tok/s) | vs best stock | latency (s) | generator (s) | "
@@ -535,7 +541,7 @@ def format_report(rows: Sequence[ReportRow]) -> str:
             if r is None:
                 continue
             vs = f"{r.goodput / stock.goodput:.2f}x" if stock and stock.goodput > 0 else "-"
-            limit = f"{row.limit_goodput:.0f} (b={row.limit_batch})" if row.limit_goodput else "-"
+            limit = f"{_rate(row.limit_goodput, 0)} (b={row.limit_batch})" if row.limit_goodput else "-"
             of_limit = f"{r.goodput / row.limit_goodput:.0%}" if row.limit_goodput else "-"
             spec = (f"{r.tokens_speculative:.0f} ({r.tokens_reused:.0f})"
                     if r.tokens_speculative or r.branches_declined else "-")
@@ -543,7 +549,7 @@ def format_report(rows: Sequence[ReportRow]) -> str:
                 spec += f"; {r.branches_declined:.0f} declined"
             kept = ("-" if row.match is None else "match" if row.match
                     else "DIFFER: problems " + ", ".join(map(str, row.mismatched)))
-            lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {r.goodput:.1f} | {vs} | "
+            lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {_rate(r.goodput, 1)} | {vs} | "
                          f"{r.latency:.2f} | {r.generator_seconds:.2f} | {r.verifier_seconds:.2f} | "
                          f"{r.tokens_generated:.0f} | {spec} | {r.tokens_kept:.0f} | {r.generator_hit_rate:.1%} | "
                          f"{r.prm_hit_rate:.1%} | {limit} | {of_limit} | {kept} |")
@@ -571,7 +577,8 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
             ax.plot(*zip(*pts), "osv^dP*Xh<>p"[i % 12] + "-", color=f"C{i % 10}", label=side)
         lim = [(r.n, r.limit_goodput) for r in mine if r.limit_goodput]
         if lim:
-            ax.plot(*zip(*lim), "k--", label="generator-bound limit")
+            # a marker too: a run of one n is a single point, which a bare dashed line never draws
+            ax.plot(*zip(*lim), "k_--", markersize=16, label="generator-bound limit")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("n (beams)")
         ax.set_ylabel("precise goodput (tokens/s)")

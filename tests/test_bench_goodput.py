@@ -308,7 +308,15 @@ def test_records_resume_only_for_the_same_settings_and_a_torn_line_is_dropped(tm
     assert [r["kind"] for r in got] == ["limit"]
     RecordWriter(out, cfg, got)({"kind": "limit", "batch": 16, "tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0})
     assert [r["batch"] for r in read_records(out, cfg)] == [8, 16]   # the torn line is gone
-    with pytest.raises(BenchError, match="holds a run of other settings"):
+    with pytest.raises(BenchError) as err:
+        read_records(out, BenchSettings(n=(16,), problems=1))
+    # what differs, and no advice to delete the records (--report-only meets this too)
+    assert str(err.value) == (f"{out} holds a run of other settings (n: [8] there, [16] here) (--report-only "
+                              "rebuilds its report with them), or pick another --output")
+    with open(out, "a") as fh:   # a run record names the command that wrote the file
+        fh.write(json.dumps({"kind": "run", "command": "sgl-tts bench --n 8"}) + "\n")
+    with pytest.raises(BenchError, match=r"other settings \(n: \[8\] there, \[16\] here\); it was written by "
+                                         r"`sgl-tts bench --n 8`: give that command's flags again \(--report-only"):
         read_records(out, BenchSettings(n=(16,), problems=1))
 
 

@@ -627,7 +627,13 @@ def read_records(path: Path, settings: BenchSettings) -> list[dict]:
     if not out or out[0].get("kind") != "settings":
         raise BenchError(f"{path} is not a benchmark output (its first line holds no settings)")
     if out[0]["settings"] != settings.to_json():
-        raise BenchError(f"{path} holds a run of other settings; pick another --output (or delete it)")
+        theirs, ours = out[0]["settings"], settings.to_json()
+        differ = "; ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here"
+                           for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
+        command = next((r["command"] for r in out[1:] if r.get("kind") == "run" and r.get("command")), None)
+        again = f"; it was written by `{command}`: give that command's flags again" if command else ""
+        raise BenchError(f"{path} holds a run of other settings ({differ}){again} (--report-only rebuilds "
+                         "its report with them), or pick another --output")
     return out[1:]
 
 

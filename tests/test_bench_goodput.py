@@ -4,7 +4,6 @@ client, programs and PRM are the real ones), the kept-beam check, the report, re
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import random
 import threading
@@ -258,6 +257,8 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     assert lines[4] == (f"| beam_search | 8 | {spec} | 2 | 100.0 | 2.00x | 2.00 | 1.80 | 0.20 | 400 | 75 (45) | "
                         "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
     assert row.sides["sgl-tts+auto"].branches_declined == 5 and row.sides["sgl-tts+auto"].branches_started == 0
+    assert lines[5] == ("| beam_search | 8 | sgl-tts+auto | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 0 (0); 5 declined | "
+                        "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
     # a pressured CPU run's goodputs lie below 1 tok/s: two places there (".1f" read 0.4 against 0.7
     # for 1.82x, and the limit ".0f" read 0)
     slow = dataclasses.replace(row, limit_goodput=0.525,
@@ -265,8 +266,6 @@ def test_the_report_computes_precise_goodput_and_the_limit_by_hand():
     assert format_report([slow]).splitlines()[2] == (
         "| beam_search | 8 | stock | 2 | 0.44 | 1.00x | 4.00 | 3.00 | 1.00 | 400 | - | 400 | "
         "75.0% | 50.0% | 0.53 (b=4) | 85% | match |")
-    assert lines[5] == ("| beam_search | 8 | sgl-tts+auto | 2 | 100.0 | 2.00x | 2.00 | 1.50 | 0.50 | 400 | 0 (0); 5 declined | "
-                        "400 | 75.0% | 50.0% | 800 (b=4) | 12% | match |")
 
 
 def test_the_registry_places_steps_by_their_parent_and_refuses_what_it_cannot_place():

@@ -14,11 +14,15 @@ import torch
 from _pytest.faulthandler import get_stderr_fileno
 
 from sgl_tts.models import build_tiny_model
+from live_order import order_by_live_servers
 
+
+pytest_plugins = ["pytester"]   # tests/test_live_order.py runs pytest on made-up suites
 
 SERVER_TEST_TIMEOUT = 900   # s; under pyproject's faulthandler_timeout (1200), the backstop behind it
 EXIT_TIMEOUT = 120          # s the process may take to exit once the run has ended
 _EXIT_FD = pytest.StashKey[int]()
+_LIVE = pytest.StashKey[object]()   # the session's LiveServers, for the run's summary
 
 
 def _pytest_owns_the_process() -> bool:
@@ -55,7 +59,23 @@ def pytest_runtest_logreport(report):
         sys.stdout.flush()
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """How often the session's live servers started, and the time spent waiting for them: what the
+    order of tests/live_order.py is for (each server should start once)."""
+    servers = config.stash.get(_LIVE, None)
+    if servers is None or not servers.starts:
+        return
+    counts: dict[str, int] = {}
+    for name, _ in servers.starts:
+        counts[name] = counts.get(name, 0) + 1
+    waited = sum(seconds for _, seconds in servers.starts)
+    terminalreporter.write_line(
+        f"live servers: {len(servers.starts)} starts in {waited:.0f} s "
+        f"({', '.join(f'{name} {k}' for name, k in counts.items())})")
+
+
 def pytest_collection_modifyitems(config, items):
+    order_by_live_servers(items)   # tests/live_order.py: session servers start once, not after every stop
     # a live-server test may start servers (~20-60 s each) and run searches on 2 busy cores (the
     # slowest takes about 3.5 minutes on a quiet machine)
     for item in items:
@@ -96,7 +116,7 @@ LIVE_KV_BYTES = 64 << 20     # per server: 16k tokens of the generator in float3
 
 
 @pytest.fixture(scope="session")
-def live(tmp_path_factory, tiny_model_path):
+def live(request, tmp_path_factory, tiny_model_path):
     """``LiveServers`` with: ``generator`` (plugin, --tts-policy prefix-aware, metrics, seeded
     sampling), ``generator_off`` (plugin loaded, --tts-policy off, metrics, seeded sampling), ``generator_stock`` (no plugin:
     SGLANG_PLUGINS=none), ``generator_4slots`` (plugin, prefix-aware, --max-running-requests 4),
@@ -133,6 +153,7 @@ def live(tmp_path_factory, tiny_model_path):
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
     }
     servers = LiveServers(specs, work / "servers")
+    request.config.stash[_LIVE] = servers
     yield servers
     servers.stop_all()
 

@@ -13,7 +13,7 @@ from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.prm import StepTagPRM
 from live_http import flush_cache, post_all
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.live_servers("extra")]
 
 
 def _greedy(url: str, texts: list[str], tokens: int) -> list[dict]:

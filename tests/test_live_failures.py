@@ -53,7 +53,9 @@ def test_run_survives_a_generator_crash_and_resumes_exactly(live, tmp_path):
     written = _lines(out)                         # every line parses: nothing torn
     assert 3 <= len(written) < LIMIT
 
+    started = len(live.starts)
     assert live.start("generator_stock") == gen_url   # back on the same port
+    assert [name for name, _ in live.starts[started:]] == ["generator_stock"] and live.starts[-1][1] > 0
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert f"resuming {out}: {len(written)} of {LIMIT} problems already done" in done.stdout

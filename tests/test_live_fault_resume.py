@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.live_servers("own-but-prm")]
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEMS, IN_FLIGHT, KILLS, SEED = 40, 16, 2, 3

@@ -15,6 +15,8 @@ import pytest
 
 from sgl_tts.bench.server_counters import BLOCK_TOKENS, delta, parse_counters, recomputed_prompt_tokens
 
+pytestmark = pytest.mark.live_servers("own")   # stops the session's servers (observed)
+
 LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 4096 bytes a token
 
 

@@ -22,7 +22,7 @@ from sgl_tts.serving.server import BackgroundSearchServer
 from sgl_tts.serving.service import SearchService
 from sgl_tts.protocol import SearchTag
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.live_servers("own-but-prm")]
 
 REPLICAS = ("rep0", "rep1")
 LONG = {"model": "beam_search:32x4", "messages": [{"role": "user", "content": task.test_split()[3].question}],

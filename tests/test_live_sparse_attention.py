@@ -13,7 +13,7 @@ import pytest
 from live_http import post_all
 from sgl_tts.tiny import task
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.live_servers("extra")]
 
 
 @pytest.fixture(scope="module")

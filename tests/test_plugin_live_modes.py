@@ -304,6 +304,7 @@ def test_retraction_under_speculative_decoding_takes_speculative_requests_first(
 
 
 # ------------------------------------------------------------------------ live: one server
+pytestmark = pytest.mark.live_servers("own")   # the module's live tests stop the session's servers (mixed)
 LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 4096 bytes a token
 
 

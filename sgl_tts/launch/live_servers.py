@@ -132,6 +132,7 @@ class LiveServers:
         self._running: dict[str, ManagedServer] = {}
         self._logs: dict[str, object] = {}
         self._lock = threading.Lock()
+        self.starts: list[tuple[str, float]] = []   # (name, seconds until it answered), in start order
 
     # ------------------------------------------------------------------ paths and commands
     def log_path(self, name: str) -> Path:
@@ -194,7 +195,8 @@ class LiveServers:
         self._logs[name] = log
         server = ManagedServer(spec, out=log, tail_lines=40, env=spec.env)
         self._running[name] = server
-        deadline = time.monotonic() + self.health_timeout
+        began = time.monotonic()
+        deadline = began + self.health_timeout
         while not server.healthy():
             if not server.alive():
                 raise server.failure(f"exited with code {server.proc.returncode} before it was healthy "
@@ -204,6 +206,7 @@ class LiveServers:
                 raise server.failure(f"did not answer {spec.health_url} within {self.health_timeout:.0f} s "
                                      f"(log: {self.log_path(name)})")
             time.sleep(0.5)
+        self.starts.append((name, time.monotonic() - began))
 
     def start_router(self, name: str, workers: Sequence[str], policy: str = "cache_aware") -> str:
         """(Re)start SGLang's router ``name`` in front of the named servers (each started if need be)

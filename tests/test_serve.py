@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.launch.serve import ServerFailed, ServerSpec, _answers, run_servers
+from sgl_tts.launch.serve import ServerFailed, ServerSpec, _answers, on_cpu, run_servers, start_waves
 from sgl_tts.launch.live_servers import ephemeral_port_floor, free_port
 
 STAND_IN = r'''
@@ -33,6 +33,8 @@ if mode == "port-taken":   # as SGLang does: uvicorn cannot bind, the warm-up's 
     for k in range(60):
         print(f"  File \"http_server.py\", line {k}, in _execute_server_warmup", flush=True)
     sys.exit(1)
+if mode == "slow":   # loads for a second before it answers
+    time.sleep(1.0)
 if mode == "crash-early":
     print("ValueError: bad flag", flush=True)
     sys.exit(1)
@@ -59,9 +61,10 @@ def stand_in(tmp_path):
     script = tmp_path / "server.py"
     script.write_text(STAND_IN)
 
-    def spec(name, mode):
+    def spec(name, mode, *flags):
         port = free_port()
-        return ServerSpec(name, [sys.executable, str(script), str(port), mode], f"http://127.0.0.1:{port}/health")
+        return ServerSpec(name, [sys.executable, str(script), str(port), mode, *flags],
+                          f"http://127.0.0.1:{port}/health")
     return spec
 
 
@@ -131,6 +134,49 @@ def test_both_start_in_order_healthy_and_stop_without_orphans(stand_in):
     assert "[generator] ready" in text and "[prm] ready" in text
     assert text.index("[generator] ready") < text.index("[prm] starting")   # the second waits for the first
     assert all(gone(pid) for pid in grandchildren(text))
+
+
+def test_cpu_servers_start_together_and_gpu_servers_and_routers_one_at_a_time():
+    def spec(name, *flags):
+        return ServerSpec(name, ["python", "-m", "sglang.launch_server", *flags], "http://x/health")
+
+    cpu = ("--model-path", "m", "--device", "cpu", "--max-total-tokens", "4096")
+    gen, prm, rep = spec("generator", *cpu), spec("prm", *cpu), spec("rep1", *cpu)
+    router = ServerSpec("router", ["python", "-m", "sglang_router.launch_router", "--worker-urls", "a"], "http://r/health")
+    gpu_gen, gpu_prm = spec("generator", "--device", "cuda"), spec("prm", "--mem-fraction-static", "0.3")
+    assert start_waves([gen, prm]) == [[gen, prm]]
+    assert start_waves([gen, rep, prm, router]) == [[gen, rep, prm], [router]]
+    assert start_waves([gpu_gen, gpu_prm]) == [[gpu_gen], [gpu_prm]]
+    assert start_waves([gpu_gen, gen, prm]) == [[gpu_gen], [gen, prm]]
+    assert start_waves([gen, gpu_gen, prm]) == [[gen], [gpu_gen], [prm]]
+    assert not on_cpu(spec("x", "--device")) and not on_cpu(spec("x", "cpu", "--device"))
+    assert start_waves([]) == []
+
+
+def test_cpu_servers_start_at_once_and_all_answer_before_on_ready(stand_in):
+    log, stop, seen = Log(), threading.Event(), {}
+
+    def ready(servers):
+        seen["order"] = [s.spec.name for s in servers]
+        seen["healthy"] = [s.healthy() for s in servers]
+        stop.set()
+
+    run_servers([stand_in("generator", "slow", "--device", "cpu"), stand_in("prm", "ok", "--device", "cpu")],
+                health_timeout=30, poll=0.1, on_ready=ready, stop_event=stop, out=log, grace=5)
+    assert seen == {"order": ["generator", "prm"], "healthy": [True, True]}
+    text = str(log)
+    assert text.index("[prm] ready") < text.index("[generator] ready")   # the second did not wait
+    assert all(gone(pid) for pid in grandchildren(text))
+
+
+def test_a_cpu_server_that_never_answers_stops_the_one_started_with_it(stand_in):
+    log = Log()
+    with pytest.raises(ServerFailed, match=r"^the prm server did not answer http://127\.0\.0\.1:\d+/health within 2 s"):
+        run_servers([stand_in("generator", "ok", "--device", "cpu"), stand_in("prm", "never", "--device", "cpu")],
+                    health_timeout=2, poll=0.1, out=log, grace=2)
+    text = str(log)
+    assert "[generator] ready" in text and "[prm] loading weights..." in text
+    assert len(grandchildren(text)) == 2 and all(gone(pid) for pid in grandchildren(text))
 
 
 def test_a_sigterm_that_lands_just_after_a_server_started_still_stops_it(stand_in, monkeypatch):

@@ -1,9 +1,10 @@
 """``sgl-tts serve``: the generator and the PRM as two SGLang servers, on one GPU (planned) or on the
 CPU (``--device cpu``, :mod:`sgl_tts.launch.cpu_serving`), supervised.
 
-The memory planner (:mod:`sgl_tts.launch.memory`) gives both servers' flags in start-up order; the servers
-start one after the other (the second sizes its pools from the memory the first left), each must
-answer ``/health`` before the next starts, and their logs stream with a ``[generator]`` / ``[prm]``
+The memory planner (:mod:`sgl_tts.launch.memory`) gives both servers' flags in start-up order; on a GPU
+the servers start one after the other (the second sizes its pools from the memory the first left),
+each answering ``/health`` before the next starts; on the CPU, whose pools are explicit, they start at
+once (:func:`start_waves`), and their logs stream with a ``[generator]`` / ``[prm]``
 prefix. Ctrl-C, or either server dying, stops both: every child runs in its own process group, which
 gets SIGTERM, then SIGKILL after a grace period, so nothing is left running. A server that dies or
 never becomes healthy ends ``serve`` with a non-zero exit and that server's last log lines.
@@ -152,28 +153,57 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def on_cpu(spec: ServerSpec) -> bool:
+    """Whether ``spec`` is an SGLang server on the CPU (``--device cpu`` on its command line)."""
+    return any(a == "--device" and b == "cpu" for a, b in zip(spec.command, spec.command[1:]))
+
+
+def start_waves(specs: Sequence[ServerSpec]) -> list[list[ServerSpec]]:
+    """``specs`` in start-up waves, in order: a wave's servers start at once, and all of them answer
+    before the next wave starts. A GPU server (or a router) is a wave of its own: it sizes its pools
+    from the memory the servers before it left, or needs them up. Consecutive CPU servers share one:
+    their pools are explicit (``--max-total-tokens``), so nothing is sized from what another took, and
+    their start-ups (mostly imports, one core each) overlap on the machine's cores."""
+    waves: list[list[ServerSpec]] = []
+    for spec in specs:
+        if waves and on_cpu(spec) and all(on_cpu(s) for s in waves[-1]):
+            waves[-1].append(spec)
+        else:
+            waves.append([spec])
+    return waves
+
+
 def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, poll: float = 0.5,
                 on_ready: Callable[[list[ManagedServer]], None] | None = None,
                 stop_event: threading.Event | None = None, out=None, grace: float = 10.0) -> None:
-    """Start ``specs`` in order, each healthy before the next; call ``on_ready``; supervise until
-    ``stop_event`` is set (Ctrl-C sets nothing: it raises KeyboardInterrupt, which also stops both)
-    or a server exits (:class:`ServerFailed`). Every started server is stopped on the way out."""
+    """Start ``specs`` in order, in :func:`start_waves` (each wave healthy before the next); call
+    ``on_ready`` with the servers in ``specs``' order; supervise until ``stop_event`` is set (Ctrl-C
+    sets nothing: it raises KeyboardInterrupt, which also stops them) or a server exits
+    (:class:`ServerFailed`). Every started server is stopped on the way out."""
     started: list[ManagedServer] = []
     try:
-        for spec in specs:
-            if _answers(spec.health_url):   # e.g. a server left running by a killed earlier run
-                raise ServerFailed(f"something already answers at {spec.health_url}; stop it (or pick another "
-                                   f"port) before starting the {spec.name} server")
-            with signals_held():   # a server that was started is always in ``started``, so stopped
-                server = ManagedServer(spec, out=out, env=spec.env)
-                started.append(server)
+        for wave in start_waves(specs):
+            for spec in wave:
+                if _answers(spec.health_url):   # e.g. a server left running by a killed earlier run
+                    raise ServerFailed(f"something already answers at {spec.health_url}; stop it (or pick "
+                                       f"another port) before starting the {spec.name} server")
+            waiting: list[ManagedServer] = []
+            for spec in wave:
+                with signals_held():   # a server that was started is always in ``started``, so stopped
+                    server = ManagedServer(spec, out=out, env=spec.env)
+                    started.append(server)
+                waiting.append(server)
             deadline = time.monotonic() + health_timeout
-            while not server.healthy():
-                if not server.alive():
-                    raise server.failure(f"exited with code {server.proc.returncode} before it was healthy")
-                if time.monotonic() > deadline:
-                    raise server.failure(f"did not answer {spec.health_url} within {health_timeout:.0f} s")
-                time.sleep(poll)
+            while waiting:
+                for server in waiting:
+                    if not server.alive():
+                        raise server.failure(f"exited with code {server.proc.returncode} before it was healthy")
+                waiting = [server for server in waiting if not server.healthy()]
+                if waiting and time.monotonic() > deadline:
+                    server = waiting[0]
+                    raise server.failure(f"did not answer {server.spec.health_url} within {health_timeout:.0f} s")
+                if waiting:
+                    time.sleep(poll)
         if on_ready is not None:
             on_ready(started)
         while stop_event is None or not stop_event.is_set():

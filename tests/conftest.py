@@ -14,7 +14,6 @@ import torch
 from _pytest.faulthandler import get_stderr_fileno
 
 from sgl_tts.models import build_tiny_model
-from live_order import order_by_live_servers
 
 
 pytest_plugins = ["pytester"]   # tests/test_live_order.py runs pytest on made-up suites
@@ -75,6 +74,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # imported here: a suite that imports this module's hooks as ``tests.conftest`` (tests/test_project.py)
+    # has no tests/ on its path
+    from live_order import order_by_live_servers
+
     order_by_live_servers(items)   # tests/live_order.py: session servers start once, not after every stop
     # a live-server test may start servers (~20-60 s each) and run searches on 2 busy cores (the
     # slowest takes about 3.5 minutes on a quiet machine)

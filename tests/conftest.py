@@ -4,6 +4,7 @@ it and kept until the run ends."""
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import os
 import sys
@@ -64,9 +65,7 @@ def pytest_terminal_summary(terminalreporter, config):
     servers = config.stash.get(_LIVE, None)
     if servers is None or not servers.starts:
         return
-    counts: dict[str, int] = {}
-    for name, _ in servers.starts:
-        counts[name] = counts.get(name, 0) + 1
+    counts = collections.Counter(name for name, _ in servers.starts)
     waited = sum(seconds for _, seconds in servers.starts)
     terminalreporter.write_line(
         f"live servers: {len(servers.starts)} starts in {waited:.0f} s "

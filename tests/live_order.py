@@ -5,8 +5,9 @@ Each session server starts on first use (~30 s on a quiet 2-core machine), and a
 them to make room for servers of its own makes the next module that uses them start them again: in
 file-name order the session's nine servers started 21 times (by reading the modules; two are
 tests/test_live_failures.py's deliberate restarts), in this order 11 (measured: 302 s of waiting on
-a 2-core Xeon, 2026-11-28; the run's summary line ``live servers: ...`` says it each run). A module says how it uses them with the
-``live_servers`` marker; the run takes first the modules that do not use them (before any session
+a 2-core Xeon, 2026-11-28; the run's summary line ``live servers: ...`` says it each run).
+
+A module says how it uses them with the ``live_servers`` marker; the run takes first the modules that do not use them (before any session
 server starts), then those that start extra session servers and stop them after (``extra``, while
 few others run), those that share them (the default), those that stop all but the PRM for servers of
 their own (``own-but-prm``), and last those that stop them all (``own``; and any test that asks for

@@ -43,6 +43,8 @@ from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.protocol import SearchTag  # noqa: E402
 from test_scheduler_plugin import build_decode_state, extend_batch, make_req  # noqa: E402
 
+pytestmark = pytest.mark.live_servers("own")   # its live tests (below) stop the session's servers (mixed)
+
 # page_size and attention_backend as a CPU scheduler would resolve them (as tests/test_scheduler_plugin.py)
 SERVER_ARGS = ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native")
 set_global_server_args_for_scheduler(SERVER_ARGS)
@@ -304,7 +306,6 @@ def test_retraction_under_speculative_decoding_takes_speculative_requests_first(
 
 
 # ------------------------------------------------------------------------ live: one server
-pytestmark = pytest.mark.live_servers("own")   # the module's live tests stop the session's servers (mixed)
 LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 4096 bytes a token
 
 

@@ -199,11 +199,12 @@ def run_servers(specs: Sequence[ServerSpec], *, health_timeout: float = 600.0, p
                     if not server.alive():
                         raise server.failure(f"exited with code {server.proc.returncode} before it was healthy")
                 waiting = [server for server in waiting if not server.healthy()]
-                if waiting and time.monotonic() > deadline:
+                if not waiting:
+                    break
+                if time.monotonic() > deadline:
                     server = waiting[0]
                     raise server.failure(f"did not answer {server.spec.health_url} within {health_timeout:.0f} s")
-                if waiting:
-                    time.sleep(poll)
+                time.sleep(poll)
         if on_ready is not None:
             on_ready(started)
         while stop_event is None or not stop_event.is_set():

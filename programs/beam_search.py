@@ -28,7 +28,8 @@ Every step request's sampling seed is keyed by (depth, parent candidate, child o
 seed gives the same samples however the search is scheduled. ``speculative=True`` (speculative beam
 extension with LookAhead verification) and ``overlap_verification=True`` hide generation and
 verification latency without changing a kept beam (:mod:`sgl_tts.search.pipeline`); ``speculative="truncate"``
-is FlashTTS's approximate R mode.
+is FlashTTS's approximate R mode. ``overlap_by_family=True`` overlaps by family (siblings' PRM requests
+go together once all their steps ended), for a PRM whose cache is under pressure.
 
 ``semantics="search-and-learn"`` reproduces huggingface/search-and-learn's ``beam_search``
 (``src/sal/search/beam_search.py``) instead; ``max_depth`` is its ``num_iterations`` and
@@ -76,10 +77,12 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                 search_group: str | None = None, filter_duplicates: bool = False,
                 semantics: str = "sgl-tts", sort_completed: bool = False,
                 speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
-                accept_threshold: float | None = None) -> SearchResult:
+                accept_threshold: float | None = None, overlap_by_family: bool = False) -> SearchResult:
     # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
     BeamSearchOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification,
-                      branching, lookahead, semantics, filter_duplicates, sort_completed, accept_threshold)
+                      overlap_by_family=overlap_by_family, branching=branching, lookahead=lookahead,
+                      semantics=semantics, filter_duplicates=filter_duplicates, sort_completed=sort_completed,
+                      accept_threshold=accept_threshold)
     if semantics == "search-and-learn":
         return _search_and_learn(s, question, prm, num_beams, beam_width, max_depth, step_tokens,
                                  sampling_temperature, aggregation, seed, delimiter, answer_pattern,
@@ -92,7 +95,7 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
                         delimiter=delimiter, answer_pattern=answer_pattern, bins=beam_width, seed=seed,
                         seed_of=lambda depth, parent, j: derive_seed("beam_search", seed, question, depth, parent, j),
                         limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
-                        speculation=policy, overlap=overlap_verification, t0=t0)
+                        speculation=policy, overlap=overlap_verification, by_family=overlap_by_family, t0=t0)
     beams = [Beam(st, ordinal=i) for i, st in enumerate(s.fork(num_beams))]
     keep = max(1, num_beams // beam_width)
     done: list[Trajectory] = []

@@ -10,9 +10,9 @@ is finished (an answer, or EOS); one still open at ``max_depth`` ends with its l
 whole with what continues it: :func:`sgl_tts.search.advance`). Unlike
 beam search no subtree can take over another's budget, which keeps the N/M final answers diverse.
 The pick is the best aggregated score among the subtrees' results (finished ones first).
-``speculative`` and ``overlap_verification`` work as in beam search (:mod:`sgl_tts.search.pipeline`): a
-candidate whose step ended speculates the next steps of its subtree; they are kept only if it is the
-subtree's pick.
+``speculative``, ``overlap_verification`` and ``overlap_by_family`` work as in beam search
+(:mod:`sgl_tts.search.pipeline`): a candidate whose step ended speculates the next steps of its
+subtree; they are kept only if it is the subtree's pick. A subtree's M beams are one family.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
          step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
          aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
          answer_pattern: str = BOXED, search_group: str | None = None,
-         speculative: "bool | str | Speculation" = False, overlap_verification: bool = False) -> SearchResult:
+         speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
+         overlap_by_family: bool = False) -> SearchResult:
     # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
-    DVTSOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification)
+    DVTSOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification,
+                overlap_by_family)
     policy = Speculation.of(speculative)
     t0 = time.perf_counter()
     s += question + delimiter
@@ -49,7 +51,7 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
                             "dvts", seed, question, *((j // beam_width, depth, j % beam_width) if depth == 0
                                                       else (tree_of[(depth - 1, parent)], depth, j))),
                         limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
-                        speculation=policy, overlap=overlap_verification, t0=t0)
+                        speculation=policy, overlap=overlap_verification, by_family=overlap_by_family, t0=t0)
     # the root forks once per subtree and each subtree's root forks its M candidates, as at every depth
     beams = []
     for tree, st in enumerate(s.fork(trees)):

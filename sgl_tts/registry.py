@@ -140,6 +140,8 @@ def _tree(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
         out.update(speculative=cfg.speculative)
     if cfg.overlap_verification:
         out.update(overlap_verification=True)
+    if cfg.overlap_by_family:
+        out.update(overlap_by_family=True)
     return out
 
 
@@ -168,7 +170,7 @@ def _check_options(cfg: Any, bad: Callable[..., None], options: type, **own: Any
     try:
         options(num_beams=cfg.n, beam_width=cfg.beam_width, max_depth=cfg.max_depth, step_tokens=_steps(cfg),
                 aggregation=cfg.aggregation, speculative=cfg.speculative if cfg.speculative != "off" else False,
-                overlap_verification=cfg.overlap_verification, **own)
+                overlap_verification=cfg.overlap_verification, overlap_by_family=cfg.overlap_by_family, **own)
     except OptionError as exc:
         bad(str(exc), *(_SETTING_OF.get(name, name) for name in exc.options))
 

@@ -375,16 +375,16 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
 def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path, capsys):
     """The locality ablation (issue 32): sgl-tts+locality runs both rules on both servers, the
     -eviction and -order sides one rule alone (--tts-locality-rules), on the sgl-tts pools; so does
-    sgl-tts+locality+overlap (both rules; its program overlaps verification)."""
+    sgl-tts+locality+overlap and -overlap-by-family (both rules; their programs overlap verification)."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--sides", "sgl-tts+locality", "sgl-tts+locality-eviction", "sgl-tts+locality-order",
-                       "sgl-tts+locality+overlap"])
+                       "sgl-tts+locality+overlap", "sgl-tts+locality+overlap-by-family"])
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = out.out.splitlines()
     cmds = dict(zip(lines[1::2], lines[2::2]))
     rules = {"sgl-tts+locality": None, "sgl-tts+locality-eviction": "eviction", "sgl-tts+locality-order": "order",
-             "sgl-tts+locality+overlap": None}
+             "sgl-tts+locality+overlap": None, "sgl-tts+locality+overlap-by-family": None}
     assert list(cmds) == [f"# {side} {server}" for side in rules for server in ("generator", "prm")]
     for name, cmd in cmds.items():
         side, server = name[2:].split()
@@ -396,7 +396,8 @@ def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path,
 
 def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_policy(tmp_path, capsys):
     """--pressure (issue 32): n = 256's recorded budget (32 MiB, both pools of a side), a 512-token
-    prompt, SGLang's three policies then sgl-tts, sgl-tts+locality and sgl-tts+locality+overlap; the
+    prompt, SGLang's three policies then sgl-tts, sgl-tts+locality, sgl-tts+locality+overlap and
+    sgl-tts+locality+overlap-by-family; the
     stock generator's pool is half of 32 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64,
     float16): 8,192 tokens."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
@@ -408,7 +409,8 @@ def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_
     assert (cfg["n"], cfg["prompt_tokens"], cfg["algorithms"]) == ([256], 512, ["beam_search"])
     cmds = dict(zip(lines[1::2], lines[2::2]))
     assert [name.split()[1] for name in list(cmds)[::2]] == ["stock", "stock-lpm", "stock-dfs-weight", "sgl-tts",
-                                                              "sgl-tts+locality", "sgl-tts+locality+overlap"]
+                                                              "sgl-tts+locality", "sgl-tts+locality+overlap",
+                                                              "sgl-tts+locality+overlap-by-family"]
     assert {int(cmd.split("--max-total-tokens ")[1].split()[0]) for name, cmd in cmds.items()
             if name.endswith("generator")} == {2 ** 24 // (4 * 2 * 2 * 64 * 2)}
     # --sides still chooses the sides
@@ -896,19 +898,21 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
                        step_tokens=trace.max_tokens, sampling_temperature=cfg.temperature, seed=cfg.seed)
             assert {k: args[k] for k in own} == own, (side, algorithm)
             params = inspect.signature(program_function(algorithm).func).parameters
-            rest = {k: v for k, v in args.items() if k not in own and k not in ("speculative", "overlap_verification")}
+            rest = {k: v for k, v in args.items()
+                    if k not in own and k not in ("speculative", "overlap_verification", "overlap_by_family")}
             assert rest == {k: params[k].default for k in rest}, (side, algorithm)
             policies[side, algorithm] = (Speculation.of(args.get("speculative", False)),
-                                         args.get("overlap_verification", False))
+                                         args.get("overlap_verification", False) + args.get("overlap_by_family", False))
     for algorithm in cfg.algorithms:
         # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality and its two rules alone
         # (server policies only), sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
-        # sgl-tts+overlap (overlapped verification alone), the two together, and overlap on the locality servers
+        # sgl-tts+overlap (overlapped verification alone), the two together, and overlap on the locality
+        # servers, by beam then by family (1: overlapped verification, 2: overlapped by family)
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
-            (None, False), (None, False), (None, False), (None, False), (Speculation(lookahead=False), False),
-            (Speculation(), False), (Speculation(), True), (None, False), (None, False), (None, False),
-            (Speculation(controlled=True, verifier_shares_device=True), False), (None, True),
-            (Speculation(controlled=True, verifier_shares_device=True), True), (None, True)]
+            (None, 0), (None, 0), (None, 0), (None, 0), (Speculation(lookahead=False), 0),
+            (Speculation(), 0), (Speculation(), 1), (None, 0), (None, 0), (None, 0),
+            (Speculation(controlled=True, verifier_shares_device=True), 0), (None, 1),
+            (Speculation(controlled=True, verifier_shares_device=True), 1), (None, 1), (None, 2)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

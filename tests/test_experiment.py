@@ -130,7 +130,11 @@ def test_yaml_then_flags_override_defaults(tmp_path):
      "semantics='search-and-learn' runs search-and-learn's own loop; speculative and overlap_verification"),
     ({"speculative": "fast"}, "unknown speculative mode 'fast'; choose off, exact, exact-no-lookahead, truncate, auto"),
     ({"program": "best_of_n", "overlap_verification": True},
-     "speculative and overlap_verification are settings of beam_search and dvts"),
+     "speculative, overlap_verification and overlap_by_family are settings of beam_search and dvts"),
+    ({"program": "best_of_n", "overlap_by_family": True},
+     "speculative, overlap_verification and overlap_by_family are settings of beam_search and dvts"),
+    ({"program": "dvts", "overlap_by_family": True},
+     "overlap_by_family is a way of overlapped verification: it needs overlap_verification=True"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, content, message):
     conf = tmp_path / "run.yaml"
@@ -192,7 +196,7 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     # a setting added later stays out of the key at its default: runs written before it still resume
     fields = {k: v for k, v in dataclasses.asdict(beam).items() if k not in RunConfig.NOT_IN_RUN_KEY
               and k not in ("filter_duplicates", "semantics", "sort_completed", "speculative",
-                            "overlap_verification", "accept_threshold", "parallel", "c_puct", "threshold", "positive_exit",
+                            "overlap_verification", "overlap_by_family", "accept_threshold", "parallel", "c_puct", "threshold", "positive_exit",
                             "negative_exit", "futility", "first_step_cutoff", "resampling", "weight_temperature",
                             "particle_pick", "deepconf_mode", "keep_fraction", "confidence_window",
                             "confidence_top_k", "confidence_measure", "warmup_samples", "consensus",
@@ -202,6 +206,8 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
     # exact speculation and overlapped verification never change a result: the same key
     assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact",
                                      overlap_verification=True).run_key()
+    assert beam.run_key() == cfg_for(tmp_path, program="beam_search", overlap_verification=True,
+                                     overlap_by_family=True).run_key()
     assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact-no-lookahead").run_key()
     assert beam.run_key() != cfg_for(tmp_path, program="beam_search", speculative="truncate").run_key()
     assert a.run_key() != cfg_for(tmp_path, n=4).run_key()

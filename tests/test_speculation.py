@@ -60,14 +60,18 @@ SETTINGS = dict(num_beams=8, beam_width=2, max_depth=7, step_tokens=24)
     (Speculation(), False),
     (Speculation(), True),
     (False, True),
-], ids=["speculate", "speculate+lookahead", "speculate+lookahead+overlap", "overlap"])
+    (Speculation(), "by-family"),
+    (False, "by-family"),
+], ids=["speculate", "speculate+lookahead", "speculate+lookahead+overlap", "overlap",
+        "speculate+lookahead+overlap-by-family", "overlap-by-family"])
 def test_every_trajectory_is_the_plain_searchs(program, policy, overlap):
     """Exact mode: every trajectory (steps, scores, tokens), every answer; the plain search's tokens are
     exactly the normal ones plus the speculative ones reused."""
     speculated = 0
     for q in QUESTIONS:
         plain, _, _ = run(program, q, **SETTINGS)
-        got, _, backend = run(program, q, speculative=policy, overlap_verification=overlap, **SETTINGS)
+        got, _, backend = run(program, q, speculative=policy, overlap_verification=bool(overlap),
+                              overlap_by_family=overlap == "by-family", **SETTINGS)
         assert kept(got) == kept(plain)
         assert got.answers == plain.answers and got.answer == plain.answer
         assert got.tokens_generated == got.tokens_normal + got.tokens_speculative
@@ -335,6 +339,52 @@ def test_overlapped_verification_scores_finished_beams_while_a_straggler_generat
         assert len(prm.calls) == 2 and first >= end_of_straggler - 0.05    # one batch per depth
     assert got.seconds_verifying >= 0 and got.seconds_generating > 0.5
     assert slow.finish_reason["matched"] == D
+
+
+def distinct_heavy(prefix: str, draw: int | None) -> str:
+    """``heavy``'s steps, each led by its sampling seed: no two beams' paths are equal, so a path
+    names its beam (and a path without its last step names the parent)."""
+    return f"{draw}:{heavy(prefix, draw)}"
+
+
+def families_split(prm: ScriptedPRM) -> tuple[int, int]:
+    """(families scored, families whose PRM requests went out in more than one call). A family: the
+    paths scored below one parent path (every path of two or more steps, keyed by all its steps but
+    the last); the root's beams share only the question and are not a family."""
+    calls_of: dict[tuple[str, ...], set[int]] = {}
+    for k, call in enumerate(prm.calls):
+        for path in call.steps_batch:
+            if len(path) >= 2:
+                calls_of.setdefault(tuple(path[:-1]), set()).add(k)
+    return len(calls_of), sum(len(calls) > 1 for calls in calls_of.values())
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_overlap_by_family_sends_each_family_in_one_prm_call(program):
+    """By family, all of a family's PRM requests go in one call (issue 32: the PRM computes their
+    shared path once); by beam, the same searches split families over calls, as their siblings' steps
+    end apart (the check tells the two apart). The kept beams are the same."""
+    settings = dict(SETTINGS, step_tokens=64)   # no step is cut: every path at depth d has d + 1 steps
+    split_by_beam = 0
+    for q in QUESTIONS:
+        by_beam, prm_by_beam, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
+                                      overlap_verification=True, **settings)
+        by_family, prm_by_family, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
+                                          overlap_verification=True, overlap_by_family=True, **settings)
+        assert kept(by_family) == kept(by_beam)
+        families, split = families_split(prm_by_family)
+        assert families >= 4 and split == 0, (q, families, split)
+        split_by_beam += families_split(prm_by_beam)[1]
+    assert split_by_beam > 0
+
+
+def test_overlap_by_family_needs_overlapped_verification():
+    with pytest.raises(ValueError, match="overlap_by_family is a way of overlapped verification: it needs "
+                                         "overlap_verification=True"):
+        run(dvts, "q1", overlap_by_family=True, **SETTINGS)
+    with pytest.raises(ValueError, match="by_family is a way of overlapped verification: give overlap=True"):
+        StepPipeline("q", ScriptedPRM(score), "g", seed_of=lambda *a: 0, limit_of=lambda d: 8, max_depth=2,
+                     temperature=0.0, by_family=True)
 
 
 def test_speculative_potential_follows_selectspec_bins():

@@ -58,7 +58,8 @@ CPU_PROBLEMS = 1
 # context no longer fits the PRM's pool at that split, so n = 64 cannot be pressed harder with this prompt.
 CPU_PRESSURE_PROMPT_TOKENS = 512
 CPU_PRESSURE_BUDGETS = {64: "16MiB", 128: "16MiB", 256: "32MiB"}
-CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-tts+locality", "sgl-tts+locality+overlap")
+CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-tts+locality", "sgl-tts+locality+overlap",
+                      "sgl-tts+locality+overlap-by-family")
 
 
 def apply_pressure(args) -> None:

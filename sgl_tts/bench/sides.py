@@ -40,6 +40,8 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+auto+overlap": {"speculative": "auto", "overlap_verification": True},
     # under KV pressure (issue 32): the locality policy on both servers and overlapped verification
     "sgl-tts+locality+overlap": {"overlap_verification": True},
+    # the same, a family's PRM requests sent together once its siblings' steps ended (the PRM's cache)
+    "sgl-tts+locality+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
 }
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
@@ -49,6 +51,7 @@ SERVER_POLICIES: dict[str, dict[str, str]] = {
     "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
     "sgl-tts+locality-order": {"policy": "locality", "locality_rules": "order"},
     "sgl-tts+locality+overlap": {"policy": "locality"},
+    "sgl-tts+locality+overlap-by-family": {"policy": "locality"},
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--schedule-policy lpm / dfs-weight); sgl-tts+spec...: speculative beam extension, then LookAhead, "
                         "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
                         "-order): --tts-policy locality (or one of its rules alone) on both servers; "
-                        "sgl-tts+locality+overlap: that policy with overlapped verification")
+                        "sgl-tts+locality+overlap: that policy with overlapped verification; "
+                        "sgl-tts+locality+overlap-by-family: overlapped by family (siblings' PRM requests together)")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

@@ -78,6 +78,9 @@ class RunConfig:
             ``none`` (every running branch stops at the barrier), or a JSON file with ``points:
             [[rows, seconds], ...]``.
         overlap_verification: beam search and DVTS send a beam's PRM request as soon as its step ends.
+        overlap_by_family: with ``overlap_verification``, a family's PRM requests (one parent's
+            children) go together once every sibling's step ended, so that a PRM whose KV cache is
+            under pressure computes their shared path once (:mod:`sgl_tts.search.pipeline`).
         accept_threshold: beam search positive early exit: stop after the first depth at which a
             finished trajectory scores at least this (``None``: off).
         resampling: particle filtering's draws: ``multinomial`` (its_hub's) or ``systematic``.
@@ -148,6 +151,7 @@ class RunConfig:
     sort_completed: bool = False
     speculative: str = "off"
     overlap_verification: bool = False
+    overlap_by_family: bool = False
     speculation_curve: str = "measure"
     verifier_shares_device: str = "auto"
     verifier_slowdown: str = "measure"
@@ -197,10 +201,11 @@ class RunConfig:
     # beam search's semantics, filter_duplicates, sort_completed and accept_threshold, MCTS's settings.
     KEYED_WHEN_SET: typing.ClassVar[dict[str, Any]] = {
         # never change a kept beam (exact); truncate changes samples, so it is keyed
-        "speculative": "off", "overlap_verification": False}
+        "speculative": "off", "overlap_verification": False, "overlap_by_family": False}
     # Settings that never change a result: the same key with them on or off (a run may resume either way).
     SAME_RESULTS: typing.ClassVar[dict[str, tuple[Any, ...]]] = {
-        "speculative": ("off", "exact", "exact-no-lookahead", "auto"), "overlap_verification": (False, True)}
+        "speculative": ("off", "exact", "exact-no-lookahead", "auto"), "overlap_verification": (False, True),
+        "overlap_by_family": (False, True)}
 
     @classmethod
     def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None
@@ -243,9 +248,10 @@ class RunConfig:
         if self.speculative not in ("off", *SPECULATION_PRESETS):
             bad(f"unknown speculative mode {self.speculative!r}; choose off, {', '.join(SPECULATION_PRESETS)}",
                 "speculative")
-        if (self.speculative != "off" or self.overlap_verification) and self.program not in ("beam_search", "dvts"):
-            bad("speculative and overlap_verification are settings of beam_search and dvts",
-                "speculative", "overlap_verification", "program")
+        if (self.speculative != "off" or self.overlap_verification or self.overlap_by_family) \
+                and self.program not in ("beam_search", "dvts"):
+            bad("speculative, overlap_verification and overlap_by_family are settings of beam_search and dvts",
+                "speculative", "overlap_verification", "overlap_by_family", "program")
         if self.verifier_shares_device not in ("auto", "yes", "no"):
             bad(f"verifier_shares_device must be auto, yes or no, got {self.verifier_shares_device!r}",
                 "verifier_shares_device")

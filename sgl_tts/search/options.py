@@ -41,7 +41,7 @@ class TreeSearchOptions:
     """What beam search and DVTS share: N beams, M children per kept beam, the depth limit, the step
     limit (an int or a per-depth schedule), how step scores aggregate, and the two latency policies
     (speculation: ``False``/``True``, a preset name or a :class:`~sgl_tts.search.pipeline.Speculation`;
-    overlapped verification)."""
+    overlapped verification, by beam or, ``overlap_by_family``, by family)."""
 
     num_beams: int = 16
     beam_width: int = 4
@@ -50,6 +50,7 @@ class TreeSearchOptions:
     aggregation: str = "last"
     speculative: Any = False
     overlap_verification: bool = False
+    overlap_by_family: bool = False
 
     def __post_init__(self):
         if self.num_beams < 1 or self.beam_width < 1:
@@ -65,6 +66,9 @@ class TreeSearchOptions:
             step_limit(self.step_tokens, 0)
         except ValueError as exc:
             raise OptionError(str(exc), "step_tokens") from None
+        if self.overlap_by_family and not self.overlap_verification:
+            raise OptionError("overlap_by_family is a way of overlapped verification: it needs "
+                              "overlap_verification=True", "overlap_by_family", "overlap_verification")
         from sgl_tts.search.pipeline import Speculation
 
         try:

@@ -29,6 +29,12 @@ all off by default, hide latency without touching which beams are kept (seed 000
 - **Overlapped verification** (``overlap=True``): a beam's PRM request is sent as soon as its step
   ends (with LookAhead: as soon as one of its branches completes a step, or when the last step of the
   depth ends), on a thread of its own, while the stragglers generate. Selection waits for every score.
+  ``by_family=True`` sends a family's requests (the children of one parent) together, once every
+  sibling's step ended: they then reach the PRM as one batch whose shared path it computes once and
+  its prefix-aware order keeps together, where requests sent one by one interleave with other
+  families' and, in a PRM cache under pressure, evict each other's shared path (issue 32: DVTS
+  n = 128, the PRM recomputed 62% less). The root's beams share only the question, so they go as
+  their steps end.
 
 Selection sees only each candidate's current step and its scores, so given the same samples and
 scores every policy keeps the beams the plain search keeps (tests/test_speculation.py proves it).
@@ -48,6 +54,7 @@ from typing import Any, Callable, Sequence
 import sgl_tts
 from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.protocol import rid_prefix
+from sgl_tts.search.families import Families
 from sgl_tts.search import (BOXED, STEP_DELIMITER, Advance, PathSoFar, Step, SearchTag, Trajectory, advance,
                             aggregate, extract_answer, is_final, read_step)
 from sgl_tts.search.speculation_cost import (DecodeCurve, RowsInFlight, SpeculationController, TakeOverChance,
@@ -290,18 +297,21 @@ class StepPipeline:
         bins: the branching factor (the default number of speculative bins).
         speculation: the speculation policy, or ``None``.
         overlap: overlapped verification.
+        by_family: with ``overlap``, a family's PRM requests go together once all its steps ended.
     """
 
     def __init__(self, question: str, prm, group: str, *, seed_of: Callable[[int, int, int], int | None],
                  limit_of: Callable[[int], int], max_depth: int, temperature: float, aggregation: str = "last",
                  delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED, bins: int = 1,
-                 speculation: Speculation | None = None, overlap: bool = False, seed: int = 0,
-                 t0: float | None = None):
+                 speculation: Speculation | None = None, overlap: bool = False, by_family: bool = False,
+                 seed: int = 0, t0: float | None = None):
         self.question, self.prm, self.group = question, prm, group
         self.seed_of, self.limit_of, self.max_depth = seed_of, limit_of, max_depth
         self.temperature, self.aggregation = temperature, aggregation
         self.delimiter, self.answer_pattern = delimiter, answer_pattern
-        self.speculation, self.overlap = speculation, overlap
+        if by_family and not overlap:
+            raise ValueError("by_family is a way of overlapped verification: give overlap=True with it")
+        self.speculation, self.overlap, self.by_family = speculation, overlap, by_family
         self.bins = (speculation.bins if speculation and speculation.bins else bins)
         self.controller = (SpeculationController(speculation.curve, verifier_shares_device=speculation.verifier_shares_device,
                                                  slowdown=speculation.slowdown)
@@ -339,6 +349,7 @@ class StepPipeline:
                 waiting[i] = ("step", b.state, name)
         verifying: list[tuple[list[Candidate], Any]] = []   # (candidates, future of their scores)
         sent: set[int] = set()
+        families = Families(beams) if self.by_family else None
         if self.controller is not None and self._rows is None and beams:
             self._rows = rows_in_flight(_generator_key(beams[0].state))
         others = 0   # the rows the process's other controlled searches have on the generator
@@ -360,7 +371,10 @@ class StepPipeline:
                     ready.append(c)
             if self.overlap and self.speculation and self.speculation.lookahead:
                 ready += [cands[i] for i, brs in self._branches.items()
-                          if i not in sent and cands[i] not in ready and any(br.ended() and br.whole for br in brs)]
+                          if i not in sent and cands[i] not in ready and not (families and families.holds(i))
+                          and any(br.ended() and br.whole for br in brs)]
+            if ready and families is not None:
+                ready = families.release(ready)
             if self._rows is not None or self._queue:
                 running = len(waiting) + self._running_branches()
                 if self._rows is not None:

@@ -1,0 +1,50 @@
+"""Overlapped verification by family (issue 32): a family's PRM requests (the children of one parent
+at one depth) leave together, once every sibling's step has ended.
+
+Sent one by one as their steps end, siblings reach the PRM spread over the depth, between other
+families' requests; in a PRM whose KV cache is under pressure those evict the family's shared path
+before the next sibling arrives, and each sibling computes it again. Sent together, they arrive as one
+batch: the PRM computes the shared path once and its prefix-aware order keeps them together. The
+price is some overlap: a family waits for its slowest sibling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from sgl_tts.search.pipeline import Beam, Candidate
+
+
+class Families:
+    """Overlapped verification by family: holds each ready candidate until every sibling (the beams of
+    one parent at this depth) is ready, then releases the family in beam order. A root beam (no
+    parent) is released at once. What is still held when the depth's last step ends goes out with
+    the rest at the barrier."""
+
+    def __init__(self, beams: Sequence[Beam]):
+        self.size: dict[int, int] = {}
+        for b in beams:
+            self.size[b.parent] = self.size.get(b.parent, 0) + 1
+        self.held: dict[int, list[Candidate]] = {}
+        self._held_ids: set[int] = set()
+
+    def holds(self, index: int) -> bool:
+        return index in self._held_ids
+
+    def release(self, ready: Sequence[Candidate]) -> list[Candidate]:
+        out: list[Candidate] = []
+        for c in ready:
+            parent = c.beam.parent
+            if parent < 0:
+                out.append(c)
+                continue
+            family = self.held.setdefault(parent, [])
+            family.append(c)
+            self._held_ids.add(c.index)
+            if len(family) == self.size[parent]:
+                out += sorted(self.held.pop(parent), key=lambda x: x.index)
+        return out
+
+
+__all__ = ["Families"]

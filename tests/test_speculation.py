@@ -347,35 +347,69 @@ def distinct_heavy(prefix: str, draw: int | None) -> str:
     return f"{draw}:{heavy(prefix, draw)}"
 
 
-def families_split(prm: ScriptedPRM) -> tuple[int, int]:
-    """(families scored, families whose PRM requests went out in more than one call). A family: the
-    paths scored below one parent path (every path of two or more steps, keyed by all its steps but
-    the last); the root's beams share only the question and are not a family."""
+def split_families(prm: ScriptedPRM) -> tuple[int, dict[int, list[tuple[str, ...]]]]:
+    """(families scored, the families whose PRM requests went out in more than one call, by depth).
+    A family: the paths scored below one parent path (every path of two or more steps, keyed by all
+    its steps but the last; with no step cut, a path at depth d has d + 1 steps); the root's beams
+    share only the question and are not a family."""
     calls_of: dict[tuple[str, ...], set[int]] = {}
     for k, call in enumerate(prm.calls):
         for path in call.steps_batch:
             if len(path) >= 2:
                 calls_of.setdefault(tuple(path[:-1]), set()).add(k)
-    return len(calls_of), sum(len(calls) > 1 for calls in calls_of.values())
+    split: dict[int, list[tuple[str, ...]]] = {}
+    for parent, calls in calls_of.items():
+        if len(calls) > 1:
+            split.setdefault(len(parent), []).append(parent)
+    return len(calls_of), split
 
 
 @pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
 def test_overlap_by_family_sends_each_family_in_one_prm_call(program):
-    """By family, all of a family's PRM requests go in one call (issue 32: the PRM computes their
-    shared path once); by beam, the same searches split families over calls, as their siblings' steps
-    end apart (the check tells the two apart). The kept beams are the same."""
-    settings = dict(SETTINGS, step_tokens=64)   # no step is cut: every path at depth d has d + 1 steps
-    split_by_beam = 0
+    """By family, a family's PRM requests go in one call (issue 32: the PRM computes their shared path
+    once), except the depth's last family: once only its beams generate, its members go as they are
+    ready, and no other family's request comes after its first call at that depth. By beam, the same
+    searches split several families of a depth over calls, as siblings' steps end apart (the check
+    tells the two apart). The kept beams are the same."""
+    settings = dict(SETTINGS, step_tokens=64)   # no step is cut
+    several_split_by_beam = 0
     for q in QUESTIONS:
         by_beam, prm_by_beam, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
                                       overlap_verification=True, **settings)
-        by_family, prm_by_family, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
-                                          overlap_verification=True, overlap_by_family=True, **settings)
+        by_family, prm, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
+                                overlap_verification=True, overlap_by_family=True, **settings)
         assert kept(by_family) == kept(by_beam)
-        families, split = families_split(prm_by_family)
-        assert families >= 4 and split == 0, (q, families, split)
-        split_by_beam += families_split(prm_by_beam)[1]
-    assert split_by_beam > 0
+        families, split = split_families(prm)
+        assert families >= 4 and all(len(parents) == 1 for parents in split.values()), (q, split)
+        for depth, (last,) in split.items():
+            first = min(k for k, call in enumerate(prm.calls) if any(tuple(p[:-1]) == last for p in call.steps_batch))
+            later = [tuple(p[:-1]) for call in prm.calls[first + 1:] for p in call.steps_batch if len(p) == depth + 1]
+            assert set(later) <= {last}, (q, depth)
+        several_split_by_beam += sum(len(parents) > 1 for parents in split_families(prm_by_beam)[1].values())
+    assert several_split_by_beam > 0
+
+
+def test_families_release_a_family_when_its_last_sibling_is_ready_and_the_last_family_at_once():
+    """Families, step by step, against the rule's definition: children of parents 0 (two) and 1
+    (three) and a root beam (no parent); a candidate goes when its whole family is ready, a root beam
+    at once, and once only one family still generates, its ready members go and later ones at once."""
+    from sgl_tts.search.families import Families
+    from sgl_tts.search.pipeline import Beam, Candidate
+
+    beams = [Beam(None, parent=0), Beam(None, parent=0), Beam(None, parent=1), Beam(None, parent=1),
+             Beam(None, parent=1), Beam(None)]
+    c = [Candidate(i, b, None, None) for i, b in enumerate(beams)]
+    fam = Families(beams)
+    assert fam.release([c[2]], generating={0, 1, -1}) == []               # held: 3 and 4 still generate
+    assert fam.release([c[5], c[1]], generating={0, 1}) == [c[5]]         # a root beam goes at once
+    assert fam.holds(1) and fam.holds(2) and not fam.holds(5)
+    assert fam.release([c[0]], generating={1}) == [c[0], c[1], c[2]]      # family 0 whole; 1 is the last
+    assert fam.release([c[4]], generating={1}) == [c[4]]                  # ... so its members go at once
+    assert fam.release([c[3]], generating=set()) == [c[3]]
+    fam = Families(beams)
+    assert fam.release([c[3], c[2]], generating={0, 1}) == []
+    assert fam.release([c[4]], generating={0}) == [c[2], c[3], c[4]]      # whole, in beam order
+    assert fam.release([], generating={0}) == []                          # (the last one: nothing held)
 
 
 def test_overlap_by_family_needs_overlapped_verification():

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 class Families:
     """Overlapped verification by family: holds each ready candidate until every sibling (the beams of
     one parent at this depth) is ready, then releases the family in beam order. A root beam (no
-    parent) is released at once. What is still held when the depth's last step ends goes out with
-    the rest at the barrier."""
+    parent) is released at once. Once the beams still generating all belong to one family, that
+    family's ready members go at once, and so does each later one: no other family of the search is
+    left to come between them in the PRM's queue, and the depth's tail is not spent waiting. What is
+    still held when the depth's last step ends goes out with the rest at the barrier."""
 
     def __init__(self, beams: Sequence[Beam]):
         self.size: dict[int, int] = {}
@@ -28,15 +30,19 @@ class Families:
             self.size[b.parent] = self.size.get(b.parent, 0) + 1
         self.held: dict[int, list[Candidate]] = {}
         self._held_ids: set[int] = set()
+        self._open: set[int] = set()   # families whose members go as they are ready
 
     def holds(self, index: int) -> bool:
+        """Whether candidate ``index`` is held (ready, waiting for its siblings)."""
         return index in self._held_ids
 
-    def release(self, ready: Sequence[Candidate]) -> list[Candidate]:
+    def release(self, ready: Sequence[Candidate], generating: set[int]) -> list[Candidate]:
+        """What of ``ready`` (and of what was held) goes to the PRM now, in beam order per family;
+        ``generating``: the parents of the beams still generating at this depth."""
         out: list[Candidate] = []
         for c in ready:
             parent = c.beam.parent
-            if parent < 0:
+            if parent < 0 or parent in self._open:
                 out.append(c)
                 continue
             family = self.held.setdefault(parent, [])
@@ -44,6 +50,11 @@ class Families:
             self._held_ids.add(c.index)
             if len(family) == self.size[parent]:
                 out += sorted(self.held.pop(parent), key=lambda x: x.index)
+        if len(generating) == 1:
+            last = next(iter(generating))
+            if last >= 0:
+                self._open.add(last)
+                out += sorted(self.held.pop(last, []), key=lambda x: x.index)
         return out
 
 

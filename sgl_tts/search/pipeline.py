@@ -373,8 +373,8 @@ class StepPipeline:
                 ready += [cands[i] for i, brs in self._branches.items()
                           if i not in sent and cands[i] not in ready and not (families and families.holds(i))
                           and any(br.ended() and br.whole for br in brs)]
-            if ready and families is not None:
-                ready = families.release(ready)
+            if families is not None and (ready or ended):
+                ready = families.release(ready, {beams[i].parent for i in waiting})
             if self._rows is not None or self._queue:
                 running = len(waiting) + self._running_branches()
                 if self._rows is not None:

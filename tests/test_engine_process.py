@@ -21,7 +21,7 @@ from sgl_tts.backends.layout import (DEFAULT_RUNNING_CAP, PROCESS_ENGINE_MIN_IN_
 from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.models import shipped_model
 from sgl_tts.tiny import task
-from search_outcomes import search_outcomes
+from search_outcomes import assert_same_outcomes, search_outcomes
 
 PROMPT = "Question: compute ((3+4)*5)-6.\n\n"
 
@@ -109,8 +109,8 @@ def test_the_same_searches_on_a_thread_engine_and_on_process_engines():
         finally:
             gen.shutdown()
             prm_backend.shutdown()
-    assert outcomes[("process", "beam_search")] == outcomes[("thread", "beam_search")]
-    assert outcomes[("process", "mcts")] == outcomes[("thread", "mcts")]
+    assert_same_outcomes(outcomes[("process", "beam_search")], outcomes[("thread", "beam_search")], "beam_search")
+    assert_same_outcomes(outcomes[("process", "mcts")], outcomes[("thread", "mcts")], "mcts")
     assert all(len(v) == 3 for v in outcomes.values())
 
 

@@ -33,7 +33,7 @@ all off by default, hide latency without touching which beams are kept (seed 000
   sibling's step ended: they then reach the PRM as one batch whose shared path it computes once and
   its prefix-aware order keeps together, where requests sent one by one interleave with other
   families' and, in a PRM cache under pressure, evict each other's shared path (issue 32: on the CPU
-  under pressure the PRM recomputed 50-65% less than by beam, for 2-10% less goodput). The root's
+  under pressure the PRM recomputed 50-68% less than by beam, for 2-10% less goodput). The root's
   beams share only the question, so they go as their steps end; so does the depth's last family
   once only its beams generate (:class:`~sgl_tts.search.families.Families`).
 

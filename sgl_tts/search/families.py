@@ -28,13 +28,12 @@ class Families:
         self.size: dict[int, int] = {}
         for b in beams:
             self.size[b.parent] = self.size.get(b.parent, 0) + 1
-        self.held: dict[int, list[Candidate]] = {}
-        self._held_ids: set[int] = set()
+        self.held: dict[int, list[Candidate]] = {}   # parent -> its ready children, until released
         self._open: set[int] = set()   # families whose members go as they are ready
 
     def holds(self, index: int) -> bool:
         """Whether candidate ``index`` is held (ready, waiting for its siblings)."""
-        return index in self._held_ids
+        return any(c.index == index for family in self.held.values() for c in family)
 
     def release(self, ready: Sequence[Candidate], generating: set[int]) -> list[Candidate]:
         """What of ``ready`` (and of what was held) goes to the PRM now, in beam order per family;
@@ -47,7 +46,6 @@ class Families:
                 continue
             family = self.held.setdefault(parent, [])
             family.append(c)
-            self._held_ids.add(c.index)
             if len(family) == self.size[parent]:
                 out += sorted(self.held.pop(parent), key=lambda x: x.index)
         if len(generating) == 1:

@@ -372,7 +372,7 @@ class StepPipeline:
                     ready.append(c)
             if self.overlap and self.speculation and self.speculation.lookahead:
                 ready += [cands[i] for i, brs in self._branches.items()
-                          if i not in sent and cands[i] not in ready and not (families and families.holds(i))
+                          if i not in sent and cands[i] not in ready and (families is None or not families.holds(i))
                           and any(br.ended() and br.whole for br in brs)]
             if families is not None and (ready or ended):
                 ready = families.release(ready, {beams[i].parent for i in waiting})

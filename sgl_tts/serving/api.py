@@ -30,7 +30,8 @@ SEARCH_FIELDS: dict[str, str] = {
     "budget": "n", "beam_width": "beam_width", "max_depth": "max_depth", "step_tokens": "step_tokens",
     "aggregation": "aggregation", "branching": "branching", "lookahead": "lookahead",
     "filter_duplicates": "filter_duplicates", "speculative": "speculative",
-    "overlap_verification": "overlap_verification", "overlap_by_family": "overlap_by_family", **{k: k for k in registry.own_settings()}}
+    "overlap_verification": "overlap_verification", "overlap_by_family": "overlap_by_family",
+    **{k: k for k in registry.own_settings()}}
 # OpenAI fields read (the others of the API are refused by name rather than silently ignored)
 OPENAI_FIELDS = ("model", "messages", "n", "temperature", "seed", "stream", "stream_options", "max_tokens",
                  "max_completion_tokens", "user", "metadata")

@@ -38,6 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 # the observer every side is measured by (SGLang's allow-list names no other plugin)
 STOCK_ENV = dict(OBSERVER_ENV)
 DEVICES = ("cuda", "cpu")
+DEFAULT_STOCK_SPLIT = 0.5   # --stock-split: the stock sides' generator share of the budget
 
 # --device cpu: models a 2-core CPU serves at a few thousand tokens/s (the shipped tiny generator's
 # shape, with a word-tokenizer vocabulary, random weights; configs/tiny-cpu-*.json) ...
@@ -50,14 +51,17 @@ CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
 # --pressure (issue 32; docs/BENCHMARKS.md "CPU under memory pressure"): the CPU workload under which the
 # scheduler plugin must win. Every beam shares a 512-token prompt (a few-shot prefix worth keeping), and
-# each n gets a KV budget (both pools of a side) that the search's live generator KV overflows. The live
-# peaks were measured on stock with 1 GiB (nothing evicted; SGLang's #token): about 4,200 (n = 64) and
-# 7,400 (n = 128) tokens, against generator pools (the stock split, 0.5) of 4,096 at 16 MiB: 1.0x and
-# 1.8x. n = 256's was not measured unpressured; at twice n = 128's it is ~1.8x the 8,192 of 32 MiB (at
-# 32 MiB its stock side ran 81 requests with 129 waiting, the pool 70% full). Below 16 MiB one PRM
-# context no longer fits the PRM's pool at that split, so n = 64 cannot be pressed harder with this prompt.
+# each n gets a KV budget (both pools of a side) that the search's live generator KV overflows 1.5-4x.
+# The live peaks were measured on stock with 1 GiB (nothing evicted; SGLang's #token): about 4,200
+# (n = 64) and 7,400 (n = 128) tokens. n = 128 at 16 MiB (the stock split 0.5: a 4,096-token generator
+# pool) needs 1.8x its pool; n = 256's peak was not measured unpressured; at twice n = 128's it is ~1.8x
+# the 8,192 of 32 MiB (at 32 MiB its stock side ran 81 requests with 129 waiting, the pool 70% full).
+# n = 64 at 16 MiB needed only ~1.0x its pool; it runs at 12 MiB, where the stock split must leave the
+# PRM one whole 2,048-token context (7 MiB of its 3,584-byte tokens): at 0.41 the generator's pool is
+# 2,519 tokens, 1.67x under its peak (the PRM's 2,071; the planner's split there is 2,560 / 2,048).
 CPU_PRESSURE_PROMPT_TOKENS = 512
-CPU_PRESSURE_BUDGETS = {64: "16MiB", 128: "16MiB", 256: "32MiB"}
+CPU_PRESSURE_BUDGETS = {64: "12MiB", 128: "16MiB", 256: "32MiB"}
+CPU_PRESSURE_STOCK_SPLITS = {64: 0.41}   # the stock sides' generator share where 0.5 does not fit the PRM
 CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-tts+locality", "sgl-tts+locality+overlap",
                       "sgl-tts+locality+overlap-by-family")
 
@@ -78,17 +82,18 @@ def apply_pressure(args) -> None:
     if unknown:
         raise ValueError(f"--pressure: no budget measured for n = {', '.join(map(str, unknown))} ({measured}); "
                          "give --kv-memory and --prompt-tokens without --pressure")
-    budgets = {CPU_PRESSURE_BUDGETS[n] for n in args.n}
+    budgets = {(CPU_PRESSURE_BUDGETS[n], CPU_PRESSURE_STOCK_SPLITS.get(n, DEFAULT_STOCK_SPLIT)) for n in args.n}
     if len(budgets) > 1:
         raise ValueError(f"--pressure: n = {ns} run at different budgets ({measured}); "
                          "run one budget at a time")
-    budget = budgets.pop()
+    budget, split = budgets.pop()
     for flag, given, wanted in (("--kv-memory", args.kv_memory, budget),
-                                ("--prompt-tokens", args.prompt_tokens, CPU_PRESSURE_PROMPT_TOKENS)):
+                                ("--prompt-tokens", args.prompt_tokens, CPU_PRESSURE_PROMPT_TOKENS),
+                                ("--stock-split", args.stock_split, split)):
         if given is not None and given != wanted:
             raise ValueError(f"--pressure sets {flag} {wanted} at n = {ns}; "
                              f"leave {flag} out (got {given})")
-    args.kv_memory, args.prompt_tokens = budget, CPU_PRESSURE_PROMPT_TOKENS
+    args.kv_memory, args.prompt_tokens, args.stock_split = budget, CPU_PRESSURE_PROMPT_TOKENS, split
     args.sides = args.sides or list(CPU_PRESSURE_SIDES)
 
 
@@ -99,6 +104,8 @@ def apply_device_defaults(args) -> None:
 
     apply_pressure(args)
     cpu = args.device == "cpu"
+    if args.stock_split is None:
+        args.stock_split = DEFAULT_STOCK_SPLIT
     if args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
     if args.sides is None:

@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-tokens", type=int, default=None,
                    help="generator context length (default: its config's max_position_embeddings)")
     b.add_argument("--limit-tokens", type=int, default=256, help="tokens per request of the limit measurement")
-    b.add_argument("--stock-split", type=float, default=0.5,
+    b.add_argument("--stock-split", type=float, default=None,
                    help="the stock sides' generator share of the memory budget (default 0.5; with "
-                        "--device cpu: of --kv-memory)")
+                        "--device cpu: of --kv-memory; --pressure at n = 64: 0.41)")
     b.add_argument("--sgl-tts-split", type=float, default=None,
                    help="with --device cpu: the sgl-tts side's generator share of --kv-memory, instead of the "
                         "memory planner's split on both models' measured CPU profiles (the default; the "

@@ -395,11 +395,11 @@ def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path,
 
 
 def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_policy(tmp_path, capsys):
-    """--pressure (issue 32): n = 256's recorded budget (32 MiB, both pools of a side), a 512-token
+    """--pressure (issue 32): n = 256's recorded budget (28 MiB, both pools of a side), a 512-token
     prompt, SGLang's three policies then sgl-tts, sgl-tts+locality, sgl-tts+locality+overlap and
     sgl-tts+locality+overlap-by-family; the
-    stock generator's pool is half of 32 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64,
-    float16): 8,192 tokens."""
+    stock generator's pool is half of 28 MiB in the tiny generator's KV (4 layers, 2 KV heads of 64,
+    float16): 7,168 tokens."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--pressure", "--n", "256", "--algorithms", "beam_search"])
     out = capsys.readouterr()
@@ -412,33 +412,33 @@ def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_
                                                               "sgl-tts+locality", "sgl-tts+locality+overlap",
                                                               "sgl-tts+locality+overlap-by-family"]
     assert {int(cmd.split("--max-total-tokens ")[1].split()[0]) for name, cmd in cmds.items()
-            if name.endswith("generator")} == {2 ** 24 // (4 * 2 * 2 * 64 * 2)}
+            if name.endswith("generator")} == {14 * 2 ** 20 // (4 * 2 * 2 * 64 * 2)} == {7168}
     # --sides still chooses the sides
     assert bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--pressure", "--n", "128", "--sides", "stock-lpm"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1::2] == ["# stock-lpm generator", "# stock-lpm prm"]
     assert int(lines[2].split("--max-total-tokens ")[1].split()[0]) == 2 ** 23 // (4 * 2 * 2 * 64 * 2)
-    # n = 64: 12 MiB, of which the stock sides give the generator 0.41 (2,519 tokens) and the PRM the rest,
-    # one whole 2,048-token context of its 3,584-byte tokens (2,071)
-    assert bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.41",
+    # n = 64: 11.125 MiB, of which the stock sides give the generator 0.37 (2,107 tokens) and the PRM the
+    # rest, one whole 2,048-token context of its 3,584-byte tokens (2,050)
+    assert bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.37",
                        "--pressure", "--n", "64", "--sides", "stock-lpm"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [int(line.split("--max-total-tokens ")[1].split()[0]) for line in lines[2::2]] == [
-        int(0.41 * 12 * 2 ** 20) // 2048, int(0.59 * 12 * 2 ** 20) // 3584] == [2519, 2071]
+        int(0.37 * 11.125 * 2 ** 20) // 2048, int(0.63 * 11.125 * 2 ** 20) // 3584] == [2107, 2050]
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "--pressure needs --n (its budgets are measured for n = 64: 12MiB, n = 128: 16MiB, n = 256: 32MiB)"),
-    (["--n", "128", "256"], "--pressure: n = 128, 256 run at different budgets (n = 64: 12MiB, n = 128: 16MiB, "
-                            "n = 256: 32MiB); run one budget at a time"),
-    (["--n", "64", "128"], "--pressure: n = 64, 128 run at different budgets (n = 64: 12MiB, n = 128: 16MiB, "
-                           "n = 256: 32MiB); run one budget at a time"),
-    (["--n", "64", "32"], "--pressure: no budget measured for n = 32 (n = 64: 12MiB, n = 128: 16MiB, n = 256: "
-                          "32MiB); give --kv-memory and --prompt-tokens without --pressure"),
-    (["--n", "64", "--kv-memory", "24MiB"], "--pressure sets --kv-memory 12MiB at n = 64; leave --kv-memory out "
+    ([], "--pressure needs --n (its budgets are measured for n = 64: 11.125MiB, n = 128: 16MiB, n = 256: 28MiB)"),
+    (["--n", "128", "256"], "--pressure: n = 128, 256 run at different budgets (n = 64: 11.125MiB, n = 128: 16MiB, "
+                            "n = 256: 28MiB); run one budget at a time"),
+    (["--n", "64", "128"], "--pressure: n = 64, 128 run at different budgets (n = 64: 11.125MiB, n = 128: 16MiB, "
+                           "n = 256: 28MiB); run one budget at a time"),
+    (["--n", "64", "32"], "--pressure: no budget measured for n = 32 (n = 64: 11.125MiB, n = 128: 16MiB, n = 256: "
+                          "28MiB); give --kv-memory and --prompt-tokens without --pressure"),
+    (["--n", "64", "--kv-memory", "24MiB"], "--pressure sets --kv-memory 11.125MiB at n = 64; leave --kv-memory out "
                                             "(got 24MiB)"),
-    (["--n", "64", "--stock-split", "0.5"], "--pressure sets --stock-split 0.41 at n = 64; leave --stock-split out "
+    (["--n", "64", "--stock-split", "0.5"], "--pressure sets --stock-split 0.37 at n = 64; leave --stock-split out "
                                             "(got 0.5)"),
     (["--n", "64", "--prompt-tokens", "64"], "--pressure sets --prompt-tokens 512 at n = 64; leave --prompt-tokens "
                                              "out (got 64)"),

@@ -51,17 +51,16 @@ CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
 # --pressure (issue 32; docs/BENCHMARKS.md "CPU under memory pressure"): the CPU workload under which the
 # scheduler plugin must win. Every beam shares a 512-token prompt (a few-shot prefix worth keeping), and
-# each n gets a KV budget (both pools of a side) that the search's live generator KV overflows 1.5-4x.
-# The live peaks were measured on stock with 1 GiB (nothing evicted; SGLang's #token): about 4,200
-# (n = 64) and 7,400 (n = 128) tokens. n = 128 at 16 MiB (the stock split 0.5: a 4,096-token generator
-# pool) needs 1.8x its pool; n = 256's peak was not measured unpressured; at twice n = 128's it is ~1.8x
-# the 8,192 of 32 MiB (at 32 MiB its stock side ran 81 requests with 129 waiting, the pool 70% full).
-# n = 64 at 16 MiB needed only ~1.0x its pool; it runs at 12 MiB, where the stock split must leave the
-# PRM one whole 2,048-token context (7 MiB of its 3,584-byte tokens): at 0.41 the generator's pool is
-# 2,519 tokens, 1.67x under its peak (the PRM's 2,071; the planner's split there is 2,560 / 2,048).
+# each n gets a KV budget (both pools of a side) whose stock generator pool the search's live generator
+# KV overflows 1.5-2.5x. Live peaks, measured on stock fcfs with 1 GiB (nothing evicted; SGLang's #token
+# at every decode step, 2026-11-29): DVTS 3,208 / 7,355 / 11,700 and beam search 4,318 / 7,547 / 17,875
+# tokens at n = 64 / 128 / 256. The stock pools: n = 128 at 16 MiB (split 0.5) 4,096 tokens (1.80x /
+# 1.84x); n = 256 at 28 MiB 7,168 (1.63x / 2.49x); n = 64 at 11.125 MiB 2,107 (1.52x / 2.05x), where the
+# stock split is 0.37 so that the PRM's pool still holds one whole 2,048-token context (7 MiB of its
+# 3,584-byte tokens; 2,050 tokens); the planner's split there is the PRM's floor too (2,112 / 2,048).
 CPU_PRESSURE_PROMPT_TOKENS = 512
-CPU_PRESSURE_BUDGETS = {64: "12MiB", 128: "16MiB", 256: "32MiB"}
-CPU_PRESSURE_STOCK_SPLITS = {64: 0.41}   # the stock sides' generator share where 0.5 does not fit the PRM
+CPU_PRESSURE_BUDGETS = {64: "11.125MiB", 128: "16MiB", 256: "28MiB"}
+CPU_PRESSURE_STOCK_SPLITS = {64: 0.37}   # the stock sides' generator share where 0.5 does not fit the PRM
 CPU_PRESSURE_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "sgl-tts", "sgl-tts+locality", "sgl-tts+locality+overlap",
                       "sgl-tts+locality+overlap-by-family")
 

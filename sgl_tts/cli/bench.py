@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit-tokens", type=int, default=256, help="tokens per request of the limit measurement")
     b.add_argument("--stock-split", type=float, default=None,
                    help="the stock sides' generator share of the memory budget (default 0.5; with "
-                        "--device cpu: of --kv-memory; --pressure at n = 64: 0.41)")
+                        "--device cpu: of --kv-memory; --pressure at n = 64: 0.37)")
     b.add_argument("--sgl-tts-split", type=float, default=None,
                    help="with --device cpu: the sgl-tts side's generator share of --kv-memory, instead of the "
                         "memory planner's split on both models' measured CPU profiles (the default; the "

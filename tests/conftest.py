@@ -105,6 +105,19 @@ def backend(tiny_model_path):
     be.shutdown()
 
 
+@pytest.fixture(scope="module")
+def local_prm():
+    """The shipped step-tag PRM on an in-process LocalBackend (the live tests' verifier: the same
+    scores whichever server generated the steps), one per module."""
+    from sgl_tts.backends import LocalBackend
+    from sgl_tts.models import shipped_model
+    from sgl_tts.prm import StepTagPRM
+
+    prm_backend = LocalBackend(str(shipped_model("prm")))
+    yield StepTagPRM(prm_backend)
+    prm_backend.shutdown()
+
+
 @pytest.fixture(scope="session")
 def hf_model(backend):
     """The backend's own transformers model, for direct reference forwards."""

@@ -100,12 +100,12 @@ def test_under_pressure_a_waiting_family_keeps_its_parents_path_where_fcfs_evict
     cached = {name: [a["meta_info"]["cached_tokens"] for a in answers] for name, answers in got.items()}
     assert cached["locality"] == [PATH] * len(bodies), cached["locality"]
     # SGLang's own order on the same pool lost some waiting family's path (what makes this test able to fail)
-    short = [i // CHILDREN for i, c in enumerate(cached["fcfs"]) if c < PATH]   # (families)
-    assert short, f"fcfs recomputed nothing (cached {cached['fcfs']}): the workload did not press the pool"
+    assert any(c < PATH for c in cached["fcfs"]), \
+        f"fcfs recomputed nothing (cached {cached['fcfs']}): the workload did not press the pool"
 
 
 @pytest.mark.timeout(600)
-def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(pressed, local_prm_backend):
+def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(pressed, local_prm):
     """Beam search (16 beams, width 4, eight problems at once) on the pressed pools: both servers evict,
     and the locality policy keeps exactly the beams SGLang's own scheduling keeps (seeded sampling:
     the same samples whatever the order and whatever was kept)."""
@@ -120,7 +120,7 @@ def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(presse
         flush_cache(url)
         since = time.time()
         states = beam_search.run_batch(
-            [{"question": p.question, "prm": local_prm_backend, "num_beams": 16, "beam_width": 4, "max_depth": 10,
+            [{"question": p.question, "prm": local_prm, "num_beams": 16, "beam_width": 4, "max_depth": 10,
               "search_group": f"pressed-{i}"} for i, p in enumerate(problems)],
             backend=SGLangEndpoint(url), num_threads=len(problems))
         for st in states:
@@ -133,13 +133,3 @@ def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(presse
                [(t.steps, t.step_scores, t.answer) for t in off.trajectories]
         assert on.answer == off.answer
 
-
-@pytest.fixture(scope="module")
-def local_prm_backend():
-    from sgl_tts.backends import LocalBackend
-    from sgl_tts.models import shipped_model
-    from sgl_tts.prm import StepTagPRM
-
-    backend = LocalBackend(str(shipped_model("prm")))
-    yield StepTagPRM(backend)
-    backend.shutdown()

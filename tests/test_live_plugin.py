@@ -13,10 +13,8 @@ import pytest
 
 from programs.beam_search import beam_search
 from sgl_tts.tiny import task
-from sgl_tts.backends import LocalBackend, SGLangEndpoint
+from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.launch.live_servers import loads, settled_loads
-from sgl_tts.models import shipped_model
-from sgl_tts.prm import StepTagPRM
 from sgl_tts.protocol import SearchTag
 from live_http import flush_cache, post_all as _post_all
 
@@ -39,13 +37,6 @@ def metrics_since(live, name: str, start: int) -> list[dict]:
     flushes about every second)."""
     time.sleep(1.5)
     return live.metrics_records(name)[start:]
-
-
-@pytest.fixture(scope="module")
-def local_prm():
-    backend = LocalBackend(str(shipped_model("prm")))
-    yield StepTagPRM(backend)
-    backend.shutdown()
 
 
 def test_policy_attaches_in_the_scheduler_process(live):

@@ -43,13 +43,6 @@ def binomial_tolerance(p: float, n: int) -> float:
     return 3 * math.sqrt(2 * p * (1 - p) / n)
 
 
-@pytest.fixture(scope="module")
-def local_prm():
-    backend = LocalBackend(str(shipped_model("prm")))
-    yield StepTagPRM(backend)
-    backend.shutdown()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_program_on_live_servers_matches_local(case, live, local_prm, tmp_path):
     limit = PROBLEMS_OF.get(case, PROBLEMS)

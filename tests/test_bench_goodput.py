@@ -374,17 +374,20 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
 
 def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path, capsys):
     """The locality ablation (issue 32): sgl-tts+locality runs both rules on both servers, the
-    -eviction and -order sides one rule alone (--tts-locality-rules), on the sgl-tts pools; so does
-    sgl-tts+locality+overlap and -overlap-by-family (both rules; their programs overlap verification)."""
+    -eviction and -order sides one rule alone (--tts-locality-rules), -families both with whole-family
+    admission, on the sgl-tts pools; so do sgl-tts+locality+overlap and -overlap-by-family (both rules;
+    their programs overlap verification) and -families+overlap-by-family."""
     code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
                        "--sides", "sgl-tts+locality", "sgl-tts+locality-eviction", "sgl-tts+locality-order",
-                       "sgl-tts+locality+overlap", "sgl-tts+locality+overlap-by-family"])
+                       "sgl-tts+locality-families", "sgl-tts+locality+overlap", "sgl-tts+locality+overlap-by-family",
+                       "sgl-tts+locality-families+overlap-by-family"])
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = out.out.splitlines()
     cmds = dict(zip(lines[1::2], lines[2::2]))
     rules = {"sgl-tts+locality": None, "sgl-tts+locality-eviction": "eviction", "sgl-tts+locality-order": "order",
-             "sgl-tts+locality+overlap": None, "sgl-tts+locality+overlap-by-family": None}
+             "sgl-tts+locality-families": "families", "sgl-tts+locality+overlap": None,
+             "sgl-tts+locality+overlap-by-family": None, "sgl-tts+locality-families+overlap-by-family": "families"}
     assert list(cmds) == [f"# {side} {server}" for side in rules for server in ("generator", "prm")]
     for name, cmd in cmds.items():
         side, server = name[2:].split()
@@ -915,15 +918,16 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
             policies[side, algorithm] = (Speculation.of(args.get("speculative", False)),
                                          args.get("overlap_verification", False) + args.get("overlap_by_family", False))
     for algorithm in cfg.algorithms:
-        # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality and its two rules alone
-        # (server policies only), sgl-tts+auto (the controller; its curve is measured when the side starts: none here) and
-        # sgl-tts+overlap (overlapped verification alone), the two together, and overlap on the locality
-        # servers, by beam then by family (1: overlapped verification, 2: overlapped by family)
+        # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality, its two rules alone and
+        # with whole families (server policies only), sgl-tts+auto (the controller; its curve is
+        # measured when the side starts: none here) and sgl-tts+overlap (overlapped verification
+        # alone), the two together, and overlap on the locality servers, by beam then by family, and by
+        # family with whole families (1: overlapped verification, 2: overlapped by family)
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, 0), (None, 0), (None, 0), (None, 0), (Speculation(lookahead=False), 0),
-            (Speculation(), 0), (Speculation(), 1), (None, 0), (None, 0), (None, 0),
+            (Speculation(), 0), (Speculation(), 1), (None, 0), (None, 0), (None, 0), (None, 0),
             (Speculation(controlled=True, verifier_shares_device=True), 0), (None, 1),
-            (Speculation(controlled=True, verifier_shares_device=True), 1), (None, 1), (None, 2)]
+            (Speculation(controlled=True, verifier_shares_device=True), 1), (None, 1), (None, 2), (None, 2)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

@@ -208,7 +208,7 @@ def test_order_alone_puts_resident_families_first_and_leaves_eviction_to_sglang(
 
 
 def test_locality_rules_setting_is_checked_and_reaches_the_server(monkeypatch):
-    with pytest.raises(ValueError, match="--tts-locality-rules must be one of both, eviction, order, got 'lru'"):
+    with pytest.raises(ValueError, match="--tts-locality-rules must be one of both, eviction, order, families, got 'lru'"):
         TTSSettings("locality", locality_rules="lru")
     with pytest.raises(ValueError, match="--tts-locality-rules order acts only with --tts-policy locality "
                                          r"\(the server runs --tts-policy prefix-aware\)"):
@@ -229,3 +229,93 @@ def test_locality_rules_setting_is_checked_and_reaches_the_server(monkeypatch):
     assert TTSSettings.of(sa) == EVICTION_ONLY and os.environ["SGLANG_TTS_LOCALITY_RULES"] == "eviction"
     with pytest.raises(ValueError, match="acts only with --tts-policy locality"):
         prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-locality-rules", "order"])
+
+
+# ------------------------------------------------------------------ rule 3: whole families (families)
+FAMILIES = TTSSettings("locality", 32, locality_rules="families")
+
+
+def whole_family_case(settings: TTSSettings, max_new: int, running: bool = True, count: int = 2):
+    """Family A (``count`` children of parent 0, its path cached) waits before family B (two children
+    of parent 1, its path cached too); 550 KV tokens are held by running requests, so the 1,000-token
+    pool has 150 free and 300 cached (pressure). Returns SGLang's admission from its own scheduler
+    (the rids of the batch, or None), the scheduler and the cache."""
+    import torch  # noqa: F401 (the allocator's tensors)
+
+    cache = Cache(size=1000)
+    a, b = path(1), path(2)
+    insert(cache, a)
+    insert(cache, b)
+    held = cache.allocator.alloc(550)   # the running requests' KV (not in the tree)
+    assert held is not None and cache.allocator.available_size() == 150
+    pol = policy_for(cache, "fcfs", settings)
+    queue = children(0, a, count) + children(1, b)
+    for r in queue:
+        r.sampling_params.max_new_tokens = max_new
+    batch = ScheduleBatch(reqs=[make_req("run", [7] * 20, max_new=8)] if running else [])
+    s = scheduler_for(batch, cache.tree, cache.allocator, list(queue), pool=cache.pool, policy=pol)
+    formed = s.get_new_batch_prefill()
+    return (None if formed is None else [r.rid for r in formed.reqs]), s, cache
+
+
+def test_a_family_waits_while_it_would_need_the_next_familys_prefix():
+    """By the rule's definition: SGLang's budget is free + evictable - the running requests'
+    reservation (8 new tokens x the 0.5 ratio = 4) = 150 + 300 - 4 = 446. The tokens cached for A (its
+    path: the 100-token prompt and its own 100) and for B after it (B's own 100) are protected: 300.
+    A's family needs, per child, SGLang's estimate: 1 token to prefill (the rest of its input is
+    cached) + max_new + a page (1); so it fits only while 2 * (max_new + 2) < 446 - 300 = 146."""
+    got, s, cache = whole_family_case(FAMILIES, 70)       # 144 < 146: admitted
+    # then B's first child (72) against 150 free - 4 - 144 reserved, B's own path protected: held
+    # (SGLang would refuse it too once it locked B's path)
+    assert got == ["p0c0", "p0c1"] and s.policy.sgl_tts.holds == 1 and s.running_batch.batch_is_full
+    got, s, cache = whole_family_case(FAMILIES, 71)       # 146: the whole family waits
+    assert got is None and s.running_batch.batch_is_full and s.policy.sgl_tts.holds == 1
+    assert cached(cache, path(2)) == 200 and [r.rid for r in s.waiting_queue][:2] == ["p0c0", "p0c1"]
+    # with 90 new tokens each (184 >= 146) the family waits under the rule; without it SGLang admits
+    # it (92 < 446, then 92 < 150 + 100 - 4 - 92 once A's path is locked), and its reservations
+    # (184 against 146 free) then evict B's path as it decodes
+    got, s, _ = whole_family_case(FAMILIES, 90)
+    assert got is None and s.policy.sgl_tts.holds == 1
+    got, s, _ = whole_family_case(LOCALITY, 90)
+    assert got == ["p0c0", "p0c1"] and s.policy.sgl_tts.holds == 0
+
+
+def test_with_nothing_running_a_family_goes_to_sglang_and_its_later_members_are_checked_alone():
+    """Nothing runs: A's first child is SGLang's to admit (nothing would ever free KV for it). Its
+    sibling is then checked alone: 73 tokens against 150 free + 100 evictable (B's own path) - 73
+    reserved - 100 protected (B's) = 77: admitted. B's first child (73) against 4: held, and with
+    only this round's admissions to wait for, the round ends without marking the batch full."""
+    got, s, _ = whole_family_case(FAMILIES, 71, running=False)
+    assert got == ["p0c0", "p0c1"] and s.policy.sgl_tts.holds == 1 and not s.running_batch.batch_is_full
+    got, s, _ = whole_family_case(FAMILIES, 75, running=False)   # 77 >= 150 + 100 - 77 - 100 = 73
+    assert got == ["p0c0"] and s.policy.sgl_tts.holds == 1
+
+
+def test_a_family_larger_than_the_pool_can_hold_is_checked_member_by_member():
+    """Six children: with 60 new tokens each the family needs 6 * 62 = 372, which the pool less the
+    protected tokens (1,000 - 300 = 700) could hold, so it waits as one (372 >= 146). With 130 each
+    (6 * 132 = 792 >= 700) it could never be admitted whole: its first child alone is checked
+    (132 < 146, admitted), and the second against 150 + 100 - 4 - 132 - 100 (B's path) = 14: held."""
+    got, s, _ = whole_family_case(FAMILIES, 60, count=6)
+    assert got is None and s.policy.sgl_tts.holds == 1
+    got, s, _ = whole_family_case(FAMILIES, 130, count=6)
+    assert got == ["p0c0"] and s.policy.sgl_tts.holds == 1
+
+
+def test_family_rest_counts_what_each_later_member_adds():
+    """By hand: family X (positions 0-2) of 200-token inputs, none cached, sharing 150 tokens with the
+    member before: the second and third add 50 each (their shared 150 is the first's to prefill);
+    family Y (3-4): 120 of 200 cached, the second shares all 200 with the first (its 80 uncached are
+    the first's): 1, SGLang's last input token. Each adds its reservation (10)."""
+    rest = residency.family_rest(["x", "x", "x", "y", "y"], [200] * 5, [200, 200, 200, 80, 80],
+                                 [0, 150, 150, 0, 200], [10] * 5)
+    assert rest == [2 * (50 + 10), 0, 0, 1 + 10, 0]
+
+
+def test_without_pressure_the_whole_family_rule_has_no_table():
+    cache = Cache(size=5000)
+    insert(cache, path(1))
+    pol = policy_for(cache, "fcfs", FAMILIES)
+    queue = children(0, path(1))
+    pol.calc_priority(queue)
+    assert pol.sgl_tts.admission is None and pol.sgl_tts.local_rounds == 0

@@ -32,6 +32,8 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     # the locality policy's rules one at a time (its ablation): which one cuts the recomputation
     "sgl-tts+locality-eviction": {},
     "sgl-tts+locality-order": {},
+    # both rules and whole-family admission (--tts-locality-rules families)
+    "sgl-tts+locality-families": {},
     # exact speculation under the cost controller (issue 33), on the generator's measured decode curve
     "sgl-tts+auto": {"speculative": "auto"},
     # overlapped verification alone (a beam's PRM request as soon as its step ends; no speculation)
@@ -42,6 +44,7 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+locality+overlap": {"overlap_verification": True},
     # the same, a family's PRM requests sent together once its siblings' steps ended (the PRM's cache)
     "sgl-tts+locality+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
+    "sgl-tts+locality-families+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
 }
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
@@ -50,8 +53,10 @@ SERVER_POLICIES: dict[str, dict[str, str]] = {
     "sgl-tts+locality": {"policy": "locality"},
     "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
     "sgl-tts+locality-order": {"policy": "locality", "locality_rules": "order"},
+    "sgl-tts+locality-families": {"policy": "locality", "locality_rules": "families"},
     "sgl-tts+locality+overlap": {"policy": "locality"},
     "sgl-tts+locality+overlap-by-family": {"policy": "locality"},
+    "sgl-tts+locality-families+overlap-by-family": {"policy": "locality", "locality_rules": "families"},
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
 

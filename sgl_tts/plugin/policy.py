@@ -199,8 +199,13 @@ class TTSPolicyState:
         # (rule 1, eviction by next use) and whether resident families go first (rule 2)
         self.residency: residency.QueueAwareEviction | None = None
         self.resident_first = False
-        self._local: tuple | None = None           # (base plan, tree node counter, local plan)
+        self._local: tuple | None = None           # (base plan, tree node counter, local plan, admission)
         self.local_rounds = 0                      # rounds ordered under pressure
+        # rule 3 (whole families, --tts-locality-rules families): set by enable(); this round's table
+        # (None without pressure) and the admissions it stopped so far
+        self.whole_families = False
+        self.admission: residency.Admission | None = None
+        self.holds = 0
         _STATES.add(self)                          # so that forget() reaches it
 
     # ------------------------------------------------------------------------- per request
@@ -405,12 +410,16 @@ class TTSPolicyState:
         is left out: ``base``'s order with its nodes marked, or resident families first unmarked.
         Reused while the plan and the tree's nodes are unchanged."""
         tree = policy.tree_cache
+        self.admission = None
         if not residency.under_pressure(tree):
             return base
         self.local_rounds += 1
         counter = type(tree.root_node).counter
         memo = self._local
         if memo is not None and memo[0] is base and memo[1] == counter:
+            self.admission = memo[3]
+            if self.admission is not None:
+                self.admission.protected = None   # locks may have changed since: summed again when read
             return memo[2]
         found: dict[bytes, tuple[Any, int]] = {}
         nodes, uncached = [], []
@@ -437,8 +446,51 @@ class TTSPolicyState:
             shared.extend(common_prefix(a.seq, b.seq) for a, b in zip(infos, infos[1:]))
             local = _Plan(sig=(), reqs=[base.reqs[i] for i in order], infos=infos, shared_prev=shared,
                           first_deferrable=base.first_deferrable, segments=base.segments)
-        self._local = (base, type(tree.root_node).counter, local)   # after matching (it can split)
+        if self.whole_families and self.residency is not None:
+            self.admission = self._admission_table(tree, local, [uncached[i] for i in order])
+        self._local = (base, type(tree.root_node).counter, local, self.admission)   # after matching (it can split)
         return local
+
+    def _admission_table(self, tree: Any, plan: _Plan, uncached: list[int]) -> residency.Admission:
+        """Rule 3's table (:class:`~sgl_tts.plugin.residency.Admission`) for ``plan``, the order just
+        marked, whose requests have ``uncached`` tokens to compute."""
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        page = max(1, int(getattr(tree, "page_size", 1) or 1))
+        new_tokens = [min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS) + page
+                      for r in plan.reqs]
+        lengths = [len(f.seq) // 8 for f in plan.infos]
+        families = [f.family for f in plan.infos]
+        rest = residency.family_rest(families, lengths, uncached, plan.shared_prev, new_tokens)
+        at: dict[int, tuple[int, int, int, int]] = {}
+        lo = 0
+        for pos in range(1, len(families) + 1):
+            if pos == len(families) or families[pos] != families[lo]:
+                for i in range(lo, pos):
+                    at[id(plan.reqs[i])] = (i, lo, pos, rest[lo])
+                lo = pos
+        pool = int(getattr(tree.token_to_kv_pool_allocator, "size", 0) or 0)
+        return residency.Admission(at, self.residency.marks, len(families), pool)
+
+    def holds_back(self, adder: Any, req: Any) -> bool:
+        """Rule 3 (``--tts-locality-rules families``) on the request SGLang is about to admit: whether
+        it (or, for a family's first waiting member, its whole family) needs KV that only evicting a
+        later family's cached prefix would free, while something runs or was admitted this round."""
+        admission = self.admission
+        if admission is None:
+            return False
+        if not adder.can_run_list and not getattr(adder.running_batch, "reqs", None):
+            return False   # nothing would free KV for it: SGLang decides
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        sp = req.sampling_params
+        total = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+                 + min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS) + adder.page_size)
+        need = admission.need(req, total)
+        if need is None or need[0] < adder.rem_total_tokens - need[1]:
+            return False
+        self.holds += 1
+        return True
 
     def _deferred_positions(self, policy: Any, plan: _Plan, fresh: bool) -> set[int]:
         """Walk positions deferred this round (see the module docstring, 4.); ``fresh``: the last
@@ -555,6 +607,7 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
             state.residency = residency.install(policy.tree_cache)
         if state is not None:
             state.resident_first = settings.resident_first
+            state.whole_families = settings.admits_whole_families
     return state
 
 
@@ -633,11 +686,19 @@ def calc_priority(original, self, waiting_queue, running_batch=None, *args, **kw
 
 def add_one_req(original, self, req, *args, **kwargs):
     """AROUND hook on ``PrefillAdder.add_one_req``: a request the policy deferred this round stops
-    admission (it and everything after it wait for the next round)."""
+    admission (it and everything after it wait for the next round); so does one that the locality
+    policy's whole-family rule holds back (:meth:`TTSPolicyState.holds_back`)."""
     if getattr(req, DEFERRED, False):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.OTHER
+    state = getattr(self.tree_cache, "sgl_tts_policy", None)
+    if state is not None and state.admission is not None and state.holds_back(self, req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        # something runs: SGLang's "no token" (it tries again when a request ends); only this round's
+        # admissions: stop the round without marking the batch full
+        return AddReqResult.NO_TOKEN if getattr(self.running_batch, "reqs", None) else AddReqResult.OTHER
     return original(self, req, *args, **kwargs)
 
 

@@ -6,8 +6,8 @@ under pressure: when a step starts, every waiting family's parent path was last 
 the previous step, so it is *older* than the outputs of the families that already ran this step, and
 LRU throws away exactly the prefixes still needed (a family then recomputes its whole path), while
 the outputs of pruned beams and finished families stay. The ``locality`` policy (``--tts-policy
-locality``: ``prefix-aware`` plus what follows) changes two things, only while the KV pool is under
-pressure (less than :data:`PRESSURE_FREE` of it free):
+locality``: ``prefix-aware`` plus what follows) changes two things (a third with ``--tts-locality-rules
+families``), only while the KV pool is under pressure (less than :data:`PRESSURE_FREE` of it free):
 
 1. **Eviction by next use** (:class:`QueueAwareEviction`, the tree's eviction strategy): a radix node
    on the cached path of a waiting request is evicted only after every node no waiting request needs
@@ -19,6 +19,15 @@ pressure (less than :data:`PRESSURE_FREE` of it free):
    in the cache (fewer than ``dedup_tokens`` tokens to compute) and the others, resident ones first:
    a family that must recompute its path anyway goes after those that need nothing recomputed, so
    its prefill does not evict a resident family's prefix before that family runs.
+3. **Whole families, without evicting a later family's prefix** (``--tts-locality-rules families``,
+   :class:`Admission`): while anything runs, a family is admitted only when all of it fits in the KV
+   that can be freed without evicting a node marked for it or a request after it (its own marked
+   path is locked once it is admitted), and no member of it is admitted when its own prefill would
+   need such a node. Otherwise admission stops for the
+   round (SGLang's "no token": it tries again when a running request ends and frees or unlocks KV).
+   With nothing running and nothing admitted yet the request goes to SGLang as before, so nothing
+   can wait forever; a family larger than the pool less the marked nodes is held to the per-request
+   check only (it could never fit whole).
 
 Nothing is locked: SGLang's admission budget still counts every marked node as evictable, so a
 request that needs the room gets it (the farthest-needed prefix goes first) and nothing can
@@ -28,6 +37,7 @@ order. Without pressure the order is ``prefix-aware``'s, and no node is marked (
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from typing import Any, Sequence
 
@@ -43,6 +53,7 @@ class QueueAwareEviction:
     def __init__(self, inner: Any):
         self.inner = inner
         self.epoch = 0
+        self.marks: list = []   # the last epoch's (rank, node) pairs, in rank order
 
     def get_priority(self, node: Any) -> tuple:
         need = getattr(node, NEED, None)
@@ -124,16 +135,97 @@ def mark_needed(strategy: QueueAwareEviction, root: Any, nodes: Sequence[Any]) -
     ancestors with the rank of the first request that needs it. Returns the nodes marked."""
     strategy.epoch += 1
     epoch = strategy.epoch
-    marked = 0
+    marks = strategy.marks = []
     for rank, node in enumerate(nodes):
         while node is not None and node is not root:
             need = getattr(node, NEED, None)
             if need is not None and need[0] == epoch:
                 break   # marked by an earlier request, and so are its ancestors
             setattr(node, NEED, (epoch, rank))
-            marked += 1
+            marks.append((rank, node))
             node = node.parent
-    return marked
+    return len(marks)
+
+
+def protected_from(marks: Sequence[tuple[int, Any]], length: int) -> list[int]:
+    """``out[r]``: the tokens of the nodes of ``marks`` (``(rank, node)`` pairs, as :func:`mark_needed`
+    records them) first needed at rank ``r`` or later that SGLang could evict now (unlocked), for
+    ``r`` in ``0..length``. A marked node that a later match split (SGLang's match of a request's
+    input ends one token short, and splits the node there) has lost the front of its tokens to a new
+    unmarked parent: those count with the node's rank."""
+    out = [0] * (length + 1)
+    marked = {id(node) for _, node in marks}
+    for rank, node in marks:
+        if rank >= length:
+            continue
+        while node is not None and node.parent is not None:
+            if node.lock_ref == 0 and node.key is not None:
+                out[rank] += len(node.key)
+            node = node.parent
+            if id(node) in marked or getattr(node, NEED, None) is not None:
+                break   # the next marked ancestor (or one marked in an earlier epoch: not a split's)
+    for r in range(length - 1, -1, -1):
+        out[r] += out[r + 1]
+    return out
+
+
+@dataclasses.dataclass
+class Admission:
+    """Rule 3's table for one order of the waiting queue (positions in the marking order).
+
+    Attributes:
+        at: ``id(request)`` -> (its position, its family's first and end positions, the KV tokens the
+            family's members after the first need: their uncached tokens less what each shares
+            with the one before it, plus SGLang's reservation for their new tokens and a page).
+        marks: the ``(rank, node)`` pairs the order marked (:func:`mark_needed`).
+        length: positions in the order.
+        pool: the KV pool's size in tokens.
+    """
+
+    at: dict[int, tuple[int, int, int, int]]
+    marks: list
+    length: int
+    pool: int
+    protected: list[int] | None = None   # protected_from(marks, length), once per round
+
+    def protected_from(self, pos: int) -> int:
+        """Evictable tokens first needed by the request at position ``pos`` or a later one (those of
+        earlier positions are locked once they are admitted; the request's own are locked when it is)."""
+        if self.protected is None:
+            self.protected = protected_from(self.marks, self.length)
+        return self.protected[min(pos, self.length)]
+
+    def need(self, req: Any, total: int) -> tuple[int, int] | None:
+        """What admitting ``req`` must find without evicting a cached prefix that it or a request after
+        it needs: ``total`` (SGLang's own estimate for it: uncached tokens, reserved new tokens, a
+        page), plus the rest of its family when it is the family's first waiting member and the whole
+        family could fit in the pool at all; and those protected tokens. ``None``: not in this order."""
+        entry = self.at.get(id(req))
+        if entry is None:
+            return None
+        pos, lo, _, rest = entry
+        protect = self.protected_from(pos)
+        if pos == lo and rest and total + rest < self.pool - protect:
+            total += rest
+        return total, protect
+
+
+def family_rest(families: Sequence[Any], lengths: Sequence[int], uncached: Sequence[int],
+                shared_prev: Sequence[int], new_tokens: Sequence[int]) -> list[int]:
+    """For each position of an order whose families are runs of equal ``families`` entries: at a
+    family's first position, the KV tokens its later members need (each member's uncached tokens
+    less those it shares with the member before it, which that one's prefill caches, at least one,
+    plus ``new_tokens``, its reservation); 0 elsewhere."""
+    rest = [0] * len(families)
+    lo = 0
+    for pos in range(1, len(families) + 1):
+        if pos == len(families) or families[pos] != families[lo]:
+            for i in range(lo + 1, pos):
+                cached = lengths[i] - uncached[i]
+                # (at least one token: SGLang computes a request's last input token even when cached)
+                rest[lo] += max(1, uncached[i] - max(0, min(shared_prev[i], lengths[i]) - cached)) + new_tokens[i]
+            lo = pos
+    return rest
 
 
 def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: int) -> list[int]:
@@ -153,5 +245,5 @@ def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: 
     return resident + others
 
 
-__all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "QueueAwareEviction", "count_evictions", "install", "mark_needed", "match",
-           "resident_first", "under_pressure"]
+__all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "Admission", "QueueAwareEviction", "count_evictions", "family_rest",
+           "install", "mark_needed", "match", "protected_from", "resident_first", "under_pressure"]

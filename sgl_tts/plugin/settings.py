@@ -17,9 +17,10 @@ from typing import Any, Mapping
 
 POLICIES = ("off", "prefix-aware", "locality")
 CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.cpu_attention)
-# --tts-locality-rules: which of the locality policy's two rules act (sgl_tts.plugin.residency);
-# one alone is for measuring what each contributes (the ablation of issue 32)
-LOCALITY_RULES = ("both", "eviction", "order")
+# --tts-locality-rules: which of the locality policy's rules act (sgl_tts.plugin.residency): its two
+# rules (both), one alone to measure what each contributes (the ablation of issue 32), or both plus
+# whole-family admission (families)
+LOCALITY_RULES = ("both", "eviction", "order", "families")
 # --tts-sparse-attention (sgl_tts.plugin.sparse_attention): seed 003's asynchronous selection, the
 # same selection with the current query (synchronous), Quest's pages with the current query
 SPARSE_MODES = ("off", "async", "sync", "quest")
@@ -186,12 +187,18 @@ class TTSSettings:
     @property
     def evicts_by_next_use(self) -> bool:
         """The locality policy's first rule: the radix cache evicts by next use under pressure."""
-        return self.policy == "locality" and self.locality_rules in ("both", "eviction")
+        return self.policy == "locality" and self.locality_rules in ("both", "eviction", "families")
 
     @property
     def resident_first(self) -> bool:
         """The locality policy's second rule: resident families are admitted first under pressure."""
-        return self.policy == "locality" and self.locality_rules in ("both", "order")
+        return self.policy == "locality" and self.locality_rules in ("both", "order", "families")
+
+    @property
+    def admits_whole_families(self) -> bool:
+        """The locality policy's third rule (with ``families``): under pressure, while anything runs, a
+        family waits until the whole of it fits without evicting a later family's prefix."""
+        return self.policy == "locality" and self.locality_rules == "families"
 
     @property
     def any_on(self) -> bool:
@@ -354,7 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=os.environ.get("SGLANG_TTS_LOCALITY_RULES", "both"),
                        help="with --tts-policy locality: both rules (default), or one alone to measure "
                             "what it contributes: eviction (evict what the waiting queue needs last) or "
-                            "order (admit families whose prefix is cached first)")
+                            "order (admit families whose prefix is cached first); families: both, and "
+                            "while anything runs a family is admitted only when all of it fits without "
+                            "evicting the cached prefix of a family waiting after it")
     _add_sparse_arguments(group)
 
 

@@ -259,19 +259,20 @@ def whole_family_case(settings: TTSSettings, max_new: int, running: bool = True,
 
 
 def test_a_family_waits_while_it_would_need_the_next_familys_prefix():
-    """By the rule's definition: SGLang's budget is free + evictable - the running requests'
-    reservation (8 new tokens x the 0.5 ratio = 4) = 150 + 300 - 4 = 446. The tokens cached for A (its
-    path: the 100-token prompt and its own 100) and for B after it (B's own 100) are protected: 300.
-    A's family needs, per child, SGLang's estimate: 1 token to prefill (the rest of its input is
-    cached) + max_new + a page (1); so it fits only while 2 * (max_new + 2) < 446 - 300 = 146."""
-    got, s, cache = whole_family_case(FAMILIES, 70)       # 144 < 146: admitted
-    # then B's first child (72) against 150 free - 4 - 144 reserved, B's own path protected: held
+    """By the rule's definition: the budget is free + evictable - what the running request may still
+    write (all of its 8 new tokens: SGLang's own budget counts 8 x its 0.5 ratio) = 150 + 300 - 8 =
+    442. The tokens cached for A (its path: the 100-token prompt and its own 100) and for B after it
+    (B's own 100) are protected: 300. A's family needs, per child, SGLang's estimate: 1 token to
+    prefill (the rest of its input is cached) + max_new + a page (1); so it fits only while
+    2 * (max_new + 2) < 442 - 300 = 142."""
+    got, s, cache = whole_family_case(FAMILIES, 68)       # 140 < 142: admitted
+    # then B's first child (70) against 150 free - 8 - 140 reserved, B's own path protected: held
     # (SGLang would refuse it too once it locked B's path)
     assert got == ["p0c0", "p0c1"] and s.policy.sgl_tts.holds == 1 and s.running_batch.batch_is_full
-    got, s, cache = whole_family_case(FAMILIES, 71)       # 146: the whole family waits
+    got, s, cache = whole_family_case(FAMILIES, 69)       # 142: the whole family waits
     assert got is None and s.running_batch.batch_is_full and s.policy.sgl_tts.holds == 1
     assert cached(cache, path(2)) == 200 and [r.rid for r in s.waiting_queue][:2] == ["p0c0", "p0c1"]
-    # with 90 new tokens each (184 >= 146) the family waits under the rule; without it SGLang admits
+    # with 90 new tokens each (184 >= 142) the family waits under the rule; without it SGLang admits
     # it (92 < 446, then 92 < 150 + 100 - 4 - 92 once A's path is locked), and its reservations
     # (184 against 146 free) then evict B's path as it decodes
     got, s, _ = whole_family_case(FAMILIES, 90)
@@ -293,9 +294,9 @@ def test_with_nothing_running_a_family_goes_to_sglang_and_its_later_members_are_
 
 def test_a_family_larger_than_the_pool_can_hold_is_checked_member_by_member():
     """Six children: with 60 new tokens each the family needs 6 * 62 = 372, which the pool less the
-    protected tokens (1,000 - 300 = 700) could hold, so it waits as one (372 >= 146). With 130 each
+    protected tokens (1,000 - 300 = 700) could hold, so it waits as one (372 >= 142). With 130 each
     (6 * 132 = 792 >= 700) it could never be admitted whole: its first child alone is checked
-    (132 < 146, admitted), and the second against 150 + 100 - 4 - 132 - 100 (B's path) = 14: held."""
+    (132 < 142, admitted), and the second against 150 + 100 - 8 - 132 - 100 (B's path) = 10: held."""
     got, s, _ = whole_family_case(FAMILIES, 60, count=6)
     assert got is None and s.policy.sgl_tts.holds == 1
     got, s, _ = whole_family_case(FAMILIES, 130, count=6)
@@ -319,3 +320,22 @@ def test_without_pressure_the_whole_family_rule_has_no_table():
     queue = children(0, path(1))
     pol.calc_priority(queue)
     assert pol.sgl_tts.admission is None and pol.sgl_tts.local_rounds == 0
+
+
+def test_with_whole_families_a_queue_that_will_fill_the_pool_is_pressure():
+    """80% of the pool is free (no pressure for rules 1 and 2), but the two waiting children may write
+    2 x (400 + 1) tokens: 800 - 802 < a quarter of 1,000. With ``families`` the rules act (the
+    table is built, the nodes marked); with the two rules alone they wait for the pool to fill."""
+    def rounds(settings: TTSSettings, max_new: int) -> tuple[int, bool]:
+        cache = Cache(size=1000)
+        insert(cache, path(1))
+        pol = policy_for(cache, "fcfs", settings)
+        queue = children(0, path(1))
+        for r in queue:
+            r.sampling_params.max_new_tokens = max_new
+        pol.calc_priority(queue)
+        return pol.sgl_tts.local_rounds, pol.sgl_tts.admission is not None
+
+    assert rounds(FAMILIES, 400) == (1, True)
+    assert rounds(LOCALITY, 400) == (0, False)
+    assert rounds(FAMILIES, 150) == (0, False)   # 800 - 302 >= 250

@@ -17,7 +17,7 @@ from test_scheduler_plugin import (SERVER_ARGS, Cache, Req, SamplingParams, Sche
                                    SearchTag, TTSSettings, decode_state, lcp, make_req, policy_for, scheduler_for,
                                    seq, tts_policy)
 
-from sgl_tts.plugin import preemption
+from sgl_tts.plugin import preemption, reclass
 
 def tokens(seed, n):
     return [(seed * 31 + 7 * i) % 270 + 1 for i in range(n)]
@@ -206,7 +206,7 @@ def test_the_order_is_reused_while_the_queue_is_unchanged_and_redone_when_it_cha
     sched = object.__new__(Scheduler)
     sched.waiting_queue, sched.running_batch, sched.enable_priority_scheduling = shuffled, ScheduleBatch(reqs=[]), False
     last = shuffled[-1]
-    assert tts_policy.set_class(sched, "g", "boosted", beams=[SearchTag.from_custom_params(
+    assert reclass.set_class(sched, "g", "boosted", beams=[SearchTag.from_custom_params(
         last.sampling_params.custom_params).beam]) == 1
     pol.calc_priority(shuffled)
     assert shuffled[0] is last and state.sorts == 3
@@ -566,7 +566,7 @@ def test_requests_that_lost_custom_params_are_ordered_and_reclassed_by_their_rid
     # a class change on requests tagged by their rid alone
     sched = object.__new__(Scheduler)
     sched.waiting_queue, sched.running_batch, sched.enable_priority_scheduling = routed, ScheduleBatch(reqs=[]), False
-    assert tts_policy.set_class(sched, "h", "boosted", beams=[2]) == 1
+    assert reclass.set_class(sched, "h", "boosted", beams=[2]) == 1
     moved = next(r for r in routed if r.rid == rid_of[SearchTag("h", 0, -1, 2)])
     assert tts_policy.tag_of(moved) == SearchTag("h", 0, -1, 2, "boosted")
     assert moved.sampling_params.custom_params == SearchTag("h", 0, -1, 2, "boosted").custom_params()

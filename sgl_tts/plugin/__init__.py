@@ -111,7 +111,7 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
 def scheduling_hooks() -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of the hooks that act: flags, policy, preemption, the loads
     inquirer, class changes, group abort, seeded sampling, CPU attention (full mode only)."""
-    from sgl_tts.plugin import abort, cpu_attention, policy, preemption, seeding
+    from sgl_tts.plugin import abort, cpu_attention, policy, preemption, reclass, seeding
 
     return [
         (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
@@ -124,8 +124,8 @@ def scheduling_hooks() -> list[tuple[str, object, str]]:
         (TARGETS["finish_state"], preemption.update_finish_state, "AROUND"),
         (TARGETS["reset_retract"], policy.forget_on_retract, "AFTER"),
         (TARGETS["loads"], policy.fill_matched_prefixes, "AROUND"),
-        (TARGETS["set_state"], policy.set_internal_state, "AROUND"),
-        (TARGETS["set_state_reply"], policy.set_internal_state_reply, "AROUND"),
+        (TARGETS["set_state"], reclass.set_internal_state, "AROUND"),
+        (TARGETS["set_state_reply"], reclass.set_internal_state_reply, "AROUND"),
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),

@@ -38,7 +38,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import logging
 import operator
 import time
 import weakref
@@ -48,8 +47,6 @@ from sgl_tts.plugin import residency
 from sgl_tts.plugin.ordering import FamilyWalk, WalkMemo, as_bytes, common_prefix
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.protocol import SearchTag
-
-logger = logging.getLogger(__name__)
 
 CLASS_RANK = {"boosted": 0, "normal": 1, "speculative": 2}
 SPECULATIVE = CLASS_RANK["speculative"]
@@ -271,7 +268,7 @@ class TTSPolicyState:
             plan = self._plan = self._make_plan(policy, waiting_queue, infos, aged, anchor_req)
         base = plan
         if self.residency is not None or self.resident_first:
-            plan = self._local_plan(policy, base)
+            plan = self._local_plan(policy, base, running_batch)
         # the last prefill batch counts only in the first round after it formed: then its prefill
         # may still be in flight (overlap); later it is in the radix cache or was evicted, and
         # waiting on it again would stall the queue
@@ -403,7 +400,7 @@ class TTSPolicyState:
             prio = 0 if p is None else p * sign
         return info.rank, prio
 
-    def _local_plan(self, policy: Any, base: _Plan) -> _Plan:
+    def _local_plan(self, policy: Any, base: _Plan, running_batch: Any = None) -> _Plan:
         """Policy ``locality``: under KV pressure, ``base`` with resident families first, and the
         radix nodes the waiting requests need marked in that order (:mod:`sgl_tts.plugin.residency`);
         ``base`` itself without pressure. With one rule alone (``--tts-locality-rules``) the other
@@ -411,7 +408,9 @@ class TTSPolicyState:
         Reused while the plan and the tree's nodes are unchanged."""
         tree = policy.tree_cache
         self.admission = None
-        if not residency.under_pressure(tree):
+        if not residency.under_pressure(tree) and not (
+                self.whole_families and residency.outgrown(tree, residency.new_tokens(base.reqs) + residency.new_tokens(
+                    getattr(running_batch, "reqs", None) or ()))):
             return base
         self.local_rounds += 1
         counter = type(tree.root_node).counter
@@ -447,47 +446,15 @@ class TTSPolicyState:
             local = _Plan(sig=(), reqs=[base.reqs[i] for i in order], infos=infos, shared_prev=shared,
                           first_deferrable=base.first_deferrable, segments=base.segments)
         if self.whole_families and self.residency is not None:
-            self.admission = self._admission_table(tree, local, [uncached[i] for i in order])
+            self.admission = residency.admission_table(tree, self.residency.marks, local.reqs, local.infos,
+                                                       local.shared_prev, [uncached[i] for i in order])
         self._local = (base, type(tree.root_node).counter, local, self.admission)   # after matching (it can split)
         return local
 
-    def _admission_table(self, tree: Any, plan: _Plan, uncached: list[int]) -> residency.Admission:
-        """Rule 3's table (:class:`~sgl_tts.plugin.residency.Admission`) for ``plan``, the order just
-        marked, whose requests have ``uncached`` tokens to compute."""
-        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-
-        page = max(1, int(getattr(tree, "page_size", 1) or 1))
-        new_tokens = [min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS) + page
-                      for r in plan.reqs]
-        lengths = [len(f.seq) // 8 for f in plan.infos]
-        families = [f.family for f in plan.infos]
-        rest = residency.family_rest(families, lengths, uncached, plan.shared_prev, new_tokens)
-        at: dict[int, tuple[int, int, int, int]] = {}
-        lo = 0
-        for pos in range(1, len(families) + 1):
-            if pos == len(families) or families[pos] != families[lo]:
-                for i in range(lo, pos):
-                    at[id(plan.reqs[i])] = (i, lo, pos, rest[lo])
-                lo = pos
-        pool = int(getattr(tree.token_to_kv_pool_allocator, "size", 0) or 0)
-        return residency.Admission(at, self.residency.marks, len(families), pool)
-
     def holds_back(self, adder: Any, req: Any) -> bool:
-        """Rule 3 (``--tts-locality-rules families``) on the request SGLang is about to admit: whether
-        it (or, for a family's first waiting member, its whole family) needs KV that only evicting a
-        later family's cached prefix would free, while something runs or was admitted this round."""
-        admission = self.admission
-        if admission is None:
-            return False
-        if not adder.can_run_list and not getattr(adder.running_batch, "reqs", None):
-            return False   # nothing would free KV for it: SGLang decides
-        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-
-        sp = req.sampling_params
-        total = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
-                 + min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS) + adder.page_size)
-        need = admission.need(req, total)
-        if need is None or need[0] < adder.rem_total_tokens - need[1]:
+        """Rule 3 (``--tts-locality-rules families``) on the request SGLang is about to admit
+        (:meth:`~sgl_tts.plugin.residency.Admission.holds_back`); counted in ``holds``."""
+        if self.admission is None or not self.admission.holds_back(adder, req):
             return False
         self.holds += 1
         return True
@@ -611,70 +578,6 @@ def enable(policy: Any, settings: TTSSettings) -> TTSPolicyState | None:
     return state
 
 
-def set_class(scheduler: Any, group: str, cls: str, beams: Sequence[int] | None = None,
-              depth: int | None = None, priority: int | None = None) -> int:
-    """Change the class (and, if given, SGLang's ``priority``) of a search group's waiting and
-    running requests (all, or those at ``depth`` / with a beam in ``beams``), e.g. boost the subtree
-    MCTS is about to expand. Returns how many requests changed. Takes effect at the next round.
-    A priority needs a server started with ``--enable-priority-scheduling`` (it orders requests of
-    one class; without the flag SGLang ignores priorities)."""
-    from sgl_tts.protocol import CLASSES
-
-    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
-    if priority is not None and not getattr(scheduler, "enable_priority_scheduling", False):
-        raise ValueError("a priority needs a server started with --enable-priority-scheduling "
-                         "(without it SGLang ignores priorities); use cls='boosted' instead")
-    if cls not in CLASSES:
-        raise ValueError(f"unknown request class {cls!r}; choose one of {', '.join(CLASSES)}")
-    wanted = None if beams is None else {int(b) for b in beams}
-    changed = 0
-    running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
-    for req in list(scheduler.waiting_queue) + list(running):
-        tag = tag_of(req)
-        if tag is None or tag.group != group:
-            continue
-        if (wanted is not None and tag.beam not in wanted) or (depth is not None and tag.depth != depth):
-            continue
-        if not isinstance(req.sampling_params.custom_params, dict):   # tagged by its rid alone
-            req.sampling_params.custom_params = tag.custom_params()
-        req.sampling_params.custom_params["tts_class"] = cls
-        if priority is not None:
-            req.priority = priority
-        forget(req)   # its class (and so the queue's order) changed
-        changed += 1
-    return changed
-
-
-def set_internal_state(original, self, recv_req, *args, **kwargs):
-    """AROUND hook on ``Scheduler.set_internal_state``: ``{"tts_set_class": {...}}`` (SGLang's
-    ``/set_internal_state`` route) calls :func:`set_class` on this scheduler; anything else is
-    SGLang's own."""
-    command = getattr(recv_req, "server_args", None) or {}
-    if set(command) != {"tts_set_class"}:
-        return original(self, recv_req, *args, **kwargs)
-    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
-
-    try:
-        changed = set_class(self, **command["tts_set_class"])
-    except (TypeError, ValueError, OverflowError) as exc:
-        logger.warning("sgl-tts: tts_set_class rejected: %s", exc)
-        return SetInternalStateReqOutput(updated=False, server_args={"tts_set_class": {"error": str(exc)}})
-    return SetInternalStateReqOutput(updated=True, server_args={"tts_set_class": {"requests": changed}})
-
-
-async def set_internal_state_reply(original, self, obj, *args, **kwargs):
-    """AROUND hook on ``TokenizerManager.set_internal_state`` (HTTP side): for a ``tts_set_class``
-    command, return each scheduler's ``{"updated", "server_args"}`` (SGLang 0.5.15 returns only the
-    ``updated`` flags, dropping the count :func:`set_internal_state` sends back)."""
-    command = getattr(obj, "server_args", None) or {}
-    if set(command) != {"tts_set_class"}:
-        return await original(self, obj, *args, **kwargs)
-    self.auto_create_handle_loop()
-    responses = await self.set_internal_state_communicator(obj)
-    return [{"updated": bool(r.updated), "server_args": r.server_args} for r in responses]
-
-
 def calc_priority(original, self, waiting_queue, running_batch=None, *args, **kwargs):
     """AROUND hook on ``SchedulePolicy.calc_priority``: the prefix-aware order when enabled on this
     policy object, SGLang's own otherwise."""
@@ -741,5 +644,5 @@ LOAD_INQUIRERS: dict[int, Any] = {}   # id(scheduler.load_inquirer) -> scheduler
 
 
 __all__ = ["CLASS_RANK", "RequestInfo", "TTSPolicyState", "add_one_req", "calc_priority", "enable",
-           "fill_matched_prefixes", "forget_on_retract", "request_class", "set_class", "set_internal_state",
-           "set_internal_state_reply", "tag_of", "tokens_of", "tree_fingerprint"]
+           "fill_matched_prefixes", "forget", "forget_on_retract", "request_class", "tag_of", "tokens_of",
+           "tree_fingerprint"]

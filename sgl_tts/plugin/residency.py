@@ -21,13 +21,17 @@ families``), only while the KV pool is under pressure (less than :data:`PRESSURE
    its prefill does not evict a resident family's prefix before that family runs.
 3. **Whole families, without evicting a later family's prefix** (``--tts-locality-rules families``,
    :class:`Admission`): while anything runs, a family is admitted only when all of it fits in the KV
-   that can be freed without evicting a node marked for it or a request after it (its own marked
-   path is locked once it is admitted), and no member of it is admitted when its own prefill would
-   need such a node. Otherwise admission stops for the
-   round (SGLang's "no token": it tries again when a running request ends and frees or unlocks KV).
-   With nothing running and nothing admitted yet the request goes to SGLang as before, so nothing
-   can wait forever; a family larger than the pool less the marked nodes is held to the per-request
-   check only (it could never fit whole).
+   that can be had without evicting a node marked for it or a request after it (its own marked path
+   is locked once it is admitted), and no later member of it is admitted when it alone would need
+   such a node. "Fits" counts what each request may write, as SGLang's budget does, except that the
+   running requests reserve all their remaining tokens, not SGLang's expected share of them (what
+   they write beyond it would evict a waiting prefix as they decode). Otherwise admission stops for
+   the round (SGLang's "no token": it tries again when a running request ends and frees or unlocks
+   KV). With nothing running and nothing admitted yet the request goes to SGLang as before, so
+   nothing can wait forever; a family larger than the pool less the marked nodes is held to the
+   per-request check only (it could never fit whole). With this rule the three act also while the
+   free KV less what the running and waiting requests may still write is under
+   :data:`PRESSURE_FREE` of the pool (:func:`outgrown`): admission decides what is evicted later.
 
 Nothing is locked: SGLang's admission budget still counts every marked node as evictable, so a
 request that needs the room gets it (the farthest-needed prefix goes first) and nothing can
@@ -115,6 +119,15 @@ def under_pressure(tree: Any) -> bool:
     if not size:
         return False
     return allocator.available_size() < PRESSURE_FREE * size
+
+
+def outgrown(tree: Any, demand: int) -> bool:
+    """Rule 3's pressure: the tree's free KV less ``demand`` (the new tokens the running and waiting
+    requests may still write) is under :data:`PRESSURE_FREE` of the pool. A queue that will fill the
+    pool is pressure before the pool is full: admission then decides what gets evicted later."""
+    allocator = getattr(tree, "token_to_kv_pool_allocator", None)
+    size = getattr(allocator, "size", 0) if allocator is not None else 0
+    return bool(size) and allocator.available_size() - demand < PRESSURE_FREE * size
 
 
 def match(tree: Any, seq: bytes, extra_key: Any = None) -> tuple[Any, int]:
@@ -209,6 +222,63 @@ class Admission:
             total += rest
         return total, protect
 
+    def holds_back(self, adder: Any, req: Any) -> bool:
+        """Whether ``req``, which SGLang's ``PrefillAdder`` is about to admit (its prefix just matched),
+        or, as its family's first waiting member, its whole family, needs KV that only evicting a
+        cached prefix marked for it or a later request would free, while something runs or was
+        admitted this round."""
+        if not adder.can_run_list and not getattr(adder.running_batch, "reqs", None):
+            return False   # nothing would free KV for it: SGLang decides
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        sp = req.sampling_params
+        total = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+                 + min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS) + adder.page_size)
+        need = self.need(req, total)
+        if need is None:
+            return False
+        # SGLang's budget reserves only new_token_ratio of the running requests' remaining tokens (it
+        # expects early stops); what they may still write beyond that would evict a waiting prefix
+        # as they decode, so here they reserve all of it (once per round: the running batch is fixed)
+        unreserved = getattr(adder, UNRESERVED, None)
+        if unreserved is None:
+            unreserved = new_tokens(getattr(adder.running_batch, "reqs", None) or (), page=0) * (
+                1.0 - float(getattr(adder, "new_token_ratio", 1.0) or 0.0))
+            setattr(adder, UNRESERVED, unreserved)
+        return need[0] >= adder.rem_total_tokens - unreserved - need[1]
+
+
+UNRESERVED = "_sgl_tts_unreserved"   # on a PrefillAdder: the running tokens its budget leaves out
+
+
+def new_tokens(reqs: Sequence[Any], page: int = 1) -> int:
+    """The new tokens ``reqs`` may still write, each capped as SGLang caps it, plus ``page`` each."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    return sum(min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS) + page
+               for r in reqs)
+
+
+def admission_table(tree: Any, marks: list, reqs: Sequence[Any], infos: Sequence[Any], shared_prev: Sequence[int],
+                    uncached: Sequence[int]) -> "Admission":
+    """Rule 3's :class:`Admission` for an order just marked (``marks``): its requests, their infos
+    (``seq``: token bytes, ``family``), the tokens each shares with the one before and its uncached
+    tokens."""
+    page = max(1, int(getattr(tree, "page_size", 1) or 1))
+    news = [new_tokens((r,), page) for r in reqs]
+    lengths = [len(f.seq) // 8 for f in infos]
+    families = [f.family for f in infos]
+    rest = family_rest(families, lengths, uncached, shared_prev, news)
+    at: dict[int, tuple[int, int, int, int]] = {}
+    lo = 0
+    for pos in range(1, len(families) + 1):
+        if pos == len(families) or families[pos] != families[lo]:
+            for i in range(lo, pos):
+                at[id(reqs[i])] = (i, lo, pos, rest[lo])
+            lo = pos
+    pool = int(getattr(tree.token_to_kv_pool_allocator, "size", 0) or 0)
+    return Admission(at, marks, len(families), pool)
+
 
 def family_rest(families: Sequence[Any], lengths: Sequence[int], uncached: Sequence[int],
                 shared_prev: Sequence[int], new_tokens: Sequence[int]) -> list[int]:
@@ -246,4 +316,4 @@ def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: 
 
 
 __all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "Admission", "QueueAwareEviction", "count_evictions", "family_rest",
-           "install", "mark_needed", "match", "protected_from", "resident_first", "under_pressure"]
+           "admission_table", "install", "mark_needed", "match", "new_tokens", "outgrown", "protected_from", "resident_first", "under_pressure"]

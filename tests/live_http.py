@@ -21,3 +21,25 @@ async def post_all(url: str, bodies: list[dict]) -> list[dict]:
 def flush_cache(url: str) -> None:
     """Empty the server's radix cache (SGLang's ``/flush_cache``)."""
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60).read()
+
+
+def greedy_body(tag, ids: list[int], new: int) -> dict:
+    """A ``/generate`` body: ``ids`` as input, ``new`` greedy tokens (EOS ignored), tagged with the
+    :class:`~sgl_tts.protocol.SearchTag` ``tag`` (its rid and custom params)."""
+    return {"input_ids": ids, "rid": tag.request_id(), "sampling_params": {
+        "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True, "custom_params": tag.custom_params()}}
+
+
+def family_paths(seed: int, shared: int, own: int, families: int, children: int
+                 ) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """``families`` parents' paths (a ``shared``-token prompt, then ``own`` tokens of each parent's
+    own) and ``children`` children of each, whose input is the parent's path and one token of the
+    child's own (token ids of the shipped tiny models' vocabulary)."""
+    import random
+
+    rng = random.Random(seed)
+    tokens = lambda k: [rng.randrange(10, 270) for _ in range(k)]   # noqa: E731 (the vocabulary has 284)
+    prompt = tokens(shared)
+    parents = [prompt + tokens(own) for _ in range(families)]
+    kids = [[p + [10 + 7 * f + c] for c in range(children)] for f, p in enumerate(parents)]
+    return parents, kids

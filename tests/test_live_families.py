@@ -13,12 +13,11 @@ minute of requests."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from live_http import flush_cache, post_all
+from live_http import family_paths, flush_cache, greedy_body, post_all
 from sgl_tts.protocol import SearchTag
 
 pytestmark = [pytest.mark.server, pytest.mark.live_servers("own")]   # stops the session's servers (pressed)
@@ -44,22 +43,6 @@ def servers(tmp_path_factory, live):
     started.stop_all()
 
 
-def _body(tag: SearchTag, ids: list[int], new: int) -> dict:
-    return {"input_ids": ids, "rid": tag.request_id(), "sampling_params": {
-        "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True, "custom_params": tag.custom_params()}}
-
-
-def _families(seed: int = 1) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Ten parents' paths (a shared 64-token prompt, then 32 tokens of each parent's own) and three
-    children of each, whose input is the parent's path and one token of the child's own."""
-    rng = random.Random(seed)
-    tokens = lambda k: [rng.randrange(10, 270) for _ in range(k)]   # noqa: E731 (the vocabulary has 284)
-    shared = tokens(SHARED)
-    parents = [shared + tokens(OWN) for _ in range(FAMILIES)]
-    children = [[p + [10 + 7 * f + c] for c in range(CHILDREN)] for f, p in enumerate(parents)]
-    return parents, children
-
-
 @pytest.mark.timeout(600)
 def test_a_family_waits_rather_than_evict_the_path_of_a_family_after_it(servers):
     """The parents' paths are cached one by one (384 tokens of the 768); then all 30 children arrive
@@ -69,14 +52,14 @@ def test_a_family_waits_rather_than_evict_the_path_of_a_family_after_it(servers)
     their children recompute them. Under ``families`` a family is admitted only while its 198 fit
     beside the paths marked for the families after it: every child finds its parent's path cached.
     Both servers generate the same tokens."""
-    parents, children = _families()
+    parents, children = family_paths(1, SHARED, OWN, FAMILIES, CHILDREN)
     got = {}
     for name in ("both", "families"):
         url = servers.url(name)
         flush_cache(url)
         for f, path in enumerate(parents):   # one at a time: each path is cached before the next
-            asyncio.run(post_all(url, [_body(SearchTag("fam", 0, -1, f), path, 1)]))
-        bodies = [_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
+            asyncio.run(post_all(url, [greedy_body(SearchTag("fam", 0, -1, f), path, 1)]))
+        bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
                   for f, family in enumerate(children) for c, ids in enumerate(family)]
         # one batch request: the 30 reach the scheduler together (sent one by one, the first
         # families run before the last arrive, and no rule can keep a path for a family it has not seen)

@@ -12,12 +12,11 @@ samples on both. Two starts (~30-60 s each on 2 busy cores) and about a minute o
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from live_http import flush_cache, post_all
+from live_http import family_paths, flush_cache, greedy_body, post_all
 from sgl_tts.protocol import SearchTag
 
 pytestmark = [pytest.mark.server, pytest.mark.live_servers("own")]   # stops the session's servers (pressed)
@@ -44,22 +43,6 @@ def pressed(tmp_path_factory, live):
     servers.stop_all()
 
 
-def _body(tag: SearchTag, ids: list[int], new: int) -> dict:
-    return {"input_ids": ids, "rid": tag.request_id(), "sampling_params": {
-        "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True, "custom_params": tag.custom_params()}}
-
-
-def _families(seed: int = 0) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Ten parents' paths (a shared 64-token prompt, then 32 tokens of each parent's own) and three
-    children of each, whose input is the parent's path and one token of the child's own."""
-    rng = random.Random(seed)
-    tokens = lambda k: [rng.randrange(10, 270) for _ in range(k)]   # noqa: E731 (the vocabulary has 284)
-    shared = tokens(SHARED)
-    parents = [shared + tokens(OWN) for _ in range(FAMILIES)]
-    children = [[p + [10 + 7 * f + c] for c in range(CHILDREN)] for f, p in enumerate(parents)]
-    return parents, children
-
-
 def _evicted(servers, name: str, since: float) -> int:
     time.sleep(1.5)   # the plugin's metrics flush about every second
     return sum(r["tokens"] for r in servers.metrics_records(name) if r["event"] == "evict" and r["time"] >= since)
@@ -79,15 +62,15 @@ def test_under_pressure_a_waiting_family_keeps_its_parents_path_where_fcfs_evict
     as ``prefix-aware``, 2026-11-29. The locality ablation in docs/BENCHMARKS.md found the same: that
     refresh is most of what either rule does. What this test guards is the policy against SGLang's
     own scheduling.)"""
-    parents, children = _families()
+    parents, children = family_paths(0, SHARED, OWN, FAMILIES, CHILDREN)
     got, evicted = {}, {}
     for name in ("fcfs", "locality"):
         url = pressed.url(name)
         flush_cache(url)
         since = time.time()
         for f, path in enumerate(parents):   # one at a time: each path is cached before the next
-            asyncio.run(post_all(url, [_body(SearchTag("fam", 0, -1, f), path, 1)]))
-        bodies = [_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
+            asyncio.run(post_all(url, [greedy_body(SearchTag("fam", 0, -1, f), path, 1)]))
+        bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
                   for f, family in enumerate(children) for c, ids in enumerate(family)]
         got[name] = asyncio.run(post_all(url, bodies))
         evicted[name] = _evicted(pressed, name, since)

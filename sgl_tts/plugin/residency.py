@@ -160,23 +160,20 @@ def mark_needed(strategy: QueueAwareEviction, root: Any, nodes: Sequence[Any]) -
     return len(marks)
 
 
-def protected_from(marks: Sequence[tuple[int, Any]], length: int) -> list[int]:
+def protected_suffix(marks: Sequence[tuple[int, Any]], length: int) -> list[int]:
     """``out[r]``: the tokens of the nodes of ``marks`` (``(rank, node)`` pairs, as :func:`mark_needed`
     records them) first needed at rank ``r`` or later that SGLang could evict now (unlocked), for
     ``r`` in ``0..length``. A marked node that a later match split (SGLang's match of a request's
     input ends one token short, and splits the node there) has lost the front of its tokens to a new
     unmarked parent: those count with the node's rank."""
     out = [0] * (length + 1)
-    marked = {id(node) for _, node in marks}
-    for rank, node in marks:
-        if rank >= length:
-            continue
+    for rank, node in marks:   # (ranks are positions of the order: below length)
         while node is not None and node.parent is not None:
             if node.lock_ref == 0 and node.key is not None:
                 out[rank] += len(node.key)
             node = node.parent
-            if id(node) in marked or getattr(node, NEED, None) is not None:
-                break   # the next marked ancestor (or one marked in an earlier epoch: not a split's)
+            if getattr(node, NEED, None) is not None:
+                break   # the next marked ancestor (a split's new parent carries no mark)
     for r in range(length - 1, -1, -1):
         out[r] += out[r + 1]
     return out
@@ -187,7 +184,7 @@ class Admission:
     """Rule 3's table for one order of the waiting queue (positions in the marking order).
 
     Attributes:
-        at: ``id(request)`` -> (its position, its family's first and end positions, the KV tokens the
+        at: ``id(request)`` -> (its position, its family's first position, the KV tokens the
             family's members after the first need: their uncached tokens less what each shares
             with the one before it, plus SGLang's reservation for their new tokens and a page).
         marks: the ``(rank, node)`` pairs the order marked (:func:`mark_needed`).
@@ -195,17 +192,17 @@ class Admission:
         pool: the KV pool's size in tokens.
     """
 
-    at: dict[int, tuple[int, int, int, int]]
+    at: dict[int, tuple[int, int, int]]
     marks: list
     length: int
     pool: int
-    protected: list[int] | None = None   # protected_from(marks, length), once per round
+    protected: list[int] | None = None   # protected_suffix(marks, length), once per round
 
     def protected_from(self, pos: int) -> int:
         """Evictable tokens first needed by the request at position ``pos`` or a later one (those of
         earlier positions are locked once they are admitted; the request's own are locked when it is)."""
         if self.protected is None:
-            self.protected = protected_from(self.marks, self.length)
+            self.protected = protected_suffix(self.marks, self.length)
         return self.protected[min(pos, self.length)]
 
     def need(self, req: Any, total: int) -> tuple[int, int] | None:
@@ -216,7 +213,7 @@ class Admission:
         entry = self.at.get(id(req))
         if entry is None:
             return None
-        pos, lo, _, rest = entry
+        pos, lo, rest = entry
         protect = self.protected_from(pos)
         if pos == lo and rest and total + rest < self.pool - protect:
             total += rest
@@ -229,11 +226,7 @@ class Admission:
         admitted this round."""
         if not adder.can_run_list and not getattr(adder.running_batch, "reqs", None):
             return False   # nothing would free KV for it: SGLang decides
-        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-
-        sp = req.sampling_params
-        total = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
-                 + min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS) + adder.page_size)
+        total = len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + new_tokens((req,), adder.page_size)
         need = self.need(req, total)
         if need is None:
             return False
@@ -269,13 +262,7 @@ def admission_table(tree: Any, marks: list, reqs: Sequence[Any], infos: Sequence
     lengths = [len(f.seq) // 8 for f in infos]
     families = [f.family for f in infos]
     rest = family_rest(families, lengths, uncached, shared_prev, news)
-    at: dict[int, tuple[int, int, int, int]] = {}
-    lo = 0
-    for pos in range(1, len(families) + 1):
-        if pos == len(families) or families[pos] != families[lo]:
-            for i in range(lo, pos):
-                at[id(reqs[i])] = (i, lo, pos, rest[lo])
-            lo = pos
+    at = {id(reqs[i]): (i, lo, rest[lo]) for lo, hi in family_runs(families) for i in range(lo, hi)}
     pool = int(getattr(tree.token_to_kv_pool_allocator, "size", 0) or 0)
     return Admission(at, marks, len(families), pool)
 
@@ -287,33 +274,36 @@ def family_rest(families: Sequence[Any], lengths: Sequence[int], uncached: Seque
     less those it shares with the member before it, which that one's prefill caches, at least one,
     plus ``new_tokens``, its reservation); 0 elsewhere."""
     rest = [0] * len(families)
-    lo = 0
-    for pos in range(1, len(families) + 1):
-        if pos == len(families) or families[pos] != families[lo]:
-            for i in range(lo + 1, pos):
-                cached = lengths[i] - uncached[i]
-                # (at least one token: SGLang computes a request's last input token even when cached)
-                rest[lo] += max(1, uncached[i] - max(0, min(shared_prev[i], lengths[i]) - cached)) + new_tokens[i]
-            lo = pos
+    for lo, hi in family_runs(families):
+        for i in range(lo + 1, hi):
+            cached = lengths[i] - uncached[i]
+            # (at least one token: SGLang computes a request's last input token even when cached)
+            rest[lo] += max(1, uncached[i] - max(0, min(shared_prev[i], lengths[i]) - cached)) + new_tokens[i]
     return rest
 
 
-def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: int) -> list[int]:
-    """Positions of a walk reordered so that the families (runs of equal ``families`` entries) whose
-    every member has fewer than ``threshold`` uncached tokens come first, each part in walk order."""
+def family_runs(families: Sequence[Any]) -> list[tuple[int, int]]:
+    """The ``(first, end)`` positions of each run of equal ``families`` entries (a family in an order)."""
     runs: list[tuple[int, int]] = []
     start = 0
     for pos in range(1, len(families) + 1):
         if pos == len(families) or families[pos] != families[start]:
             runs.append((start, pos))
             start = pos
+    return runs
+
+
+def resident_first(families: Sequence[Any], uncached: Sequence[int], threshold: int) -> list[int]:
+    """Positions of a walk reordered so that the families (runs of equal ``families`` entries) whose
+    every member has fewer than ``threshold`` uncached tokens come first, each part in walk order."""
     resident: list[int] = []
     others: list[int] = []
-    for lo, hi in runs:
+    for lo, hi in family_runs(families):
         part = resident if all(uncached[p] < threshold for p in range(lo, hi)) else others
         part.extend(range(lo, hi))
     return resident + others
 
 
-__all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "Admission", "QueueAwareEviction", "count_evictions", "family_rest",
-           "admission_table", "install", "mark_needed", "match", "new_tokens", "outgrown", "protected_from", "resident_first", "under_pressure"]
+__all__ = ["EVICTIONS", "NEED", "PRESSURE_FREE", "Admission", "QueueAwareEviction", "admission_table",
+           "count_evictions", "family_rest", "family_runs", "install", "mark_needed", "match", "new_tokens", "outgrown",
+           "protected_suffix", "resident_first", "under_pressure"]

@@ -15,6 +15,7 @@ from http.server import ThreadingHTTPServer
 import pytest
 
 from http_lookalike import SGLangLookalikeHandler
+from sleeping import asleep
 from sgl_tts.models import shipped_model
 from sgl_tts.serving.api import parse_request
 from sgl_tts.serving.server import BackgroundSearchServer
@@ -138,19 +139,6 @@ def until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def asleep(thread: threading.Thread, seconds: float = 1.0) -> tuple[float, int]:
-    """CPU seconds ``thread`` used and times it woke up (voluntary context switches) over ``seconds``."""
-    clock = time.pthread_getcpuclockid(thread.ident)
-
-    def switches() -> int:
-        with open(f"/proc/self/task/{thread.native_id}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
-
-    cpu0, sw0 = time.clock_gettime(clock), switches()
-    time.sleep(seconds)
-    return time.clock_gettime(clock) - cpu0, switches() - sw0
-
-
 def test_a_search_waiting_for_a_slot_sleeps_and_a_cancel_wakes_it_at_once(generator):
     service = SearchService(generator.url, None, max_concurrent=1)
     first = Search(service)                                     # takes the one slot, held on the generator
@@ -160,7 +148,7 @@ def test_a_search_waiting_for_a_slot_sleeps_and_a_cancel_wakes_it_at_once(genera
         waiting = Search(service)
         until(lambda: service.waiting == 1)
         if trial == 0:   # asleep: no CPU, no wake-ups (a 50 ms poll wakes ~20 times a second)
-            cpu, wakeups = asleep(waiting)
+            cpu, wakeups = asleep([waiting])
             assert cpu < 0.01 and wakeups <= 2, (cpu, wakeups)
         else:
             time.sleep(0.05)
@@ -207,14 +195,16 @@ def test_a_search_waiting_for_its_program_sleeps_and_a_cancel_aborts_its_request
     service = SearchService(generator.url, None, max_concurrent=2)
     search = Search(service, samples=2, cancel=CancelEvent())
     generator.wait(lambda: len(generator.live) == 2)
-    cpu, wakeups = asleep(search)   # run() waits for the program: asleep (a 50 ms join loop wakes ~20/s)
+    cpu, wakeups = asleep([search])   # run() waits for the program: asleep (a 50 ms join loop wakes ~20/s)
     assert cpu < 0.01 and wakeups <= 2, (cpu, wakeups)
     t0 = time.monotonic()
     search.cancel.set()
     search.join(10)
     assert isinstance(search.error, SearchCancelled)
     when, prefix = generator.aborts[0]
-    assert prefix.startswith("tts/") and when - t0 < 0.05, generator.aborts
+    # at once: not when the held request ends (HOLD_S) nor after a poll (no wake-ups above); the HTTP
+    # abort itself took 1-5 ms here and 0.14 s on a loaded CI machine
+    assert prefix.startswith("tts/") and when - t0 < 0.5, (when - t0, generator.aborts)
     # repeated only while a request sent before the cancel was out (both were answered by the first)
     assert all(t <= search.ended for t, _ in generator.aborts)
     assert not generator.live and not generator.ran_to_end and not service.running

@@ -28,7 +28,7 @@ def prm_path():
 
 
 def test_shipped_folders_load_with_plain_transformers_and_stay_small(generator_path, prm_path):
-    for path in (generator_path, prm_path):
+    for path in (generator_path, shipped_model("expert"), prm_path):
         model = AutoModelForCausalLM.from_pretrained(path)
         tok = AutoTokenizer.from_pretrained(path)
         assert type(model).__name__ == "Qwen2ForCausalLM"

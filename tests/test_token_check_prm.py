@@ -1,6 +1,7 @@
-"""The token-check PRM: built from the generator, it computes the documented share (checked digits the
-generator would not have written, averaged over the solution so far), and the shipped folder is
-exactly that construction."""
+"""The token-check PRM: built from a model (here the generator, for the shipped PRM the expert), it
+computes the documented share (checked digits that model would not have written, averaged over the
+solution so far); the shipped folder is exactly that construction from the shipped expert, and it sees
+the generator's confident mistakes on the hard split, which a PRM built from the generator cannot."""
 
 from __future__ import annotations
 
@@ -97,12 +98,12 @@ def test_one_changed_digit_lowers_that_step_and_every_later_one_only(identity_sc
         assert all(b < g - 1e-3 for b, g in zip(bad[k:], good[k:]))
 
 
-def test_shipped_prm_is_exactly_the_construction_from_the_shipped_generator(tmp_path, generator_path):
+def test_shipped_prm_is_exactly_the_construction_from_the_shipped_expert(tmp_path):
     shipped = shipped_model("prm")
     model = AutoModelForCausalLM.from_pretrained(shipped)
     meta = getattr(model.config, CONFIG_KEY)
     assert meta["checked"] == list(CHECKED_DIGITS) and (meta["good"], meta["bad"]) == ("+", "-")
-    rebuilt = build_token_check_prm(generator_path, tmp_path / "prm", readout=Readout(**meta["readout"]))
+    rebuilt = build_token_check_prm(shipped_model("expert"), tmp_path / "prm", readout=Readout(**meta["readout"]))
     assert (rebuilt / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
     assert meta["readout"]["slope"] > 0  # more unexpected digits -> lower P(+)
 
@@ -130,3 +131,29 @@ def test_build_refuses_what_it_cannot_check(tmp_path, generator_path):
     with pytest.raises(ValueError, match="step tag 'Step 1' must be a single token"):
         build_token_check_prm(generator_path, tmp_path / "d", tag="Step 1")
     assert not any((tmp_path / n).exists() for n in "abcd")  # nothing half-written
+
+
+def test_the_shipped_prm_sees_the_generators_confident_mistakes_on_hard_problems(identity_prm):
+    """Greedy solutions of hard problems (multipliers up to 30, which the generator never learned): the
+    generator ranks its wrong digits first, so the PRM built from it scores them as clean (step AUC
+    about chance); the shipped PRM, built from the expert, which knows those products, ranks them low.
+    Also the sampled steps, what a search scores."""
+    from sgl_tts.tiny.hardness import measure_hardness, solve_and_score
+
+    hardness = {}
+    gen = LocalBackend(shipped_model("generator"), seed=0)
+    try:
+        for name, path in (("expert", shipped_model("prm")), ("generator", identity_prm)):
+            prm_backend = LocalBackend(path, seed=0)
+            try:
+                sols = solve_and_score(gen, StepTagPRM(prm_backend, cache=False), task.hard_split(24),
+                                       samples=1, temperature=0.8, seed=0, progress=False)
+            finally:
+                prm_backend.shutdown()
+            hardness[name] = measure_hardness(sols, 0.8)
+    finally:
+        gen.shutdown()
+    assert hardness["expert"].greedy_accuracy < 0.75                  # the generator does fail on them
+    # measured (greedy / sampled step AUC): 0.89 / 0.995 from the expert, 0.48 / 0.95 from the generator
+    assert hardness["generator"].greedy_step_auc < 0.6
+    assert hardness["expert"].greedy_step_auc > 0.8 and hardness["expert"].step_auc > 0.9, hardness

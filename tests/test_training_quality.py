@@ -111,22 +111,49 @@ def test_auc_equals_pairwise_definition():
     assert auc([0.1, 0.9], [0, 1]) == 1.0
 
 
+def test_expert_problems_are_half_hard_and_never_a_test_or_hard_split_question():
+    from sgl_tts.tiny.training import expert_problems
+
+    held_out = {p.question for p in task.test_split()} | {p.question for p in task.hard_split()}
+    drawn = list(itertools.islice(expert_problems(0), 2000))
+    assert not {p.question for p in drawn} & held_out
+    levels = [p.level for p in drawn]
+    assert set(levels) == {1, 2, 3, 4, 5} and 0.45 < levels.count(5) / len(levels) < 0.55
+    assert drawn[:20] == list(itertools.islice(expert_problems(0), 20))   # fixed by its seed
+    assert drawn[:20] != list(itertools.islice(expert_problems(1), 20))
+
+
+def test_train_stream_leaves_out_the_questions_it_is_told_to():
+    plain = list(itertools.islice(task.train_stream("x", (1, 2)), 300))
+    banned = {p.question for p in plain[:200:2]}   # every other one of the first 200
+    again = list(itertools.islice(task.train_stream("x", (1, 2), exclude=banned), 200))
+    assert again == plain[1:200:2] + plain[200:300]   # the same draws, the banned ones skipped
+
+
 def test_train_tiny_runs_every_stage_and_resumes(tmp_path):
     import json
 
+    import torch
+    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from sgl_tts.tiny.training import TinyRecipe, train_tiny
 
-    recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, readout_examples=30,
+    recipe = TinyRecipe(generator_steps=2, generator_batch=4, slip_steps=2, expert_steps=2, readout_examples=30,
                         pool_problems=2, pool_samples=1)
     train_tiny(tmp_path, recipe, progress=False)
-    for stage in ("generator-base", "generator", "prm"):
+    for stage in ("generator-base", "generator", "expert", "prm"):
         assert (tmp_path / stage / "model.safetensors").is_file()
         assert json.loads((tmp_path / stage / ".done").read_text())["generator_steps"] == 2
     assert len((tmp_path / "prm-pool.jsonl").read_text().splitlines()) == 2
     cfg = AutoConfig.from_pretrained(tmp_path / "prm")
-    assert cfg.num_hidden_layers == 4 + 3 and cfg.tie_word_embeddings is False  # generator + 3 layers
+    assert cfg.num_hidden_layers == 4 + 3 and cfg.tie_word_embeddings is False  # expert + 3 layers
+    # the PRM is built from the expert, which the expert stage trained away from the generator
+    expert, gen = (load_file(tmp_path / n / "model.safetensors") for n in ("expert", "generator"))
+    assert not torch.equal(expert["model.layers.0.mlp.up_proj.weight"], gen["model.layers.0.mlp.up_proj.weight"])
+    prm = load_file(tmp_path / "prm" / "model.safetensors")
+    assert torch.equal(prm["model.layers.1.mlp.up_proj.weight"][:, :256].float(),
+                       expert["model.layers.0.mlp.up_proj.weight"].float())
     done = json.loads((tmp_path / "prm" / ".done").read_text())
     assert cfg.sgl_tts_token_check_prm["readout"] == done["readout"]  # the fitted readout is built in
     assert done["readout_fit"]["examples"] == 30 and done["readout_fit"]["graded_steps"] > 30

@@ -16,7 +16,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def shipped_model(name: str) -> Path | None:
-    """Folder of a model shipped inside the package (``"generator"`` or ``"prm"``), if present."""
+    """Folder of a model shipped inside the package (``"generator"``, ``"expert"`` or ``"prm"``), if present."""
     path = DATA / name
     return path if (path / "model.safetensors").is_file() else None
 

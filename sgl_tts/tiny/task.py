@@ -235,13 +235,15 @@ def is_hard(problem: Problem) -> bool:
     return problem.level in HARD_LEVELS
 
 
-def train_stream(seed: int | str = TRAIN_SEED, levels: Sequence[int] = tuple(LEVELS)) -> Iterator[Problem]:
-    """An endless stream of training problems that never repeats a test question."""
-    test_questions = {p.question for p in test_split()}
+def train_stream(seed: int | str = TRAIN_SEED, levels: Sequence[int] = tuple(LEVELS),
+                 exclude: Iterable[str] = ()) -> Iterator[Problem]:
+    """An endless stream of training problems that never repeats a test question (nor one in
+    ``exclude``). A level listed k times is drawn k times as often."""
+    held_out = {p.question for p in test_split()} | set(exclude)
     rng = random.Random(str(seed))
     while True:
         p = make_problem(rng, rng.choice(list(levels)))
-        if p.question not in test_questions:
+        if p.question not in held_out:
             yield p
 
 

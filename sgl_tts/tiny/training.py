@@ -8,13 +8,17 @@ progress and a rerun resumes:
 2. ``generator``: the base fine-tuned on solutions with random one-digit slips, so that sampling makes
    independent mistakes while the right answer stays the mode (what search can fix);
 3. ``prm-pool.jsonl``: the generator's own samples on training problems;
-4. ``prm``: a step-tag PRM built from the generator (:mod:`sgl_tts.models.token_check_prm`: at each
-   step tag, the share of solution digits the generator would not have written decides between
+4. ``expert``: the generator trained further on reference solutions, half of them of the hard level
+   (multipliers up to 30, :data:`~sgl_tts.tiny.task.HARD_LEVELS`; never a test or hard-split
+   question): a model that knows the multiplications the generator never learned;
+5. ``prm``: a step-tag PRM built from the expert (:mod:`sgl_tts.models.token_check_prm`: at each
+   step tag, the share of solution digits the expert would not have written decides between
    ``"+"`` and ``"-"``), whose readout (bias and slope of the log-odds) is fitted on graded
    examples: the pool graded by the checker, correct references, and references with one injected
-   error.
+   error. Built from the generator itself (until 2026-11-29) the PRM could not see the generator's
+   confident mistakes (docs/TINY_MODELS.md "The hard workload").
 
-Fixed seeds throughout; runs on a 2-core CPU in about half an hour. CI never runs this (it uses the shipped
+Fixed seeds throughout; runs on a 2-core CPU in under an hour. CI never runs this (it uses the shipped
 weights). docs/TINY_MODELS.md records what was tried and measured.
 """
 
@@ -131,11 +135,18 @@ def _chain_fits(value: int, ops: Sequence[tuple[str, int]]) -> bool:
     return 0 <= value <= task.MAX_VALUE
 
 
-def generator_batches(tokenizer, cfg: TrainConfig,
-                      slip_rate: float = 0.0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+# The expert's problems: every level, the hard one drawn as often as the four others together.
+EXPERT_LEVELS = tuple(task.LEVELS) + tuple(task.HARD_LEVELS) * len(task.LEVELS)
+
+
+def generator_batches(tokenizer, cfg: TrainConfig, slip_rate: float = 0.0,
+                      problems: Iterator[task.Problem] | None = None,
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(input_ids, attention_mask, labels): prompt + solution + EOS; loss on the solution. With
-    ``slip_rate`` > 0 the solutions carry random one-digit slips (:func:`slipped_steps`)."""
-    stream = task.train_stream(f"{task.TRAIN_SEED}-gen-{cfg.seed}" + (f"-slip{slip_rate}" if slip_rate else ""))
+    ``slip_rate`` > 0 the solutions carry random one-digit slips (:func:`slipped_steps`). The problems
+    come from ``problems`` if given, else from the generator's training stream."""
+    stream = problems if problems is not None else task.train_stream(
+        f"{task.TRAIN_SEED}-gen-{cfg.seed}" + (f"-slip{slip_rate}" if slip_rate else ""))
     rng = random.Random(f"slips-{cfg.seed}-{slip_rate}")
     eos = tokenizer.eos_token_id
     while True:
@@ -198,6 +209,21 @@ def train_generator(path: str | Path, cfg: TrainConfig, *, slip_rate: float = 0.
                 lambda tok: generator_batches(tok, cfg, slip_rate),
                 lambda model, b: model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss,
                 checkpoints=checkpoints, progress=progress)
+
+
+def expert_problems(seed: int) -> Iterator[task.Problem]:
+    """The expert's training problems (:data:`EXPERT_LEVELS`): never a test or a hard-split question."""
+    return task.train_stream(f"{task.TRAIN_SEED}-expert-{seed}", EXPERT_LEVELS,
+                             exclude=(p.question for p in task.hard_split()))
+
+
+def train_expert(path: str | Path, cfg: TrainConfig, progress: bool = True) -> Path:
+    """Train the model folder at ``path`` (a copy of the generator) in place on reference solutions of
+    :func:`expert_problems`: the model the PRM checks the written digits against."""
+    return _fit(Path(path), cfg, "expert",
+                lambda tok: generator_batches(tok, cfg, problems=expert_problems(cfg.seed)),
+                lambda model, b: model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss,
+                progress=progress)
 
 
 def save_model(model, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -354,6 +380,8 @@ class TinyRecipe:
     slip_steps: int = 300
     slip_rate: float = 0.25
     slip_lr: float = 5e-4
+    expert_steps: int = 1000
+    expert_lr: float = 1e-3
     readout_examples: int = 3000
     pool_problems: int = 1000
     pool_samples: int = 4
@@ -362,11 +390,11 @@ class TinyRecipe:
 
 
 def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: bool = True) -> dict:
-    """Train generator and PRM into ``out``/generator and ``out``/prm. Finished stages are skipped on a
-    rerun (each writes a ``.done`` marker), so an interrupted run resumes."""
+    """Train generator, expert and PRM into ``out``/generator, ``out``/expert and ``out``/prm. Finished
+    stages are skipped on a rerun (each writes a ``.done`` marker), so an interrupted run resumes."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    base, gen, prm = out / "generator-base", out / "generator", out / "prm"
+    base, gen, expert, prm = out / "generator-base", out / "generator", out / "expert", out / "prm"
     timings = {}
     t = time.perf_counter()
     if not (base / ".done").exists():
@@ -401,13 +429,22 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
             for r in map(json.loads, pool_file.read_text().splitlines())]
     timings["pool_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    # The PRM: built from the generator (every written digit checked against the generator's own
-    # prediction, averaged over the solution so far), then its two-number readout fitted on graded
-    # examples. Gradient-trained PRMs on this generator stayed at step AUC 0.72-0.86 (TINY_MODELS).
+    if not (expert / ".done").exists():
+        shutil.rmtree(expert, ignore_errors=True)
+        shutil.copytree(gen, expert, ignore=shutil.ignore_patterns(".done"))
+        train_expert(expert, TrainConfig(steps=recipe.expert_steps, batch_size=recipe.generator_batch,
+                                         lr=recipe.expert_lr, warmup=30, seed=recipe.seed), progress=progress)
+        (expert / ".done").write_text(json.dumps(dataclasses.asdict(recipe)))
+    timings["expert_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    # The PRM: built from the expert (every written digit checked against the expert's prediction,
+    # averaged over the solution so far), then its two-number readout fitted on graded examples.
+    # Gradient-trained PRMs on this generator stayed at step AUC 0.72-0.86 (TINY_MODELS); built from
+    # the generator itself, it scored the generator's confident mistakes as clean.
     if not (prm / ".done").exists():
-        build_token_check_prm(gen, prm, readout=Readout())
+        build_token_check_prm(expert, prm, readout=Readout())
         readout, fit = fit_prm_readout(prm, pool, recipe.readout_examples, recipe.seed, progress=progress)
-        build_token_check_prm(gen, prm, readout=readout)
+        build_token_check_prm(expert, prm, readout=readout)
         marker = {**dataclasses.asdict(recipe), "readout": dataclasses.asdict(readout), "readout_fit": fit}
         (prm / ".done").write_text(json.dumps(marker))
     timings["prm_s"] = time.perf_counter() - t
@@ -420,6 +457,7 @@ if __name__ == "__main__":   # python -m sgl_tts.tiny.training (docs/TINY_MODELS
     raise SystemExit(main())
 
 
-__all__ = ["GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "corrupt", "fit_prm_readout",
-           "new_generator", "readout_examples", "sample_pool", "sample_solutions", "save_model",
-           "slipped_steps", "tag_positions", "train_generator", "train_tiny", "write_task_tokenizer"]
+__all__ = ["EXPERT_LEVELS", "GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "corrupt",
+           "expert_problems", "fit_prm_readout", "new_generator", "readout_examples", "sample_pool",
+           "sample_solutions", "save_model", "slipped_steps", "tag_positions", "train_expert", "train_generator", "train_tiny",
+           "write_task_tokenizer"]

@@ -212,7 +212,9 @@ def train_generator(path: str | Path, cfg: TrainConfig, *, slip_rate: float = 0.
 
 
 def expert_problems(seed: int) -> Iterator[task.Problem]:
-    """The expert's training problems (:data:`EXPERT_LEVELS`): never a test or a hard-split question."""
+    """The expert's training problems (:data:`EXPERT_LEVELS`): never a test question nor one of the hard
+    split's 200 (:func:`~sgl_tts.tiny.task.hard_split`'s default, what ``sgl-tts workload`` and ``load``
+    serve; a longer hard split's later problems are not held out)."""
     return task.train_stream(f"{task.TRAIN_SEED}-expert-{seed}", EXPERT_LEVELS,
                              exclude=(p.question for p in task.hard_split()))
 
@@ -459,5 +461,5 @@ if __name__ == "__main__":   # python -m sgl_tts.tiny.training (docs/TINY_MODELS
 
 __all__ = ["EXPERT_LEVELS", "GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "corrupt",
            "expert_problems", "fit_prm_readout", "new_generator", "readout_examples", "sample_pool",
-           "sample_solutions", "save_model", "slipped_steps", "tag_positions", "train_expert", "train_generator", "train_tiny",
-           "write_task_tokenizer"]
+           "sample_solutions", "save_model", "slipped_steps", "tag_positions", "train_expert",
+           "train_generator", "train_tiny", "write_task_tokenizer"]

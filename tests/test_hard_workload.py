@@ -96,11 +96,23 @@ def test_cutoff_with_no_reach_allowed_worked_by_hand():
 
 
 def test_cutoff_with_some_reach_allowed_worked_by_hand():
-    # max_reach 0.3: below 0.9 one of 4 reached (0.25), below 0.95 one of 5 (0.2): both allowed;
-    # the last observed score is 0.95, the one under it 0.9: cut-off 0.925
-    c = choose_cutoff(POINTS, 0.8, max_reach=0.3)
+    # max_reach 0.5. Below 0.9 the band [0.85, 0.9) is one trajectory that reached (1 > 0.5): no.
+    # Below 0.95 every band from an observed score up: [0.9] 0/1, [0.85, 0.9] 1/2, [0.5, ..] 1/3,
+    # [0.2, ..] 1/4, [0.1, ..] 1/5, all <= 0.5: yes, and nothing higher is observed. The score under
+    # 0.95 is 0.9: cut-off 0.925
+    c = choose_cutoff(POINTS, 0.8, max_reach=0.5)
     assert c.cutoff == pytest.approx(0.925)
     assert (c.below, c.reached_below, c.above, c.reached_above) == (5, 1, 2, 2)
+
+
+def test_cutoff_is_not_put_above_a_band_that_reaches_however_many_score_near_zero():
+    # 100 first steps at 0 (none reach), then 0.95 (reached), 0.955, 0.96, and 20 clean ones at 0.963.
+    # Over all trajectories below 0.963 only 1 of 103 reached (under 2%), but the band [0.95, 0.963)
+    # reached 1 of 3; likewise below 0.96 and 0.955. Below 0.95 only the zeros: cut-off (0 + 0.95) / 2
+    points = pts(*([(0.0, 0.0)] * 100), (0.95, 0.85), (0.955, 0.5), (0.96, 0.3), *([(0.963, 0.9)] * 20))
+    c = choose_cutoff(points, 0.8)
+    assert c.cutoff == pytest.approx(0.475)
+    assert (c.below, c.reached_below, c.above, c.reached_above) == (100, 0, 23, 21)
 
 
 def test_cutoff_none_when_the_lowest_trajectories_already_reach():

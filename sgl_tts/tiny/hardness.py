@@ -139,10 +139,11 @@ def first_step_points(solutions: Sequence[Solution], aggregation: str = "min") -
 class Cutoff:
     """The selective futility check's cut-off and the evidence for it.
 
-    ``cutoff``: for the largest observed first-step score ``c`` such that, for every observed score up
-    to it, at most ``max_reach`` of the trajectories whose first step scored below it reached the
-    threshold, the middle between ``c`` and the observed score below it (every value in that gap leaves
-    out the same trajectories); ``None`` if even the second-lowest score fails. ``below``/``reached_below``: trajectories under the
+    ``cutoff``: take the largest observed first-step score ``c`` such that for every observed score
+    ``s < c`` at most ``max_reach`` of the trajectories whose first step scored in ``[s, c)`` reached
+    the threshold; the cut-off is the middle between ``c`` and the observed score below it (every
+    value in that gap leaves out the same trajectories); ``None`` if no observed score above the lowest
+    qualifies. ``below``/``reached_below``: trajectories under the
     cut-off and how many of them reached the threshold; ``above``/``reached_above`` likewise at or
     above it. ``pearson``/``spearman``: correlation of first and final scores."""
 
@@ -183,9 +184,26 @@ def _ranks(x: Sequence[float]) -> list[float]:
     return ranks
 
 
+def _bands_rarely_reach(below: Sequence[FirstStep], threshold: float, max_reach: float) -> bool:
+    """Whether in every band of ``below`` (sorted by first-step score) from an observed score up to
+    the top, at most ``max_reach`` of the trajectories reached ``threshold``."""
+    reached = n = 0
+    for i in range(len(below) - 1, -1, -1):
+        n += 1
+        reached += below[i].final >= threshold
+        if (i == 0 or below[i - 1].first < below[i].first) and reached / n > max_reach:
+            return False
+    return True
+
+
 def choose_cutoff(points: Sequence[FirstStep], threshold: float, max_reach: float = 0.02) -> Cutoff:
-    """The cut-off (see :class:`Cutoff`): scanning the observed first-step scores upward, the last one
-    at which the trajectories below it still reached ``threshold`` at most ``max_reach`` of the time."""
+    """The cut-off (see :class:`Cutoff`): the largest observed first-step score below which the
+    trajectories reached ``threshold`` at most ``max_reach`` of the time in every band from an observed
+    score up to it, not only over all of them. With a PRM whose first steps score near 0 or near
+    clean, the share over all is held down by the mass near 0 even where the band just under the
+    cut-off reaches the threshold often (issue 34's load run: chosen over all, the cut-off fell just
+    under the clean score, among first steps that often lead to acceptance, and the negative exit
+    gave up a search that positive exit alone answered right)."""
     if not points:
         raise ValueError("no scored trajectories")
     if not 0 <= max_reach < 1:
@@ -195,10 +213,8 @@ def choose_cutoff(points: Sequence[FirstStep], threshold: float, max_reach: floa
     values = sorted({p.first for p in pts})
     for k, c in enumerate(values):
         below = [p for p in pts if p.first < c]
-        if not below:
-            continue   # a cut-off that leaves nothing out says nothing
-        if sum(p.final >= threshold for p in below) / len(below) > max_reach:
-            break
+        if not below or not _bands_rarely_reach(below, threshold, max_reach):
+            continue   # (a cut-off that leaves nothing out says nothing)
         # any value in (previous score, c] leaves out the same trajectories: the middle of that gap,
         # so that a score a little off the observed one (numerics, another batch) is judged the same
         cutoff = (values[k - 1] + c) / 2

@@ -16,7 +16,7 @@ def _switches(thread: threading.Thread) -> int | None:
     try:
         with open(f"/proc/self/task/{thread.native_id}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
-    except (FileNotFoundError, ProcessLookupError):   # the thread ended
+    except FileNotFoundError:                         # the thread ended
         return None
 
 
@@ -37,7 +37,7 @@ def asleep(threads: Iterable[threading.Thread], seconds: float = 1.0) -> tuple[f
             continue
         try:
             clock = time.pthread_getcpuclockid(thread.ident)
-        except (OSError, ProcessLookupError):
+        except OSError:                                # it ended meanwhile
             continue
         cpu, switches = _cpu(clock), _switches(thread)
         if cpu is not None and switches is not None:

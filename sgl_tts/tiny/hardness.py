@@ -213,8 +213,10 @@ def choose_cutoff(points: Sequence[FirstStep], threshold: float, max_reach: floa
     values = sorted({p.first for p in pts})
     for k, c in enumerate(values):
         below = [p for p in pts if p.first < c]
-        if not below or not _bands_rarely_reach(below, threshold, max_reach):
-            continue   # (a cut-off that leaves nothing out says nothing)
+        if not below:
+            continue   # a cut-off that leaves nothing out says nothing
+        if not _bands_rarely_reach(below, threshold, max_reach):
+            continue   # a higher score may still qualify: its bands are counted afresh
         # any value in (previous score, c] leaves out the same trajectories: the middle of that gap,
         # so that a score a little off the observed one (numerics, another batch) is judged the same
         cutoff = (values[k - 1] + c) / 2

@@ -5,6 +5,7 @@ prefilled less the 1 GiB floor, against the stock side that recomputed least; bo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,6 @@ def test_differing_kept_beams_or_a_missing_floor_meet_no_goal(records, tmp_path)
     runs = [read_run(p) for p in records]
     pressed = runs[1]
     differ = [dict(r, kept=[[1]]) if r.get("side") == "sgl-tts+locality+overlap" else r for r in pressed.records]
-    from dataclasses import replace
-
     rows = pressure_rows([runs[0], replace(pressed, records=tuple(differ))])
     assert {r.kept_beams_match for r in rows} == {False}
     assert not any(r.goals_met for r in rows)

@@ -2,7 +2,7 @@
 pressure budgets, one row per side, against the issue's two goals.
 
 A run is one records file (one host, one hour): its sides are compared with the stock sides *of the
-same run* only, since this host's speed moves by 5-10% from day to day. For each (run, algorithm, n)
+same run* only, since this host's speed moves by 5-25% within a day. For each (run, algorithm, n)
 at the budget :data:`~sgl_tts.bench.command.CPU_PRESSURE_BUDGETS` names for n:
 
 - **goodput vs best stock**: the side's precise goodput over the best stock side's (``stock``,
@@ -148,13 +148,16 @@ def search_key(run: BenchRun, algorithm: str, n: int) -> tuple:
     return algorithm, n, run.models, json.dumps(workload, sort_keys=True)
 
 
-def floors(runs: Iterable[BenchRun]) -> dict[tuple, Floor]:
+def floor_runs(runs: Sequence[BenchRun]) -> list[BenchRun]:
+    """The runs at :data:`FLOOR_BUDGET`."""
+    return [run for run in runs if same_budget(run.budget_mib, FLOOR_BUDGET)]
+
+
+def floors(runs: Sequence[BenchRun]) -> dict[tuple, Floor]:
     """The floor per :func:`search_key`: from runs at :data:`FLOOR_BUDGET`, the stock side that
     prefilled least (the same search on every stock side; they differ only by what eviction costs)."""
     out: dict[tuple, Floor] = {}
-    for run in runs:
-        if not same_budget(run.budget_mib, FLOOR_BUDGET):
-            continue
+    for run in floor_runs(runs):
         cells = {(r["algorithm"], r["n"]) for r in run.records if r.get("kind") == "search"}
         for algorithm, n in sorted(cells):
             found = [prefilled(s) for side in ALL_SIDES if is_stock(side)
@@ -233,6 +236,15 @@ def best_per_cell(rows: Sequence[PressureRow]) -> list[CellBest]:
 
 
 # ---------------------------------------------------------------------------------- the report
+MARKERS = "osv^dP*Xh<>p"   # one per sgl-tts side in the plot, cycling
+
+
+def tabulated(runs: Sequence[BenchRun], rows: Sequence[PressureRow]) -> list[BenchRun]:
+    """The runs that gave ``rows``."""
+    names = {r.run for r in rows}
+    return [run for run in runs if run.name in names]
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0%}"
 
@@ -242,7 +254,7 @@ def _count(x: float | None) -> str:
 
 
 def format_table(rows: Sequence[PressureRow]) -> str:
-    """The Markdown table, one row per side (bold where both goals hold)."""
+    """The Markdown table, one row per side (the last column: both goals held, in bold, or not)."""
     lines = ["| algorithm, n | budget | run (date) | side | goodput (tok/s) | vs best stock | latency (s) | "
              "generator / PRM prefilled | recomputed | vs least stock | kept beams | both goals |",
              "|---|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
@@ -275,9 +287,9 @@ def summary(rows: Sequence[PressureRow], sources: Sequence[BenchRun]) -> dict:
     return {"goals": {"goodput_vs_best_stock": GOAL_GOODPUT, "fewer_recomputed_than_least_stock": GOAL_FEWER_RECOMPUTED},
             "budgets": dict(CPU_PRESSURE_BUDGETS), "stock_splits": dict(CPU_PRESSURE_STOCK_SPLITS),
             "runs": {run.name: {"machine": run.machine, "date": run.date, "command": run.command}
-                     for run in sources if any(r.run == run.name for r in rows)},
+                     for run in tabulated(sources, rows)},
             "floors": {run.name: {"machine": run.machine, "date": run.date, "command": run.command}
-                       for run in sources if same_budget(run.budget_mib, FLOOR_BUDGET)},
+                       for run in floor_runs(sources)},
             "rows": [dataclasses.asdict(r) | {"goals_met": r.goals_met} for r in rows],
             "best": [{"algorithm": c.algorithm, "n": c.n, "runs": c.runs,
                       "best_goodput": c.best_goodput and dataclasses.asdict(c.best_goodput),
@@ -300,12 +312,12 @@ def plot(rows: Sequence[PressureRow], path: str | Path) -> Path:
     for r in rows:
         if r.stock or r.vs_least_stock is None:
             continue
-        ax.plot(r.vs_least_stock, r.vs_best_stock, "osv^dP*Xh<>p"[sides.index(r.side) % 12],
+        ax.plot(r.vs_least_stock, r.vs_best_stock, MARKERS[sides.index(r.side) % len(MARKERS)],
                 color=f"C{cells.index((r.algorithm, r.n)) % 10}", alpha=0.8, markersize=7)
     for i, (algorithm, n) in enumerate(cells):   # legend entries: colours are cells, markers sides
         ax.plot([], [], "s", color=f"C{i % 10}", label=f"{algorithm} n = {n}")
     for i, side in enumerate(sides):
-        ax.plot([], [], "osv^dP*Xh<>p"[i % 12], color="grey", label=side)
+        ax.plot([], [], MARKERS[i % len(MARKERS)], color="grey", label=side)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axvline(0.0, color="k", lw=0.8)
     ax.set_xlim(-1.0, 0.5)
@@ -333,7 +345,6 @@ def write(record_paths: Iterable[Path], out: Path, command: str) -> str:
     budgets = ", ".join(f"n = {n}: {b}" + (f" (stock split {CPU_PRESSURE_STOCK_SPLITS[n]})"
                                              if n in CPU_PRESSURE_STOCK_SPLITS else "")
                         for n, b in CPU_PRESSURE_BUDGETS.items())
-    used = [run for run in runs if any(r.run == run.name for r in rows)]
     text = "\n".join([
         "# CPU under memory pressure: every recorded run at the pressure budgets", "",
         f"Written by `{command}` from the records beside this file. Budgets ({budgets}) as `sgl-tts bench "
@@ -345,9 +356,8 @@ def write(record_paths: Iterable[Path], out: Path, command: str) -> str:
         "## What the sgl-tts sides reached", "", format_best(cells), "",
         "## Every row", "", format_table(rows), "",
         "## The runs", "",
-        *[f"- `{run.name}`: {run.machine}, {run.date}: `{run.command}`" for run in used],
-        *[f"- floor `{run.name}`: {run.machine}, {run.date}: `{run.command}`" for run in runs
-          if same_budget(run.budget_mib, FLOOR_BUDGET)], ""])
+        *[f"- `{run.name}`: {run.machine}, {run.date}: `{run.command}`" for run in tabulated(runs, rows)],
+        *[f"- floor `{run.name}`: {run.machine}, {run.date}: `{run.command}`" for run in floor_runs(runs)], ""])
     out = Path(out)
     out.write_text(text)
     out.with_suffix(".summary.json").write_text(json.dumps(summary(rows, runs), indent=1))
@@ -356,5 +366,5 @@ def write(record_paths: Iterable[Path], out: Path, command: str) -> str:
 
 
 __all__ = ["BenchRun", "CellBest", "FLOOR_BUDGET", "Floor", "GOAL_FEWER_RECOMPUTED", "GOAL_GOODPUT", "MODELS",
-           "PressureRow", "at_pressure", "best_per_cell", "cell_rows", "floors", "format_best", "format_table",
-           "plot", "prefilled", "pressure_rows", "read_run", "same_budget", "search_key", "summary", "write"]
+           "PressureRow", "at_pressure", "best_per_cell", "cell_rows", "floor_runs", "floors", "format_best",
+           "format_table", "plot", "prefilled", "pressure_rows", "read_run", "same_budget", "search_key", "summary", "tabulated", "write"]

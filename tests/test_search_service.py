@@ -283,3 +283,29 @@ def test_the_background_server_reports_a_failed_start_at_once(generator):
         with pytest.raises(RuntimeError, match="did not start"):
             BackgroundSearchServer(service, port=taken.getsockname()[1], log_level="critical")
         assert time.monotonic() - t0 < 5
+
+
+def test_an_idle_connection_stays_open_longer_than_a_client_pool_keeps_it(generator):
+    """A pooled client (the openai client's httpx: 5 s) reuses an idle connection until its own expiry;
+    a server that closes it at the same 5 s (uvicorn's default) races that reuse and the client gets
+    "Server disconnected without sending a response" (failed CI at 100 concurrent clients)."""
+    import http.client
+
+    import httpx
+
+    service = SearchService(generator.url, None)
+    with BackgroundSearchServer(service) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("GET", "/v1/models")
+            first = conn.getresponse()
+            assert first.status == 200 and first.read()
+            sock = conn.sock
+            time.sleep(httpx.Limits().keepalive_expiry + 1.0)
+            conn.request("GET", "/v1/models")   # on the same socket; the server closed it: RemoteDisconnected
+            again = conn.getresponse()
+            assert again.status == 200 and again.read() and conn.sock is sock
+        finally:
+            conn.close()
+

@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.25   # at most this often a streaming client gets a progress event
 
+# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool
+# expiry (5 s; the openai client's): a client reusing a connection idle ~5 s can send its request
+# just as the server closes it, and gets "Server disconnected without sending a response" (the
+# openai client: APIConnectionError). The server must outlast its clients' pools: httpx 5 s,
+# aiohttp 15 s; 75 s as nginx and gunicorn's proxies commonly use.
+KEEP_ALIVE_S = 75
+
 
 def completion_body(out: SearchOutcome, rid: str, created: int) -> dict[str, Any]:
     """The ``chat.completion`` object of a finished search."""
@@ -243,7 +250,7 @@ class BackgroundSearchServer:
                 ready.set()   # it failed before its startup too (the app, the config)
 
         self.server = Server(uvicorn.Config(create_app(service, limits, defaults), host=host, port=port,
-                                            log_level=log_level))
+                                            log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=serve, name="sgl-tts-serve-search", daemon=True)
         self.thread.start()
         if not ready.wait(30) or not self.server.started:
@@ -290,7 +297,7 @@ def serve_search(generator_url: str | None, prm_url: str | None, *, host: str = 
         print(f"sgl-tts serve-search: generator {gen_url}, PRM {prm_url or 'none'}; "
               f"OpenAI endpoint http://{host}:{port}/v1", file=sys.stderr, flush=True)
         uvicorn.run(create_app(service, limits, defaults), host=host, port=port,
-                    log_level=log_level.lower(), timeout_graceful_shutdown=5)
+                    log_level=log_level.lower(), timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         if servers is not None:
             servers.stop_all()

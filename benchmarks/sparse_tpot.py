@@ -8,8 +8,12 @@ one server; per (rows, context): ``rows`` different prompts of ``context`` token
 tokens (``ignore_eos``), all rows at once; the time per output token is the difference of the two
 wall times over the difference of the tokens, the prefill and the request overheads cancelling out.
 Sides: ``dense`` (the plugin's ragged attention, what a server without the sparse flag runs),
-``async`` and ``sync`` with the default two dense layers, and ``async-all`` / ``sync-all`` with every
-layer sparse (the tiny model has only 4 layers, so two dense ones are half its attention).
+``async``, ``sync`` (token level, the current query) and ``quest`` (16-token pages, the current
+query) with the default two dense layers, and ``async-all`` / ``sync-all`` / ``quest-all`` with every
+layer sparse (the tiny model has only 4 layers, so two dense ones are half its attention;
+``--layers`` deepens the architecture, as the seed's 36-64-layer models, to see two dense layers at
+a small share). Each cell's late share is the async worker's late selections over the cell's sparse
+rows (the server's counters read before and after it).
 
     ./dev.sh run python benchmarks/sparse_tpot.py --out docs/benchmarks/sparse_tpot.json
 """
@@ -34,12 +38,16 @@ SIDES = {
     "async": ("--tts-sparse-attention", "async") + SPARSE,
     "sync": ("--tts-sparse-attention", "sync") + SPARSE,
     "async-all": ("--tts-sparse-attention", "async", "--tts-sparse-dense-layers", "0") + SPARSE,
+    "quest": ("--tts-sparse-attention", "quest") + SPARSE,
+    "async-all": ("--tts-sparse-attention", "async", "--tts-sparse-dense-layers", "0") + SPARSE,
     "sync-all": ("--tts-sparse-attention", "sync", "--tts-sparse-dense-layers", "0") + SPARSE,
+    "quest-all": ("--tts-sparse-attention", "quest", "--tts-sparse-dense-layers", "0") + SPARSE,
 }
 
 
-def long_model(max_context: int, workdir: Path) -> Path:
-    """The shipped generator's folder with its context raised to ``max_context``."""
+def long_model(max_context: int, workdir: Path, layers: int | None = None) -> Path:
+    """The shipped generator's folder with its context raised to ``max_context`` (and ``layers``
+    layers, its weights random anyway under ``--load-format dummy``)."""
     from sgl_tts.models import shipped_model
 
     src = Path(shipped_model("generator"))
@@ -49,6 +57,9 @@ def long_model(max_context: int, workdir: Path) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["max_position_embeddings"] = max_context
+    if layers:
+        cfg["num_hidden_layers"] = layers
+        cfg["layer_types"] = ["full_attention"] * layers
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
 
@@ -77,54 +88,73 @@ def main() -> None:
     p.add_argument("--short", type=int, default=4)
     p.add_argument("--long", type=int, default=36)
     p.add_argument("--max-context", type=int, default=17000)
+    p.add_argument("--layers", type=int, default=None, help="layers of the served architecture (default: the tiny 4)")
+    p.add_argument("--repeats", type=int, default=1, help="each timing this many times, its minimum taken")
     p.add_argument("--sides", default=",".join(SIDES))
     p.add_argument("--out", default=None)
     args = p.parse_args()
+
+    from tqdm import tqdm
 
     from sgl_tts.launch.live_servers import LiveServer, LiveServers
     from sgl_tts.machine import describe
 
     contexts = [int(x) for x in args.contexts.split(",")]
     rows_list = [int(x) for x in args.rows.split(",")]
+    sides = args.sides.split(",")
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or args.max_context < max(contexts) + args.long + 2:
+        raise SystemExit(f"unknown sides {unknown} (known: {', '.join(SIDES)})" if unknown else
+                         f"--max-context {args.max_context} is under the longest context {max(contexts)} "
+                         f"plus --long {args.long}")
     work = Path(tempfile.mkdtemp(prefix="sgl-tts-sparse-tpot-"))
-    model = long_model(args.max_context, work)
+    model = long_model(args.max_context, work, args.layers)
+    layers = args.layers or 4
     kv_tokens = max(rows_list) * (max(contexts) + args.long + 64) + args.max_context
-    kv_bytes = kv_tokens * 4 * 2 * 2 * 64 * 4          # layers x (K, V) x kv heads x head dim x float32
+    kv_bytes = kv_tokens * layers * 2 * 2 * 64 * 4          # layers x (K, V) x kv heads x head dim x float32
     rng = random.Random(0)
     records = []
-    sides = args.sides.split(",")
     specs = {s: LiveServer(str(model), policy="off", metrics=True, kv_bytes=kv_bytes,
                            cpu_attention="ragged" if s == "dense" else "native",
                            extra=("--load-format", "dummy") + SIDES[s]) for s in sides}
+    # one server at a time (started by its first url()), so that no idle server shares the cores
+    cells = [(side, rows, context) for side in sides for rows in rows_list for context in contexts]
     with LiveServers(specs, work / "servers") as servers:
-        for side in sides:
+        for side, rows, context in tqdm(cells, desc="sparse tpot", unit="cell"):
             url = servers.url(side)
-            for rows in rows_list:
-                for context in contexts:
-                    # digits and spaces: one token per character with the byte-level tokenizer
-                    prompts = ["".join(rng.choice("0123456789 ") for _ in range(context)) for _ in range(rows)]
-                    generate(url, prompts, 1)                    # prefill, cached from here on
-                    short = generate(url, prompts, args.short)
-                    long = generate(url, prompts, args.long)
-                    rec = {"side": side, "rows": rows, "context": context,
-                           "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
-                    records.append(rec)
-                    print(json.dumps(rec), flush=True)
-            stats = sorted((work / "servers").glob(f"{side}.metrics.jsonl.sparse.*"))
-            if stats:
-                c = json.loads(stats[-1].read_text())
-                for r in records:
-                    if r["side"] == side:
-                        r["late_share_of_side"] = round(c["late"] / max(1, c["sparse_rows"]), 3)
-            servers.stop(side)
+            # digits and spaces: one token per character with the byte-level tokenizer
+            prompts = ["".join(rng.choice("0123456789 ") for _ in range(context)) for _ in range(rows)]
+            generate(url, prompts, 1)                    # prefill, cached from here on
+            before = counters(work / "servers", side)
+            short = min(generate(url, prompts, args.short) for _ in range(args.repeats))
+            long = min(generate(url, prompts, args.long) for _ in range(args.repeats))
+            after = counters(work / "servers", side)
+            rec = {"side": side, "rows": rows, "context": context,
+                   "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
+            if after.get("sparse_rows", 0) > before.get("sparse_rows", 0):
+                sparse = after["sparse_rows"] - before.get("sparse_rows", 0)
+                rec["late_share"] = round((after["late"] - before.get("late", 0)) / sparse, 3)
+                rec["attended_share"] = round((after["attended_tokens"] - before.get("attended_tokens", 0))
+                                              / (after["context_tokens"] - before.get("context_tokens", 0)), 3)
+            records.append(rec)
+            tqdm.write(json.dumps(rec))
+            if (side, rows, context) == (side, rows_list[-1], contexts[-1]):
+                servers.stop(side)
     meta = {"machine": describe(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python " + " ".join(sys.argv),
             "revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(), "max_context": args.max_context}
+                                       text=True).stdout.strip(), "max_context": args.max_context,
+            "layers": layers, "repeats": args.repeats}
     print(table(records))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def counters(folder: Path, side: str) -> dict:
+    """The sparse backend's counters of ``side``'s server now (empty before its first decode step)."""
+    files = sorted(folder.glob(f"{side}.metrics.jsonl.sparse.*"), key=lambda f: f.stat().st_mtime)
+    return json.loads(files[-1].read_text()) if files else {}
 
 
 def table(records: list[dict]) -> str:

@@ -7,7 +7,9 @@ attention, the same attention as torch_native to float rounding), and ``--tts-sp
 (``--max-tokens``); the report gives per side: accuracy (with its binomial standard error), how many
 answers are the dense side's text exactly, the share of the context the sparse rows attended to, the
 selection's overlap with the current query's token-level choice per layer (seed 003's Eq. 1, Fig. 5),
-and the asynchronous side's late and missing selections. Contexts on this task are 25-150 tokens, so
+the cosine of the predicted query with the true one beside the previous step's query's (the value of
+predicting over reusing the last query; on-time selections only), and the asynchronous side's late and
+missing selections. Contexts on this task are 25-150 tokens, so
 ``--dense-below`` is low (rows from that length on are sparse).
 
     ./dev.sh run python benchmarks/sparse_quality.py --out docs/benchmarks/sparse_quality.json
@@ -81,8 +83,11 @@ def main() -> None:
                 c = json.loads(stats[-1].read_text())
                 rec.update({k: c[k] for k in ("sparse_rows", "dense_rows", "late", "missing", "selections")})
                 rec["attended_share"] = c["attended_tokens"] / max(1, c["context_tokens"])
-                rec["overlap_by_layer"] = {k: c["overlap_sum"][k] / c["overlap_count"][k]
-                                           for k in sorted(c["overlap_sum"], key=int) if c["overlap_count"].get(k)}
+                for field, key in (("overlap_by_layer", "overlap"), ("cosine_by_layer", "cosine"),
+                                   ("previous_cosine_by_layer", "previous_cosine"),
+                                   ("previous_overlap_by_layer", "previous_overlap")):
+                    sums, counts = c.get(f"{key}_sum", {}), c.get(f"{key}_count", {})
+                    rec[field] = {k: sums[k] / counts[k] for k in sorted(sums, key=int) if counts.get(k)}
             records.append(rec)
             servers.stop(name)
             print(json.dumps(rec), flush=True)
@@ -97,15 +102,24 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
 
 
+def pairs(side: dict, previous: dict) -> str:
+    """``layer: side / previous`` for each layer the side has a figure for ("-" if none)."""
+    return ", ".join(f"{k}: {v:.2f} / {previous[k]:.2f}" if k in previous else f"{k}: {v:.2f}"
+                     for k, v in side.items()) or "-"
+
+
 def table(records: list[dict]) -> str:
-    lines = ["| side | accuracy | same text as dense | attended | overlap with the current query's choice, by layer | late / missing |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| side | accuracy | same text as dense | attended | overlap with the current query's choice: "
+             "the side's / the previous query's, by layer | cosine with the current query: predicted / "
+             "previous, by layer | late / missing |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
-        overlap = ", ".join(f"{k}: {v:.2f}" for k, v in r.get("overlap_by_layer", {}).items()) or "-"
+        overlap = pairs(r.get("overlap_by_layer", {}), r.get("previous_overlap_by_layer", {}))
+        cosine = pairs(r.get("cosine_by_layer", {}), r.get("previous_cosine_by_layer", {}))
         attended = f"{r['attended_share']:.0%}" if "attended_share" in r else "100%"
         late = f"{r['late']} / {r['missing']} of {r['sparse_rows'] + r['missing']}" if "late" in r else "-"
         lines.append(f"| {r['side']} | {r['accuracy']:.1%} ± {r['stderr']:.1%} | {r['same_as_dense']}/{r['problems']} "
-                     f"| {attended} | {overlap} | {late} |")
+                     f"| {attended} | {overlap} | {cosine} | {late} |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ one server; per (rows, context): ``rows`` different prompts of ``context`` token
 tokens (``ignore_eos``), all rows at once; the time per output token is the difference of the two
 wall times over the difference of the tokens, the prefill and the request overheads cancelling out.
 Sides: ``dense`` (the plugin's ragged attention, what a server without the sparse flag runs),
-``async``, ``sync`` (token level, the current query) and ``quest`` (16-token pages, the current
+``async`` (the choice in the cache rank process, the default), ``async-thread`` (in a thread of the
+scheduler), ``sync`` (token level, the current query) and ``quest`` (16-token pages, the current
 query) with the default two dense layers, and ``async-all`` / ``sync-all`` / ``quest-all`` with every
 layer sparse (the tiny model has only 4 layers, so two dense ones are half its attention;
 ``--layers`` deepens the architecture, as the seed's 36-64-layer models, to see two dense layers at
@@ -36,6 +37,7 @@ SPARSE = ("--tts-sparse-budget", "0.5", "--tts-sparse-dense-below", "1024")
 SIDES = {
     "dense": (),
     "async": ("--tts-sparse-attention", "async") + SPARSE,
+    "async-thread": ("--tts-sparse-attention", "async", "--tts-sparse-worker", "thread") + SPARSE,
     "sync": ("--tts-sparse-attention", "sync") + SPARSE,
     "async-all": ("--tts-sparse-attention", "async", "--tts-sparse-dense-layers", "0") + SPARSE,
     "quest": ("--tts-sparse-attention", "quest") + SPARSE,

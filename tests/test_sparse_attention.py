@@ -8,6 +8,7 @@ the asynchronous step never waits for a late selection, it uses the last finishe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -151,49 +152,65 @@ def _grouped(q):
     return [sum((q[kv * 2 + r].tolist() for r in range(2)), []) for kv in range(KV)]
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(threaded):
-    s = SparseSettings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0)
+@pytest.mark.parametrize("worker,layers", [("inline", (0,)), ("thread", (0,)), ("process", (0,)),
+                                           ("inline", (0, 1, 2)), ("thread", (0, 1, 2)), ("process", (0, 1, 2))])
+def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(worker, layers):
+    # with several sparse layers each layer predicts from its own queries (one job per step for all); the
+    # choice runs in the step (inline), in a thread, or in the cache rank process over shared key pools
+    s = SparseSettings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0,
+                       worker="thread" if worker == "inline" else worker)
     pool = Pool([45, 60, 30], seed=3)
-    dec = SparseDecoder(s, threaded=threaded).bind(8)
-    # the prefill: each row's last (up to 5 = history) prompt queries are recorded
-    prompt_q = [torch.randn(int(n), HEADS, DIM, generator=pool.g, dtype=torch.float64) for n in pool.lengths]
-    dec.record_extend(0, torch.cat(prompt_q), pool.slots, pool.lengths, pool.lengths)
-    history = [[q for q in pq[-s.history:]] for pq in prompt_q]
-    made = [None] * 3            # the selection the previous step made per row: (length, positions per kv)
+    dec = SparseDecoder(s, threaded=worker != "inline").bind(8)
+    if worker == "process":
+        pool.k.share_memory_()
+        dec.start_cache_rank({layer: pool.k for layer in layers})
+    # the prefill: each row's last (up to 5 = history) prompt queries are recorded, per layer
+    prompt_q = {layer: [torch.randn(int(n), HEADS, DIM, generator=pool.g, dtype=torch.float64) for n in pool.lengths]
+                for layer in layers}
+    for layer in layers:
+        dec.record_extend(layer, torch.cat(prompt_q[layer]), pool.slots, pool.lengths, pool.lengths)
+    history = {layer: [list(pq[-s.history:]) for pq in prompt_q[layer]] for layer in layers}
+    made = {layer: [None] * 3 for layer in layers}   # the previous step's selection per row: positions per kv
     for step in range(6):
         pool.grow()
-        query = torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64)
         before = (dec.counters.missing, dec.counters.sparse_rows)
-        got = pool.run(dec, query)
+        queries = {layer: torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64) for layer in layers}
+        got = {layer: pool.run(dec, queries[layer], layer=layer) for layer in layers}
         assert dec.wait_idle(10)       # the worker's choice for the next step is in before it starts
         missing = sparse = 0
-        for row in range(3):
-            n = int(pool.lengths[row])
-            if n < s.dense_below or made[row] is None:
-                want_pos = _dense_positions(pool, row)
-                missing += n >= s.dense_below
-            else:
-                sparse += 1
-                forced = [p for p in range(n) if p < s.sink or p >= n - s.recent]
-                want_pos = [sorted(set(made[row][kv]) | set(forced)) for kv in range(KV)]
-            assert got[row].flatten().tolist() == pytest.approx(_expected(pool, query, row, want_pos), rel=1e-9), (step, row)
+        for layer in layers:
+            query = queries[layer]
+            for row in range(3):
+                n = int(pool.lengths[row])
+                if n < s.dense_below or made[layer][row] is None:
+                    want_pos = _dense_positions(pool, row)
+                    missing += n >= s.dense_below
+                else:
+                    sparse += 1
+                    forced = [p for p in range(n) if p < s.sink or p >= n - s.recent]
+                    want_pos = [sorted(set(made[layer][row][kv]) | set(forced)) for kv in range(KV)]
+                assert got[layer][row].flatten().tolist() == pytest.approx(
+                    _expected(pool, query, row, want_pos), rel=1e-9), (step, layer, row)
+            # this step's choice for the next one, by hand: predicted query, its mass over [0, n), the
+            # budget of n + 1 less the next token (which the recent ones keep)
+            for row in range(3):
+                history[layer][row] = (history[layer][row] + [query[row]])[-s.history:]
+                n = int(pool.lengths[row])
+                if n + 1 < s.dense_below:
+                    made[layer][row] = None
+                    continue
+                feats = [[_grouped(q)[kv] for q in history[layer][row]] for kv in range(KV)]
+                pred = [_predict_by_hand(feats[kv], s.windows, s.ridge) for kv in range(KV)]
+                pred_q = torch.tensor([pred[h // 2][(h % 2) * DIM:(h % 2 + 1) * DIM] for h in range(HEADS)])
+                keys, _ = pool.context(row)
+                mass = _mass_by_hand(pred_q.tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV,
+                                     SCALE)
+                made[layer][row] = [_select_by_hand(mass[kv], n, _keep(s, n + 1) - 1, s.sink, s.recent - 1)
+                                    for kv in range(KV)]
         assert (dec.counters.missing - before[0], dec.counters.sparse_rows - before[1]) == (missing, sparse)
-        # this step's choice for the next one, by hand: predicted query, its mass over [0, n), the budget
-        # of n + 1 less the next token (which the recent ones keep)
-        for row in range(3):
-            history[row] = (history[row] + [query[row]])[-s.history:]
-            n = int(pool.lengths[row])
-            if n + 1 < s.dense_below:
-                made[row] = None
-                continue
-            feats = [[_grouped(q)[kv] for q in history[row]] for kv in range(KV)]
-            pred = [_predict_by_hand(feats[kv], s.windows, s.ridge) for kv in range(KV)]
-            pred_q = torch.tensor([pred[h // 2][(h % 2) * DIM:(h % 2 + 1) * DIM] for h in range(HEADS)])
-            keys, _ = pool.context(row)
-            mass = _mass_by_hand(pred_q.tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV, SCALE)
-            made[row] = [_select_by_hand(mass[kv], n, _keep(s, n + 1) - 1, s.sink, s.recent - 1) for kv in range(KV)]
     assert dec.counters.sparse_rows > 0 and dec.counters.late == 0
+    if worker != "inline":   # the first step a job per layer (its top layer not known yet), then one per step
+        assert (dec._rank.given if worker == "process" else dec._given) == len(layers) + 5
     dec.close()
 
 
@@ -210,7 +227,8 @@ class GatedDecoder(SparseDecoder):
 
 
 def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
-    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0,
+                       worker="thread")
     pool = Pool([30, 30], seed=4)
     dec = GatedDecoder(s).bind(8)
     try:
@@ -232,6 +250,44 @@ def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
     finally:
         for _ in range(8):
             dec.gate.release()
+        dec.close()
+
+
+def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_death():
+    import os
+    import signal
+
+    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    pool = Pool([30, 30], seed=4)
+    pool.k.share_memory_()
+    dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k})
+    pid = dec._rank.process.pid
+    try:
+        dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
+        pool.grow()
+        pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # no selection yet: dense, missing
+        assert dec.wait_idle(30)
+        pool.grow()
+        pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # fresh selection: sparse, not late
+        assert (dec.counters.sparse_rows, dec.counters.late, dec.counters.missing) == (2, 0, 2)
+        os.kill(pid, signal.SIGSTOP)                                       # the cache rank falls behind
+        for step in range(3):                                              # the steps go on without it
+            pool.grow()
+            assert not torch.isnan(pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))).any()
+        assert (dec.counters.sparse_rows, dec.counters.late) == (8, 6)
+        os.kill(pid, signal.SIGCONT)
+        assert dec.wait_idle(30)                                           # its answers were still taken
+        os.kill(pid, signal.SIGKILL)
+        dec._rank.process.join(10)
+        for step in range(3):          # a dead cache rank: the worker thread takes over, rows stay sparse
+            pool.grow()
+            out = pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))
+            assert not torch.isnan(out).any()
+            assert dec.wait_idle(30)
+        assert dec._rank is None and dec._thread is not None and dec.counters.sparse_rows == 14
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         dec.close()
 
 
@@ -282,6 +338,65 @@ def test_measure_counts_the_overlap_with_the_current_querys_choice():
             want.append(len(set(best) & set(pages)) / len(best))
     assert dec.counters.overlap() == {3: pytest.approx(sum(want) / len(want))}
     assert dec.counters.overlap_count == {3: 4} and dec.counters.selections == 2
+
+
+def _cosine_by_hand(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / math.sqrt(sum(x * x for x in a)) / math.sqrt(sum(y * y for y in b))
+
+
+def test_measure_compares_the_predicted_and_the_previous_query_with_the_true_one():
+    # rows 0 and 1 sparse from the start; row 2 reaches dense_below (50) at step 3; before step 3 row 1's
+    # slot is refilled by another request (a new epoch: neither its prediction nor its last query carries over)
+    s = SparseSettings("async", budget=0.5, windows=(2, 3), sink=1, recent=2, dense_below=50, dense_layers=1,
+                       measure=True)
+    pool = Pool([55, 60, 46], seed=11)
+    dec = SparseDecoder(s, threaded=False).bind(8)
+    prompt_q = [torch.randn(int(n), HEADS, DIM, generator=pool.g, dtype=torch.float64) for n in pool.lengths]
+    for layer in (0, 1):
+        dec.record_extend(layer, torch.cat(prompt_q), pool.slots, pool.lengths, pool.lengths)
+    history = [list(pq[-s.history:]) for pq in prompt_q]
+    predicted, previous = [None] * 3, [None] * 3     # per row: the by-hand prediction for the next step, last query
+    cos, prev_cos, prev_overlap = [], [], []
+    for step in range(6):
+        if step == 3:                                 # row 1's slot gets a new 63-token request
+            fresh = torch.randn(int(pool.lengths[1]), HEADS, DIM, generator=pool.g, dtype=torch.float64)
+            for layer in (0, 1):
+                dec.record_extend(layer, fresh, pool.slots[1:2], pool.lengths[1:2], pool.lengths[1:2])
+            history[1], predicted[1], previous[1] = list(fresh[-s.history:]), None, None
+        pool.grow()
+        query = torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+        pool.run(dec, query, layer=0)                 # dense layer: measures nothing
+        pool.run(dec, query, layer=1)
+        for row in range(3):
+            n = int(pool.lengths[row])
+            if n >= s.dense_below:
+                if predicted[row] is not None:
+                    cos += [_cosine_by_hand(predicted[row][kv], _grouped(query[row])[kv]) for kv in range(KV)]
+                if previous[row] is not None:
+                    prev_cos += [_cosine_by_hand(_grouped(previous[row])[kv], _grouped(query[row])[kv])
+                                 for kv in range(KV)]
+                    keys, _ = pool.context(row)
+                    by_kv = [[k[kv] for k in keys] for kv in range(KV)]
+                    now = _mass_by_hand(query[row].tolist(), by_kv, n, HEADS, KV, SCALE)
+                    then = _mass_by_hand(previous[row].tolist(), by_kv, n, HEADS, KV, SCALE)
+                    for kv in range(KV):
+                        best = _select_by_hand(now[kv], n, _keep(s, n), s.sink, s.recent)
+                        stale = _select_by_hand(then[kv], n, _keep(s, n), s.sink, s.recent)
+                        prev_overlap.append(len(set(best) & set(stale)) / len(best))
+            previous[row] = query[row]
+            history[row] = (history[row] + [query[row]])[-s.history:]
+            feats = [[_grouped(q)[kv] for q in history[row]] for kv in range(KV)]
+            predicted[row] = ([_predict_by_hand(feats[kv], s.windows, s.ridge) for kv in range(KV)]
+                              if n + 1 >= s.dense_below else None)
+    c = dec.counters
+    assert c.cosine_count == {1: len(cos)} and c.previous_cosine_count == {1: len(prev_cos)}
+    # rows 0, 1, 2 on time at steps 1-5, 1-2 and 4-5, 3-5; a previous query at the same steps
+    assert len(cos) == len(prev_cos) == KV * (5 + 4 + 3)
+    assert c.cosine() == {1: pytest.approx(sum(cos) / len(cos), rel=1e-9)}
+    assert c.previous_cosine() == {1: pytest.approx(sum(prev_cos) / len(prev_cos), rel=1e-9)}
+    assert c.previous_overlap() == {1: pytest.approx(sum(prev_overlap) / len(prev_overlap), rel=1e-9)}
+    assert c.previous_overlap_count == {1: KV * 12} and 0 < c.previous_overlap()[1] < 1
 
 
 def test_the_sparse_flags_reach_server_args_and_the_environment_and_bad_values_are_named(monkeypatch):

@@ -26,6 +26,8 @@ LOCALITY_RULES = ("both", "eviction", "order", "families")
 SPARSE_MODES = ("off", "async", "sync", "quest")
 # --tts-sparse-frame: where async predicts the next query (sgl_tts.plugin.sparse_decoding)
 SPARSE_FRAMES = ("rotary", "query")
+# --tts-sparse-worker: where async's choice runs (sgl_tts.plugin.sparse_worker)
+SPARSE_WORKERS = ("process", "thread")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +65,11 @@ class SparseSettings:
     dense_layers: int = 2
     frame: str = "rotary"
     measure: bool = False
+    worker: str = "process"
 
     def __post_init__(self):
+        if self.worker not in SPARSE_WORKERS:
+            raise ValueError(f"--tts-sparse-worker must be one of {', '.join(SPARSE_WORKERS)}, got {self.worker!r}")
         if self.frame not in SPARSE_FRAMES:
             raise ValueError(f"--tts-sparse-frame must be one of {', '.join(SPARSE_FRAMES)}, got {self.frame!r}")
         if self.mode not in SPARSE_MODES:
@@ -115,7 +120,8 @@ class SparseSettings:
     def args(self) -> list[str]:
         """The flags off their defaults."""
         d, out = SparseSettings(), []
-        for name in ("mode", "budget", "windows", "ridge", "sink", "recent", "dense_below", "dense_layers", "frame", "measure"):
+        for name in ("mode", "budget", "windows", "ridge", "sink", "recent", "dense_below", "dense_layers", "frame",
+                     "measure", "worker"):
             v = getattr(self, name)
             if v != getattr(d, name):
                 flag = "--tts-sparse-attention" if name == "mode" else "--tts-sparse-" + name.replace("_", "-")
@@ -399,6 +405,10 @@ def _add_sparse_arguments(group) -> None:
                        help="async: predict the next query in the rotary frame (recent queries rotated back "
                             "to position 0, the prediction turned to the next position; default) or on the "
                             "rotated queries themselves (query, the seed's reading)")
+    group.add_argument("--tts-sparse-worker", choices=SPARSE_WORKERS, default=sparse.worker,
+                       help="async: choose in a process of its own, the key pools in shared memory (process, "
+                            "default: seed 003's cache rank), or in a thread of the scheduler (thread: it "
+                            "shares the scheduler's interpreter lock)")
 
 
 def sparse_from_args(args: argparse.Namespace) -> SparseSettings:
@@ -411,7 +421,8 @@ def sparse_from_args(args: argparse.Namespace) -> SparseSettings:
                           getattr(args, "tts_sparse_dense_below", d.dense_below),
                           getattr(args, "tts_sparse_dense_layers", d.dense_layers),
                           getattr(args, "tts_sparse_frame", d.frame),
-                          bool(getattr(args, "tts_sparse_measure", d.measure)))
+                          bool(getattr(args, "tts_sparse_measure", d.measure)),
+                          getattr(args, "tts_sparse_worker", d.worker))
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
@@ -441,5 +452,5 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     return settings
 
 
-__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SparseSettings", "TTSSettings",
+__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SPARSE_WORKERS", "SparseSettings", "TTSSettings",
            "add_arguments", "apply", "sparse_from_args"]

@@ -64,17 +64,48 @@ class SparseCounters:
     # current query's choice (per KV head), and how many row-heads were compared
     overlap_sum: dict = dataclasses.field(default_factory=dict)
     overlap_count: dict = dataclasses.field(default_factory=dict)
+    # measure, async: per layer, the summed cosine of the predicted query with the true one (per KV
+    # head, its query heads as one vector), and of the previous step's query with the true one (what
+    # a selection from the last query would have used: the value of predicting over not predicting)
+    cosine_sum: dict = dataclasses.field(default_factory=dict)
+    cosine_count: dict = dataclasses.field(default_factory=dict)
+    previous_cosine_sum: dict = dataclasses.field(default_factory=dict)
+    previous_cosine_count: dict = dataclasses.field(default_factory=dict)
+    # measure: per layer, the overlap with the current query's choice of the previous step's query's
+    # choice (token level, over the current context): a selection one step stale, without prediction
+    previous_overlap_sum: dict = dataclasses.field(default_factory=dict)
+    previous_overlap_count: dict = dataclasses.field(default_factory=dict)
 
     def overlap(self) -> dict:
         """Mean overlap per layer."""
-        return {layer: self.overlap_sum[layer] / self.overlap_count[layer] for layer in sorted(self.overlap_sum)
-                if self.overlap_count.get(layer)}
+        return _means(self.overlap_sum, self.overlap_count)
+
+    def cosine(self) -> dict:
+        """Mean cosine of the predicted query with the true one, per layer."""
+        return _means(self.cosine_sum, self.cosine_count)
+
+    def previous_cosine(self) -> dict:
+        """Mean cosine of the previous step's query with the true one, per layer."""
+        return _means(self.previous_cosine_sum, self.previous_cosine_count)
+
+    def previous_overlap(self) -> dict:
+        """Mean overlap of the previous step's query's choice with the current query's, per layer."""
+        return _means(self.previous_overlap_sum, self.previous_overlap_count)
 
     def line(self) -> str:
         share = self.attended_tokens / self.context_tokens if self.context_tokens else 0.0
         return (f"sgl-tts sparse attention: rows sparse {self.sparse_rows} dense {self.dense_rows}, "
                 f"attended {share:.1%} of their context, late {self.late}, missing {self.missing}, "
                 f"selections {self.selections} in {self.selection_seconds:.2f}s, dropped jobs {self.dropped_jobs}")
+
+
+def _means(sums: dict, counts: dict) -> dict:
+    return {layer: sums[layer] / counts[layer] for layer in sorted(sums) if counts.get(layer)}
+
+
+def _add(sums: dict, counts: dict, layer: int, values) -> None:
+    sums[layer] = sums.get(layer, 0.0) + float(values.sum())
+    counts[layer] = counts.get(layer, 0) + int(values.numel())
 
 
 class _History:
@@ -115,14 +146,17 @@ class _History:
 
 @dataclasses.dataclass
 class _Job:
-    layer: int
+    """The next step's selections of the same rows for one or more layers (a step's sparse layers,
+    packed into one job as seed 003's cache rank takes a unit of layers: one prediction, one choice)."""
+
+    layers: list           # layer ids
     slots: list            # pool slots of the rows
     epochs: list           # each slot's epoch when the job was made
-    lengths: "torch.Tensor"      # context length at the newest query
-    history: "torch.Tensor"      # [rows, h, heads, dim]
-    available: "torch.Tensor"    # [rows]
+    lengths: "torch.Tensor"      # [rows] context length at the newest query
+    history: "torch.Tensor"      # [layers, rows, h, heads, dim]
+    available: "torch.Tensor"    # [layers, rows]
     scale: Optional[float]
-    k_cache: "torch.Tensor"
+    k_caches: list               # each layer's key pool
     index: "torch.Tensor"        # [rows, longest] pool slots of the rows' contexts
     rotary: object = None        # the history is in the rotary frame: turn the prediction to its position
 
@@ -142,16 +176,34 @@ class SparseDecoder:
         self._top_layer = -1
         self._history: dict[int, _History] = {}
         self._epoch: dict[int, int] = {}
-        # layer -> slot -> (epoch, length the selection was made at, positions [kv, k], mask [kv, k])
+        # layer -> slot -> (epoch, length the selection was made at, positions [kv, k], mask [kv, k],
+        # the predicted query [heads, dim] under measure)
         self._selected: dict[int, dict[int, tuple]] = {}
+        # measure: layer -> slot -> (epoch, length, the step's query [heads, dim])
+        self._previous: dict[int, dict[int, tuple]] = {}
         self._steps = 0
+        # async: this step's layers waiting to be handed to the worker as one job: (layer, history,
+        # available, key pool), and the rows they are for (slots, lengths, context index, scale)
+        self._pending: list = []
+        self._pending_rows = None
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._done = threading.Condition()
         self._given = self._finished = 0      # jobs handed to the worker, jobs it has finished or dropped
         self._thread = None
-        if settings.mode == "async" and threaded:
+        self._rank = None         # the cache rank process (--tts-sparse-worker process): start_cache_rank
+        if settings.mode == "async" and threaded and settings.worker == "thread":
             self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
             self._thread.start()
+
+    def start_cache_rank(self, k_caches: dict) -> "SparseDecoder":
+        """``async`` with ``worker="process"``: start the cache rank process over ``k_caches`` (layer id
+        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.sparse_worker.share_key_pools`);
+        until then (and with any other setting) jobs run as ``threaded`` said."""
+        from sgl_tts.plugin.sparse_worker import CacheRank
+
+        if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
+            self._rank = CacheRank(self.s, k_caches)
+        return self
 
     # --------------------------------------------------------------------------------- extend
     def record_extend(self, layer: int, query: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
@@ -216,10 +268,12 @@ class SparseDecoder:
         keep = sd.budgets(lengths, s.budget, sink=s.sink, recent=s.recent)
         eligible = (lengths >= s.dense_below) & (keep < lengths) & (layer >= s.dense_layers)
         rows = eligible.nonzero().squeeze(1)
-        selection = None
+        selection = predicted = None
         if len(rows):
             if s.mode == "async":
-                rows, selection = self._finished_selections(layer, slots, rows, lengths)
+                if self._rank is not None:
+                    self._collect(wait=False)
+                rows, selection, predicted = self._finished_selections(layer, slots, rows, lengths)
             else:
                 selection = self._select_now(query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
                                              keep[rows], scale)
@@ -243,9 +297,15 @@ class SparseDecoder:
             if s.measure:
                 self._measure(layer, selection, query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
                               keep[rows], scale)
+                if predicted:   # on-time rows: their prediction was of this very query
+                    at = list(predicted)
+                    _add(c.cosine_sum, c.cosine_count, layer, sd.group_cosine(
+                        torch.stack([predicted[i] for i in at]), query[rows[at]], selection.mask.shape[1]))
+        if s.measure and layer >= s.dense_layers:
+            self._measure_previous(layer, query, k_cache, req_to_token, slots, lengths, eligible, keep, scale)
+        self._top_layer = max(self._top_layer, layer)
         if s.mode == "async":
             self._after_step(layer, query, k_cache, req_to_token, slots, lengths, scale)
-        self._top_layer = max(self._top_layer, layer)
         if self.stats_path and layer == self._top_layer:
             self.write_stats()
 
@@ -262,10 +322,32 @@ class SparseDecoder:
 
         # the reference is always token-level, whatever the mode
         best = self._select_now(query, k_cache, req_to_token, slots, lengths, keep, scale, mode="sync", count=False)
-        ratio = sd.overlap_ratio(best, selection)
         c = self.counters
-        c.overlap_sum[layer] = c.overlap_sum.get(layer, 0.0) + float(ratio.sum())
-        c.overlap_count[layer] = c.overlap_count.get(layer, 0) + int(ratio.numel())
+        _add(c.overlap_sum, c.overlap_count, layer, sd.overlap_ratio(best, selection))
+
+    def _measure_previous(self, layer, query, k_cache, req_to_token, slots, lengths, eligible, keep, scale) -> None:
+        """``measure``: for each eligible row with a previous step's query (one position earlier in the
+        same context), that query's cosine with the current one and its token-level choice's overlap
+        with the current query's; then this step's queries are kept for the next."""
+        import torch
+
+        from sgl_tts.plugin import sparse_decoding as sd
+
+        kept = self._previous.setdefault(layer, {})
+        pairs = [i for i in eligible.nonzero().squeeze(1).tolist()
+                 if kept.get(int(slots[i]), (None, -1))[1] == int(lengths[i]) - 1
+                 and kept[int(slots[i])][0] == self._epoch.get(int(slots[i]), 0)]
+        if pairs:
+            before = torch.stack([kept[int(slots[i])][2] for i in pairs])
+            c = self.counters
+            _add(c.previous_cosine_sum, c.previous_cosine_count, layer,
+                 sd.group_cosine(before, query[pairs], k_cache.shape[1]))
+            at = (slots[pairs], lengths[pairs], keep[pairs])
+            stale = self._select_now(before, k_cache, req_to_token, *at, scale, mode="sync", count=False)
+            best = self._select_now(query[pairs], k_cache, req_to_token, *at, scale, mode="sync", count=False)
+            _add(c.previous_overlap_sum, c.previous_overlap_count, layer, sd.overlap_ratio(best, stale))
+        for i, slot in enumerate(slots.tolist()):
+            kept[slot] = (self._epoch.get(slot, 0), int(lengths[i]), query[i].clone())
 
     def _select_now(self, query, k_cache, req_to_token, slots, lengths, keep, scale, mode=None, count=True):
         """``sync``/``quest`` (``mode``, default the setting's): the selection from the current query,
@@ -308,32 +390,55 @@ class SparseDecoder:
             have.append(i)
             picks.append(got)
         if not have:
-            return rows[:0], None
+            return rows[:0], None, None
         rows = torch.tensor(have, dtype=torch.long)
         lengths = lengths[rows]
         n = int(lengths.max())
         kv = picks[0][2].shape[0]
         chosen = torch.zeros(len(have), kv, n, dtype=torch.bool)
-        for r, (_, _, positions, mask) in enumerate(picks):
+        for r, (_, _, positions, mask, _) in enumerate(picks):
             chosen[r].scatter_(1, torch.where(mask, positions, torch.zeros_like(positions)), mask)
         chosen |= sd.always_kept(lengths, n, self.s.sink, self.s.recent)[:, None, :]
-        return rows, sd.selection_from_mask(chosen)
+        # measure: the predicted query of each row whose selection is on time (made for this position),
+        # by the row's place in ``rows``
+        predicted = {r: p[4] for r, p in enumerate(picks) if p[1] == int(lengths[r]) - 1} if self.s.measure else None
+        return rows, sd.selection_from_mask(chosen), predicted
 
     def _after_step(self, layer, query, k_cache, req_to_token, slots, lengths, scale) -> None:
-        """``async``: record the step's queries and hand the rows near or past ``dense_below`` to the
-        worker, which chooses their next step's tokens."""
+        """``async``: record the step's queries; at the step's top layer, hand the rows near or past
+        ``dense_below`` to the worker, which chooses their next step's tokens for every sparse layer
+        in one job (during the first step the top layer is not known yet: a job per layer)."""
         if layer < self.s.dense_layers:
             return
+        if self._pending and layer <= self._pending[-1][0]:   # a new step, the last one's not handed yet
+            self._hand_pending()
         hist = self._history_for(layer, query)
         hist.append(slots, self._to_frame(query, lengths - 1), lengths)
         near = (lengths + 1 >= self.s.dense_below).nonzero().squeeze(1)
-        if not len(near):
-            return
-        sl = slots[near]
-        n = int(lengths[near].max())
-        job = _Job(layer, sl.tolist(), [self._epoch.get(int(x), 0) for x in sl.tolist()], lengths[near].clone(),
-                   hist.q[sl].clone(), hist.available[sl].clone(), scale, k_cache,
-                   req_to_token[sl, :n].clone(), self.rotary if self.rotary_frame else None)
+        if len(near):
+            sl = slots[near]
+            self._pending.append((layer, hist.q[sl].clone(), hist.available[sl].clone(), k_cache))
+            if len(self._pending) == 1:
+                n = int(lengths[near].max())
+                self._pending_rows = (sl.tolist(), lengths[near].clone(), req_to_token[sl, :n].clone(), scale)
+        if layer == self._top_layer and self._pending:
+            self._hand_pending()
+
+    def _hand_pending(self) -> None:
+        import torch
+
+        layers, histories, available, k_caches = zip(*self._pending)
+        sl, lengths, index, scale = self._pending_rows
+        self._pending = []
+        job = _Job(list(layers), sl, [self._epoch.get(x, 0) for x in sl], lengths, torch.stack(histories),
+                   torch.stack(available), scale, list(k_caches), index, self.rotary if self.rotary_frame else None)
+        if self._rank is not None:
+            try:
+                self._rank.submit(job.layers, job.slots, job.epochs, job.lengths, job.history, job.available,
+                                  job.scale, job.index, job.rotary)
+                return
+            except OSError as exc:      # its end of the pipe closed: it died
+                self._rank_failed(exc)
         if self._thread is None:
             self._run(job)
         else:
@@ -360,11 +465,11 @@ class SparseDecoder:
                 if more is None:
                     return
                 batch.append(more)
-            newest: dict[int, _Job] = {}
+            newest: dict[tuple, _Job] = {}
             for j in batch:
-                if j.layer in newest:
+                if tuple(j.layers) in newest:
                     self.counters.dropped_jobs += 1
-                newest[j.layer] = j
+                newest[tuple(j.layers)] = j
             for j in newest.values():
                 try:
                     self._run(j)
@@ -375,43 +480,75 @@ class SparseDecoder:
                 self._done.notify_all()
 
     def _run(self, job: _Job) -> None:
-        """Predict each row's next query, score its context (the positions before the next one) and
-        store the chosen tokens for the next step."""
-        import torch
-
+        """The job's choice (:func:`~sgl_tts.plugin.sparse_decoding.choose_next`), stored for the next step."""
         from sgl_tts.plugin import sparse_decoding as sd
 
         t0 = time.perf_counter()
         s = self.s
-        rows, h, heads, dim = job.history.shape
-        keys = sd.gather_heads(job.k_cache, job.index)                      # [rows, kv, n, dim]
-        kv = keys.shape[1]
-        rep = heads // kv
-        grouped = job.history.view(rows, h, kv, rep * dim).transpose(1, 2)   # [rows, kv, h, rep*dim]
-        predicted = sd.predict_next_query(grouped, s.windows, s.ridge, job.available)
-        query = predicted.reshape(rows, kv, rep, dim).reshape(rows, heads, dim)
-        if job.rotary is not None:      # the prediction turned to the next position, the context's length
-            query = sd.rotate(query, job.lengths, job.rotary)
-        if keys.dtype != query.dtype:
-            keys = keys.to(query.dtype)
-        scores = sd.token_scores(query, keys, job.lengths, job.scale)
-        keep = sd.budgets(job.lengths + 1, s.budget, sink=s.sink, recent=s.recent)
-        # the next step's context is one longer; its newest position is always among the recent ones
-        selection = sd.select_tokens(scores, job.lengths, torch.clamp(keep - 1, min=1), sink=s.sink,
-                                     recent=max(0, s.recent - 1))
-        table = self._selected.setdefault(job.layer, {})
-        for r, (slot, epoch) in enumerate(zip(job.slots, job.epochs)):
-            table[slot] = (epoch, int(job.lengths[r]), selection.positions[r], selection.mask[r])
-        self.counters.selections += rows
+        query, selection = sd.choose_next(job.history, job.available, job.lengths, job.index, job.k_caches,
+                                          job.scale, windows=s.windows, ridge=s.ridge, budget=s.budget,
+                                          sink=s.sink, recent=s.recent, rotary=job.rotary)
+        self._store(job.layers, job.slots, job.epochs, job.lengths, selection.positions, selection.mask,
+                    query if s.measure else None)
+        self.counters.selections += len(job.layers) * len(job.slots)
         self.counters.selection_seconds += time.perf_counter() - t0
+
+    def _store(self, layers, slots, epochs, lengths, positions, mask, query) -> None:
+        """A finished choice: for each layer and row (layer-major in ``positions``/``mask``), the selection
+        and (under measure) the predicted query ``query[layer, row]``, kept for the row's next step."""
+        rows = len(slots)
+        for i, layer in enumerate(layers):
+            table = self._selected.setdefault(layer, {})
+            for r, (slot, epoch) in enumerate(zip(slots, epochs)):
+                at = i * rows + r
+                table[slot] = (epoch, int(lengths[r]), positions[at], mask[at],
+                               None if query is None else query[i, r])
+
+    def _collect(self, wait: bool) -> None:
+        """The cache rank's answers that have arrived (``wait``: every one still owed), stored. A cache rank
+        that died is replaced by the worker thread (logged): the server goes on serving."""
+        try:
+            self._take_answers(wait)
+        except RuntimeError as exc:
+            self._rank_failed(exc)
+
+    def _rank_failed(self, exc: BaseException) -> None:
+        logger.error("sgl-tts sparse attention: the cache rank process is gone (%s); choosing in a thread of "
+                     "the scheduler from now on", exc)
+        self._rank.close()
+        self._rank = None
+        self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
+        self._thread.start()
+
+    def _take_answers(self, wait: bool) -> None:
+        import torch
+
+        c = self.counters
+        for a in self._rank.answers(wait=wait):
+            c.dropped_jobs += a["superseded"]
+            if a["error"] is not None:
+                logger.error("sgl-tts sparse attention: a selection failed in the cache rank: %s", a["error"])
+                continue
+            query = None if a["query"] is None else torch.from_numpy(a["query"])
+            self._store(a["layers"], a["slots"], a["epochs"], a["lengths"], torch.from_numpy(a["positions"]),
+                        torch.from_numpy(a["mask"]), query)
+            c.selections += len(a["layers"]) * len(a["slots"])
+            c.selection_seconds += a["seconds"]
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
         so far; false if ``timeout`` passed first."""
+        if self._rank is not None:
+            if not self._rank.conn.poll(timeout) and self._rank.finished < self._rank.given:
+                return False
+            self._collect(wait=True)
+            return True
         with self._done:
             return self._done.wait_for(lambda: self._finished >= self._given, timeout)
 
     def close(self) -> None:
+        if self._rank is not None:
+            self._rank.close()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=10)
@@ -442,6 +579,16 @@ def _make_backend_class():
             stats = f"{settings.metrics_file}.sparse.{os.getpid()}" if settings.metrics_file else None
             self.sparse = SparseDecoder(settings.sparse, stats_path=stats).bind(
                 int(self.req_to_token_pool.req_to_token.shape[0]))
+            sp = settings.sparse
+            if sp.mode == "async" and sp.worker == "process":
+                from sgl_tts.plugin.sparse_worker import share_key_pools
+
+                kv_pool = model_runner.token_to_kv_pool
+                first = getattr(kv_pool, "start_layer", 0)
+                layers = [i for i in range(first, first + kv_pool.layer_num) if i >= sp.dense_layers]
+                self.sparse.start_cache_rank(share_key_pools(kv_pool, layers))
+                logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools in "
+                            "shared memory)", self.sparse._rank.process.pid, layers)
             self._layer_id = 0
             self._runner = model_runner
             self._rope = None

@@ -352,6 +352,59 @@ def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
     return both / a.mask.sum(-1).clamp(min=1).double()
 
 
-__all__ = ["QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads", "gather_selected_pool", "overlap_ratio",
+def choose_next(history: torch.Tensor, available: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor,
+                k_caches: Sequence[torch.Tensor], scale: Optional[float], *, windows: Sequence[int], ridge: float,
+                budget: float, sink: int, recent: int, rotary: Optional["Rotary"] = None
+                ) -> tuple[torch.Tensor, Selection]:
+    """The asynchronous choice for the next step of the same rows in several layers (the cache rank's
+    job): each row's next query predicted from its recent ones (one regression over every layer),
+    its context's attention mass under it (each layer's keys), and the tokens kept under the next
+    step's budget (one choice over every layer).
+
+    ``history`` ``[layers, rows, h, heads, dim]`` and ``available`` ``[layers, rows]`` (see
+    :func:`predict_next_query`; in the rotary frame when ``rotary`` is given: the prediction is then
+    turned to its position, the context's length); ``lengths`` ``[rows]`` the contexts' lengths (the
+    next query's position); ``index`` ``[rows, >= max length]`` each context's slots in the pools
+    ``k_caches`` (one per layer, ``[slots, kv_heads, dim]``). The next step's context is one longer
+    and its newest position is always among the recent ones, so each row keeps its budget at
+    ``length + 1`` less one, with one recent token fewer. Returns the predicted queries
+    ``[layers, rows, heads, dim]`` and the selection ``[layers * rows, kv_heads, k]`` (layer-major)."""
+    import torch
+
+    layers, rows, h, heads, dim = history.shape
+    kv = k_caches[0].shape[1]
+    rep = heads // kv
+    grouped = history.reshape(layers * rows, h, kv, rep * dim).transpose(1, 2)       # [L*rows, kv, h, f]
+    predicted = predict_next_query(grouped, windows, ridge, available.reshape(-1))
+    query = predicted.reshape(layers * rows, kv, rep, dim).reshape(layers, rows, heads, dim)
+    if rotary is not None:
+        query = rotate(query.reshape(layers * rows, heads, dim), lengths.repeat(layers),
+                       rotary).reshape(layers, rows, heads, dim)
+    n = int(lengths.max())
+    scores = []
+    for i, k_cache in enumerate(k_caches):      # one layer's keys at a time: [rows, kv, n, dim]
+        keys = gather_heads(k_cache, index[:, :n])
+        if keys.dtype != query.dtype:
+            keys = keys.to(query.dtype)
+        scores.append(token_scores(query[i], keys, lengths, scale))
+    every = lengths.repeat(layers)
+    keep = budgets(every + 1, budget, sink=sink, recent=recent)
+    selection = select_tokens(torch.cat(scores), every, torch.clamp(keep - 1, min=1), sink=sink,
+                              recent=max(0, recent - 1))
+    return query, selection
+
+
+def group_cosine(a: torch.Tensor, b: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Cosine similarity of queries ``a`` and ``b`` [rows, heads, dim] per row and KV head, each KV
+    head's query heads taken as one vector (the features the prediction regresses on) -> [rows, kv]."""
+    import torch
+
+    rows = a.shape[0]
+    a, b = a.reshape(rows, kv_heads, -1).double(), b.reshape(rows, kv_heads, -1).double()
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+
+__all__ = ["QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads",
+           "choose_next", "gather_selected_pool", "group_cosine", "overlap_ratio",
            "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
            "selection_from_mask", "sparse_attention", "token_scores"]

@@ -1,0 +1,166 @@
+"""The asynchronous sparse choice in a process of its own (``--tts-sparse-worker process``, the default):
+seed 003's cache rank beside the scheduler's inference rank.
+
+Why a process: a worker *thread* shares the scheduler's interpreter lock. The forward pass is hundreds
+of small torch calls per step, each releasing and retaking the lock, and the worker's own calls do the
+same, so each waits on the other at every call: on the CPU server (2 cores, tiny generator, 1 row of
+2k) a job that takes 2 ms alone took 10 ms in the server and the step grew by 6-9 ms. A process has
+its own interpreter; the two share only memory.
+
+What is shared and what is sent:
+
+- The key pools of the sparse layers are moved into shared memory once (:func:`share_key_pools`, in
+  place: SGLang's tensors keep their identity; the pool's pointer tables are rebuilt) and handed to
+  the process when it starts; it reads the keys the scheduler writes, no copy per step.
+- Each job goes over a pipe as numpy arrays: the layers, the rows' slots and epochs, lengths, recent
+  queries, how many are real, and their contexts' pool slots (``req_to_token`` rows), plus the
+  rotary table when it changed. Each answer comes back the same way: the positions and masks
+  (layer-major), the predicted queries under measure, the seconds the choice took, and how many
+  waiting jobs it superseded.
+- The scheduler reads answers without waiting (:meth:`CacheRank.answers`: ``poll`` with no timeout at
+  a sparse layer's decode); a job newer than one still waiting supersedes it in the process. A
+  closed pipe ends the process (the scheduler exited, however it exited).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def share_key_pools(kv_pool: Any, layers: list[int]) -> dict[int, "torch.Tensor"]:  # noqa: F821
+    """Move the key buffers of ``layers`` of SGLang's KV pool into shared memory (in place) and return
+    each layer's key tensor as the attention backend reads it (``get_key_buffer``)."""
+    import torch
+
+    moved = False
+    for layer in layers:
+        buf = kv_pool.k_buffer[layer - getattr(kv_pool, "start_layer", 0)]
+        if not buf.is_shared():
+            buf.share_memory_()
+            moved = True
+    if moved and hasattr(kv_pool, "k_data_ptrs"):   # SGLang's pointer tables (copy kernels) follow the move
+        kv_pool.k_data_ptrs = torch.tensor([x.data_ptr() for x in kv_pool.k_buffer], dtype=torch.uint64,
+                                           device=kv_pool.k_data_ptrs.device)
+        if hasattr(kv_pool, "data_ptrs") and hasattr(kv_pool, "v_data_ptrs"):
+            kv_pool.data_ptrs = torch.cat([kv_pool.k_data_ptrs, kv_pool.v_data_ptrs], dim=0)
+    return {layer: kv_pool.get_key_buffer(layer) for layer in layers}
+
+
+def _array(t: "torch.Tensor") -> np.ndarray:  # noqa: F821
+    import torch
+
+    return (t if t.dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)
+            else t.float()).numpy()
+
+
+class CacheRank:
+    """The worker process and the scheduler's end of its pipe.
+
+    ``k_caches``: each sparse layer's key tensor, in shared memory (:func:`share_key_pools`, or any
+    CPU tensor after ``share_memory_()``); ``settings``: the :class:`~sgl_tts.plugin.settings.SparseSettings`."""
+
+    def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"]):  # noqa: F821
+        import torch.multiprocessing  # noqa: F401 - registers the shared-tensor pickling the start uses
+
+        ctx = multiprocessing.get_context("spawn")   # the scheduler has threads: never fork it
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=serve, args=(child, settings.to_json(), k_caches), daemon=True,
+                                   name="sgl-tts-cache-rank")
+        self.process.start()
+        child.close()
+        self._rotary_sent: Optional[tuple] = None
+        self.given = self.finished = 0
+
+    def submit(self, layers, slots, epochs, lengths, history, available, scale, index, rotary) -> None:
+        """Hand one job (the arguments of :func:`~sgl_tts.plugin.sparse_decoding.choose_next`, the key
+        pools by layer id) to the process."""
+        msg: dict[str, Any] = {"layers": list(layers), "slots": list(slots), "epochs": list(epochs),
+                               "lengths": _array(lengths), "history": _array(history),
+                               "available": _array(available), "scale": scale, "index": _array(index),
+                               "rotary": None}
+        if rotary is not None:
+            key = (rotary.cos_sin.data_ptr(), tuple(rotary.cos_sin.shape), rotary.rotary_dim, rotary.neox)
+            if key != self._rotary_sent:
+                msg["rotary"] = (_array(rotary.cos_sin), rotary.rotary_dim, rotary.neox)
+                self._rotary_sent = key
+            msg["rotated"] = True
+        self.conn.send(msg)
+        self.given += 1
+
+    def answers(self, wait: bool = False) -> Iterator[dict]:
+        """The answers that have arrived (none waited for), or with ``wait`` every answer still owed."""
+        while self.finished < self.given and (wait or self.conn.poll()):
+            try:
+                answer = self.conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"the sparse cache rank process exited (code {self.process.exitcode})") from None
+            self.finished += 1 + answer["superseded"]
+            yield answer
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        finally:
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+def serve(conn, settings_json: str, k_caches: dict) -> None:
+    """The process: take jobs, newest per set of layers, answer each (its own interpreter and thread)."""
+    import torch
+
+    from sgl_tts.plugin import sparse_decoding as sd
+    from sgl_tts.plugin.settings import SparseSettings
+
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(1)
+    s = SparseSettings.from_json(settings_json)
+    rotary = None
+    while True:
+        try:
+            batch = [conn.recv()]
+            while conn.poll():          # everything waiting; a newer job of the same layers supersedes
+                batch.append(conn.recv())
+        except (EOFError, OSError):
+            return
+        newest: dict[tuple, dict] = {}
+        superseded: dict[tuple, int] = {}
+        for msg in batch:
+            if msg["rotary"] is not None:
+                table, dim, neox = msg["rotary"]
+                rotary = sd.Rotary(torch.from_numpy(table), dim, neox)
+            key = tuple(msg["layers"])
+            if key in newest:
+                superseded[key] = superseded.get(key, 0) + 1
+            newest[key] = msg
+        for key, msg in newest.items():
+            t0 = time.perf_counter()
+            answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"],
+                      "lengths": msg["lengths"], "superseded": superseded.get(key, 0), "error": None}
+            try:
+                query, selection = sd.choose_next(
+                    torch.from_numpy(msg["history"]), torch.from_numpy(msg["available"]),
+                    torch.from_numpy(msg["lengths"]), torch.from_numpy(msg["index"]),
+                    [k_caches[layer] for layer in msg["layers"]], msg["scale"], windows=s.windows, ridge=s.ridge,
+                    budget=s.budget, sink=s.sink, recent=s.recent,
+                    rotary=rotary if msg.get("rotated") else None)
+                answer.update(positions=selection.positions.numpy(), mask=selection.mask.numpy(),
+                              query=query.numpy() if s.measure else None)
+            except Exception as exc:  # noqa: BLE001 - a failed choice leaves rows dense, never the server down
+                answer["error"] = f"{type(exc).__name__}: {exc}"
+            answer["seconds"] = time.perf_counter() - t0
+            try:
+                conn.send(answer)
+            except (EOFError, OSError):
+                return
+
+
+__all__ = ["CacheRank", "serve", "share_key_pools"]

@@ -270,11 +270,12 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         pool.grow()
         pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # fresh selection: sparse, not late
         assert (dec.counters.sparse_rows, dec.counters.late, dec.counters.missing) == (2, 0, 2)
-        os.kill(pid, signal.SIGSTOP)                                       # the cache rank falls behind
-        for step in range(3):                                              # the steps go on without it
-            pool.grow()
+        assert dec.wait_idle(30)                                           # the next step's choice is in
+        os.kill(pid, signal.SIGSTOP)                                       # then the cache rank falls behind
+        for step in range(3):                                              # the steps go on without it:
+            pool.grow()                                                    # on time, then late twice
             assert not torch.isnan(pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))).any()
-        assert (dec.counters.sparse_rows, dec.counters.late) == (8, 6)
+        assert (dec.counters.sparse_rows, dec.counters.late) == (8, 4)
         os.kill(pid, signal.SIGCONT)
         assert dec.wait_idle(30)                                           # its answers were still taken
         os.kill(pid, signal.SIGKILL)
@@ -289,6 +290,28 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         dec.close()
+
+
+def test_a_selection_is_used_with_every_token_written_since_it_was_made():
+    # rows of slots 5 and 1: a selection made at length 40 used at 41 (on time) and one made at 30 used at 37
+    # (late by 6 steps, more than `recent`): each attends to its chosen positions and to every position
+    # from the length it was made at to the current one
+    s = SparseSettings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0)
+    dec = SparseDecoder(s, threaded=False).bind(8)
+    chosen = {5: [[0, 1, 7, 20, 37, 38, 39], [0, 1, 3, 38, 39]], 1: [[0, 1, 28, 29], [0, 1, 5, 6, 28, 29]]}
+    made = {5: 40, 1: 30}
+    for slot, per_kv in chosen.items():
+        k = max(map(len, per_kv))
+        pos = torch.tensor([p + [0] * (k - len(p)) for p in per_kv])
+        mask = torch.tensor([[True] * len(p) + [False] * (k - len(p)) for p in per_kv])
+        dec._selected.setdefault(0, {})[slot] = (0, made[slot], pos, mask, None)
+    rows, sel, _ = dec._finished_selections(0, torch.tensor([5, 1]), torch.tensor([0, 1]), torch.tensor([41, 37]))
+    assert rows.tolist() == [0, 1] and (dec.counters.late, dec.counters.missing) == (1, 0)
+    for r, (slot, n) in enumerate([(5, 41), (1, 37)]):
+        for kv in range(2):
+            got = sel.positions[r, kv][sel.mask[r, kv]].tolist()
+            assert sorted(got) == sorted(set(chosen[slot][kv]) | set(range(made[slot], n))), (slot, kv)
+            assert len(got) == len(set(got))
 
 
 def test_a_slot_refilled_by_another_request_drops_the_old_selection():

@@ -372,7 +372,10 @@ class SparseDecoder:
 
     def _finished_selections(self, layer, slots, rows, lengths):
         """``async``: the rows among ``rows`` that have a finished selection of their current epoch, and
-        that selection widened to the sinks and the current recent tokens."""
+        that selection with every token written since it was made appended. The choice kept the sinks
+        and the recent tokens of the context it was made for (one fewer: the next position is new), so
+        this covers the current sinks and recent tokens too, without a pass over the context: one row's
+        positions are its selection's (ascending, then padding) and then the new ones."""
         import torch
 
         from sgl_tts.plugin import sparse_decoding as sd
@@ -393,16 +396,22 @@ class SparseDecoder:
             return rows[:0], None, None
         rows = torch.tensor(have, dtype=torch.long)
         lengths = lengths[rows]
-        n = int(lengths.max())
+        made = torch.tensor([p[1] for p in picks], dtype=torch.long)    # the length each was made at
         kv = picks[0][2].shape[0]
-        chosen = torch.zeros(len(have), kv, n, dtype=torch.bool)
-        for r, (_, _, positions, mask, _) in enumerate(picks):
-            chosen[r].scatter_(1, torch.where(mask, positions, torch.zeros_like(positions)), mask)
-        chosen |= sd.always_kept(lengths, n, self.s.sink, self.s.recent)[:, None, :]
+        k = max(int(p[2].shape[1]) for p in picks)
+        w = int((lengths - made).max())                                   # tokens since the oldest of them
+        positions = torch.zeros(len(have), kv, k + w, dtype=torch.long)
+        mask = torch.zeros(len(have), kv, k + w, dtype=torch.bool)
+        for r, (_, _, pos, m, _) in enumerate(picks):
+            positions[r, :, :pos.shape[1]] = pos
+            mask[r, :, :pos.shape[1]] = m
+        new = made[:, None] + torch.arange(w)[None, :]                    # [rows, w]
+        positions[:, :, k:] = new[:, None, :]
+        mask[:, :, k:] = (new < lengths[:, None])[:, None, :]
         # measure: the predicted query of each row whose selection is on time (made for this position),
         # by the row's place in ``rows``
         predicted = {r: p[4] for r, p in enumerate(picks) if p[1] == int(lengths[r]) - 1} if self.s.measure else None
-        return rows, sd.selection_from_mask(chosen), predicted
+        return rows, sd.Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask), predicted
 
     def _after_step(self, layer, query, k_cache, req_to_token, slots, lengths, scale) -> None:
         """``async``: record the step's queries; at the step's top layer, hand the rows near or past

@@ -29,8 +29,6 @@ import multiprocessing
 import time
 from typing import Any, Iterator, Optional
 
-import numpy as np
-
 logger = logging.getLogger(__name__)
 
 
@@ -53,7 +51,7 @@ def share_key_pools(kv_pool: Any, layers: list[int]) -> dict[int, "torch.Tensor"
     return {layer: kv_pool.get_key_buffer(layer) for layer in layers}
 
 
-def _array(t: "torch.Tensor") -> np.ndarray:  # noqa: F821
+def _array(t: "torch.Tensor") -> "numpy.ndarray":  # noqa: F821
     import torch
 
     return (t if t.dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)

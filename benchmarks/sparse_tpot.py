@@ -3,10 +3,12 @@ decode attention (issue 36, seed 003).
 
 The shipped tiny generator's architecture with its context raised (``--max-context``) and random
 weights (``--load-format dummy``): what the server computes per token, not what it answers. Per side
-one server; per (rows, context): ``rows`` different prompts of ``context`` tokens are prefilled once
-(one generated token), then generated again from the cached prompts for ``--short`` and ``--long``
-tokens (``ignore_eos``), all rows at once; the time per output token is the difference of the two
-wall times over the difference of the tokens, the prefill and the request overheads cancelling out.
+one server, all up at once (an idle scheduler sleeps); per (rows, context): ``rows`` different
+prompts of ``context`` tokens are prefilled once on each (one generated token), then generated again
+from the cached prompts for ``--short`` and ``--long`` tokens (``ignore_eos``), all rows at once, the
+sides taking turns (forwards, then backwards: the host's drift falls on every side alike; the
+minimum of ``--repeats`` kept); the time per output token is the difference of the two wall times
+over the difference of the tokens, the prefill and the request overheads cancelling out.
 Sides: ``dense`` (the plugin's ragged attention, what a server without the sparse flag runs),
 ``async`` (the choice in the cache rank process, the default), ``async-thread`` (in a thread of the
 scheduler), ``sync`` (token level, the current query) and ``quest`` (16-token pages, the current
@@ -120,28 +122,34 @@ def main() -> None:
                            cpu_attention="ragged" if s == "dense" else "native",
                            extra=("--load-format", "dummy") + SIDES[s]) for s in sides}
     # one server at a time (started by its first url()), so that no idle server shares the cores
-    cells = [(side, rows, context) for side in sides for rows in rows_list for context in contexts]
+    cells = [(rows, context) for rows in rows_list for context in contexts]
     with LiveServers(specs, work / "servers") as servers:
-        for side, rows, context in tqdm(cells, desc="sparse tpot", unit="cell"):
-            url = servers.url(side)
+        urls = {side: servers.url(side) for side in sides}    # every side up at once (idle ones sleep)
+        for rows, context in tqdm(cells, desc="sparse tpot", unit="cell"):
             # digits and spaces: one token per character with the byte-level tokenizer
             prompts = ["".join(rng.choice("0123456789 ") for _ in range(context)) for _ in range(rows)]
-            generate(url, prompts, 1)                    # prefill, cached from here on
-            before = counters(work / "servers", side)
-            short = min(generate(url, prompts, args.short) for _ in range(args.repeats))
-            long = min(generate(url, prompts, args.long) for _ in range(args.repeats))
-            after = counters(work / "servers", side)
-            rec = {"side": side, "rows": rows, "context": context,
-                   "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
-            if after.get("sparse_rows", 0) > before.get("sparse_rows", 0):
-                sparse = after["sparse_rows"] - before.get("sparse_rows", 0)
-                rec["late_share"] = round((after["late"] - before.get("late", 0)) / sparse, 3)
-                rec["attended_share"] = round((after["attended_tokens"] - before.get("attended_tokens", 0))
-                                              / (after["context_tokens"] - before.get("context_tokens", 0)), 3)
-            records.append(rec)
-            tqdm.write(json.dumps(rec))
-            if (side, rows, context) == (side, rows_list[-1], contexts[-1]):
-                servers.stop(side)
+            for side in sides:
+                generate(urls[side], prompts, 1)                 # prefill, cached from here on
+            before = {side: counters(work / "servers", side) for side in sides}
+            # the sides take turns, forwards then backwards, so the host's drift falls on all of them alike
+            times = {side: {"short": [], "long": []} for side in sides}
+            for rep in range(args.repeats):
+                for side in (sides if rep % 2 == 0 else sides[::-1]):
+                    times[side]["short"].append(generate(urls[side], prompts, args.short))
+                    times[side]["long"].append(generate(urls[side], prompts, args.long))
+            for side in sides:
+                after = counters(work / "servers", side)
+                short, long = min(times[side]["short"]), min(times[side]["long"])
+                rec = {"side": side, "rows": rows, "context": context,
+                       "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
+                b = before[side]
+                if after.get("sparse_rows", 0) > b.get("sparse_rows", 0):
+                    rec["late_share"] = round((after["late"] - b.get("late", 0))
+                                              / (after["sparse_rows"] - b.get("sparse_rows", 0)), 3)
+                    rec["attended_share"] = round((after["attended_tokens"] - b.get("attended_tokens", 0))
+                                                  / (after["context_tokens"] - b.get("context_tokens", 0)), 3)
+                records.append(rec)
+                tqdm.write(json.dumps(rec))
     meta = {"machine": describe(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python " + " ".join(sys.argv),
             "revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -6,12 +6,12 @@ attends to a selection of its context (:mod:`sgl_tts.plugin.sparse_decoding` has
 - ``sync``: the tokens with the most attention mass under the *current* query, chosen inside the step
   (the upper bound on selection quality; the choice waits for the query and reads every key);
 - ``quest``: Quest's 16-token pages by their upper bound under the current query, inside the step;
-- ``async`` (AsyncSpade): the tokens chosen for this step by a worker thread (the seed's "cache rank")
-  while the previous step was still computing, from the query predicted out of each row's recent
-  queries. The step never waits for the worker: a row uses the newest selection that has finished
-  (counted ``late`` when it is older than the previous step), and a row with none attends densely
-  (counted ``missing``). Tokens written after a selection was made are among the ``recent`` ones,
-  which every selection keeps.
+- ``async`` (AsyncSpade): the tokens chosen for this step by the seed's "cache rank" (a process of its
+  own, :mod:`sgl_tts.plugin.sparse_worker`, or a thread: ``--tts-sparse-worker``) while the previous
+  step was still computing, from the query predicted out of each row's recent queries; a step's
+  sparse layers are one job. The step never waits for the cache rank: a row uses the newest
+  selection that has finished (counted ``late`` when it is older than the previous step) with every
+  token written since it was made, and a row with none attends densely (counted ``missing``).
 
 Prefill, short rows, rows whose budget covers their context, and everything that is not plain causal
 self-attention are dense, by :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend (this backend is that

@@ -292,6 +292,36 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         dec.close()
 
 
+def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
+    # jobs and answers each larger than a pipe's buffer: the scheduler's sends must not wait on the
+    # process, which is itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
+    from sgl_tts.plugin.sparse_worker import CacheRank
+
+    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    n, rows = 200_000, 2
+    keys = torch.randn(n + 8, KV, DIM)
+    keys.share_memory_()
+    rank = CacheRank(s, {0: keys})
+    history = torch.randn(1, rows, s.history, HEADS, DIM)
+    available = torch.full((1, rows), s.history)
+    index = torch.arange(n).expand(rows, n).contiguous()
+    sent = threading.Event()
+
+    def send_three():
+        for _ in range(3):     # 3.2 MB each; each answer 1.6 MB
+            rank.submit([0], [5, 1], [1, 1], torch.tensor([n, n]), history, available, SCALE, index, None)
+        sent.set()
+
+    try:
+        threading.Thread(target=send_three, daemon=True).start()
+        assert sent.wait(60), "the scheduler's send waited on the cache rank"
+        got = list(rank.answers(wait=True))
+        assert rank.finished == 3 and 1 <= len(got) <= 3 and all(a["error"] is None for a in got)
+        assert got[-1]["positions"].shape == (rows, KV, math.ceil((n + 1) * 0.5) - 1)
+    finally:
+        rank.close()
+
+
 def test_a_selection_is_used_with_every_token_written_since_it_was_made():
     # rows of slots 5 and 1: a selection made at length 40 used at 41 (on time) and one made at 30 used at 37
     # (late by 6 steps, more than `recent`): each attends to its chosen positions and to every position

@@ -442,6 +442,9 @@ class SparseDecoder:
         job = _Job(list(layers), sl, [self._epoch.get(x, 0) for x in sl], lengths, torch.stack(histories),
                    torch.stack(available), scale, list(k_caches), index, self.rotary if self.rotary_frame else None)
         if self._rank is not None:
+            if self._rank.behind:       # it answers the older jobs first; this one would come later still
+                self.counters.dropped_jobs += 1
+                return
             try:
                 self._rank.submit(job.layers, job.slots, job.epochs, job.lengths, job.history, job.available,
                                   job.scale, job.index, job.rotary)
@@ -539,7 +542,7 @@ class SparseDecoder:
                 logger.error("sgl-tts sparse attention: a selection failed in the cache rank: %s", a["error"])
                 continue
             query = None if a["query"] is None else torch.from_numpy(a["query"])
-            self._store(a["layers"], a["slots"], a["epochs"], a["lengths"], torch.from_numpy(a["positions"]),
+            self._store(a["layers"], a["slots"], a["epochs"], a["lengths"], torch.from_numpy(a["positions"]).long(),
                         torch.from_numpy(a["mask"]), query)
             c.selections += len(a["layers"]) * len(a["slots"])
             c.selection_seconds += a["seconds"]
@@ -548,7 +551,7 @@ class SparseDecoder:
         """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
         so far; false if ``timeout`` passed first."""
         if self._rank is not None:
-            if not self._rank.conn.poll(timeout) and self._rank.finished < self._rank.given:
+            if not self._rank.answers_in.poll(timeout) and self._rank.finished < self._rank.given:
                 return False
             self._collect(wait=True)
             return True

@@ -17,9 +17,13 @@ What is shared and what is sent:
   rotary table when it changed. Each answer comes back the same way: the positions and masks
   (layer-major), the predicted queries under measure, the seconds the choice took, and how many
   waiting jobs it superseded.
-- The scheduler reads answers without waiting (:meth:`CacheRank.answers`: ``poll`` with no timeout at
-  a sparse layer's decode); a job newer than one still waiting supersedes it in the process. A
-  closed pipe ends the process (the scheduler exited, however it exited).
+- Two one-way pipes. In the process a thread takes every job as it arrives, so the scheduler's send
+  never waits on a choice in progress, and the scheduler hands no job while two steps' worth are unanswered
+  (:attr:`CacheRank.MAX_OUTSTANDING_STEPS`): the pipe never fills. (One duplex pipe, each side writing
+  while the other wrote, deadlocked a server at 16k context.) The scheduler reads answers without
+  waiting (:meth:`CacheRank.answers`: ``poll`` with no timeout at a sparse layer's decode); a job
+  newer than one still waiting supersedes it in the process. A closed pipe ends the process (the
+  scheduler exited, however it exited).
 """
 
 from __future__ import annotations
@@ -64,17 +68,31 @@ class CacheRank:
     ``k_caches``: each sparse layer's key tensor, in shared memory (:func:`share_key_pools`, or any
     CPU tensor after ``share_memory_()``); ``settings``: the :class:`~sgl_tts.plugin.settings.SparseSettings`."""
 
+    #: steps' worth of jobs handed but not answered beyond which a step hands none (the process is
+    #: behind, and newer jobs would supersede the older ones anyway): the pipe never fills, so a send
+    #: never waits. A step hands one job (its first step a job per sparse layer).
+    MAX_OUTSTANDING_STEPS = 2
+
     def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"]):  # noqa: F821
         import torch.multiprocessing  # noqa: F401 - registers the shared-tensor pickling the start uses
 
         ctx = multiprocessing.get_context("spawn")   # the scheduler has threads: never fork it
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=serve, args=(child, settings.to_json(), k_caches), daemon=True,
-                                   name="sgl-tts-cache-rank")
+        jobs_out, self.jobs = ctx.Pipe(duplex=False)          # (reader, writer): scheduler -> process
+        self.answers_in, answers_out = ctx.Pipe(duplex=False)  # process -> scheduler
+        self.process = ctx.Process(target=serve, args=(jobs_out, answers_out, settings.to_json(), k_caches),
+                                   daemon=True, name="sgl-tts-cache-rank")
         self.process.start()
-        child.close()
+        jobs_out.close()
+        answers_out.close()
         self._rotary_sent: Optional[tuple] = None
         self.given = self.finished = 0
+        self._most = self.MAX_OUTSTANDING_STEPS * max(1, len(k_caches))
+
+    @property
+    def behind(self) -> bool:
+        """The process has :attr:`MAX_OUTSTANDING_STEPS` steps' worth of jobs unanswered (a job per
+        sparse layer: the first step's count)."""
+        return self.given - self.finished >= self._most
 
     def submit(self, layers, slots, epochs, lengths, history, available, scale, index, rotary) -> None:
         """Hand one job (the arguments of :func:`~sgl_tts.plugin.sparse_decoding.choose_next`, the key
@@ -89,14 +107,14 @@ class CacheRank:
                 msg["rotary"] = (_array(rotary.cos_sin), rotary.rotary_dim, rotary.neox)
                 self._rotary_sent = key
             msg["rotated"] = True
-        self.conn.send(msg)
+        self.jobs.send(msg)
         self.given += 1
 
     def answers(self, wait: bool = False) -> Iterator[dict]:
         """The answers that have arrived (none waited for), or with ``wait`` every answer still owed."""
-        while self.finished < self.given and (wait or self.conn.poll()):
+        while self.finished < self.given and (wait or self.answers_in.poll()):
             try:
-                answer = self.conn.recv()
+                answer = self.answers_in.recv()
             except (EOFError, OSError):
                 raise RuntimeError(f"the sparse cache rank process exited (code {self.process.exitcode})") from None
             self.finished += 1 + answer["superseded"]
@@ -104,15 +122,19 @@ class CacheRank:
 
     def close(self) -> None:
         try:
-            self.conn.close()
+            self.jobs.close()
+            self.answers_in.close()
         finally:
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()
 
 
-def serve(conn, settings_json: str, k_caches: dict) -> None:
-    """The process: take jobs, newest per set of layers, answer each (its own interpreter and thread)."""
+def serve(jobs, answers, settings_json: str, k_caches: dict) -> None:
+    """The process: a thread takes every job as it arrives (so the scheduler's send never waits on a
+    choice in progress); the main thread answers the newest job of each set of layers waiting."""
+    import threading
+
     import torch
 
     from sgl_tts.plugin import sparse_decoding as sd
@@ -121,14 +143,34 @@ def serve(conn, settings_json: str, k_caches: dict) -> None:
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     s = SparseSettings.from_json(settings_json)
+    inbox: list = []
+    arrived = threading.Condition()
+    closed = []
+
+    def receive() -> None:
+        while True:
+            try:
+                msg = jobs.recv()
+            except (EOFError, OSError):   # the scheduler is gone (its end closed)
+                msg = None
+            with arrived:
+                if msg is None:
+                    closed.append(True)
+                else:
+                    inbox.append(msg)
+                arrived.notify()
+            if msg is None:
+                return
+
+    threading.Thread(target=receive, name="sgl-tts-cache-rank-inbox", daemon=True).start()
     rotary = None
     while True:
-        try:
-            batch = [conn.recv()]
-            while conn.poll():          # everything waiting; a newer job of the same layers supersedes
-                batch.append(conn.recv())
-        except (EOFError, OSError):
-            return
+        with arrived:
+            arrived.wait_for(lambda: inbox or closed)
+            if closed and not inbox:
+                return
+            batch = inbox[:]
+            inbox.clear()
         newest: dict[tuple, dict] = {}
         superseded: dict[tuple, int] = {}
         for msg in batch:
@@ -140,25 +182,34 @@ def serve(conn, settings_json: str, k_caches: dict) -> None:
                 superseded[key] = superseded.get(key, 0) + 1
             newest[key] = msg
         for key, msg in newest.items():
-            t0 = time.perf_counter()
-            answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"],
-                      "lengths": msg["lengths"], "superseded": superseded.get(key, 0), "error": None}
             try:
-                query, selection = sd.choose_next(
-                    torch.from_numpy(msg["history"]), torch.from_numpy(msg["available"]),
-                    torch.from_numpy(msg["lengths"]), torch.from_numpy(msg["index"]),
-                    [k_caches[layer] for layer in msg["layers"]], msg["scale"], windows=s.windows, ridge=s.ridge,
-                    budget=s.budget, sink=s.sink, recent=s.recent,
-                    rotary=rotary if msg.get("rotated") else None)
-                answer.update(positions=selection.positions.numpy(), mask=selection.mask.numpy(),
-                              query=query.numpy() if s.measure else None)
-            except Exception as exc:  # noqa: BLE001 - a failed choice leaves rows dense, never the server down
-                answer["error"] = f"{type(exc).__name__}: {exc}"
-            answer["seconds"] = time.perf_counter() - t0
-            try:
-                conn.send(answer)
+                answers.send(_answer(msg, superseded.get(key, 0), s, k_caches, rotary))
             except (EOFError, OSError):
                 return
+
+
+def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, rotary: Any) -> dict:
+    """One job's answer: :func:`~sgl_tts.plugin.sparse_decoding.choose_next` on its arrays, positions as
+    int32 (half the bytes back), or the error that stopped it (its rows then stay dense)."""
+    import torch
+
+    from sgl_tts.plugin import sparse_decoding as sd
+
+    t0 = time.perf_counter()
+    answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"], "lengths": msg["lengths"],
+              "superseded": superseded, "error": None}
+    try:
+        query, selection = sd.choose_next(
+            torch.from_numpy(msg["history"]), torch.from_numpy(msg["available"]), torch.from_numpy(msg["lengths"]),
+            torch.from_numpy(msg["index"]), [k_caches[layer] for layer in msg["layers"]], msg["scale"],
+            windows=s.windows, ridge=s.ridge, budget=s.budget, sink=s.sink, recent=s.recent,
+            rotary=rotary if msg.get("rotated") else None)
+        answer.update(positions=selection.positions.to(torch.int32).numpy(), mask=selection.mask.numpy(),
+                      query=query.numpy() if s.measure else None)
+    except Exception as exc:  # noqa: BLE001 - a failed choice leaves rows dense, never the server down
+        answer["error"] = f"{type(exc).__name__}: {exc}"
+    answer["seconds"] = time.perf_counter() - t0
+    return answer
 
 
 __all__ = ["CacheRank", "serve", "share_key_pools"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -271,6 +272,8 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # fresh selection: sparse, not late
         assert (dec.counters.sparse_rows, dec.counters.late, dec.counters.missing) == (2, 0, 2)
         assert dec.wait_idle(30)                                           # the next step's choice is in
+        t0 = time.monotonic()
+        assert dec.wait_idle(30) and time.monotonic() - t0 < 1             # nothing owed: no wait
         os.kill(pid, signal.SIGSTOP)                                       # then the cache rank falls behind
         for step in range(3):                                              # the steps go on without it:
             pool.grow()                                                    # on time, then late twice
@@ -295,6 +298,7 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
 def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
     # jobs and answers each larger than a pipe's buffer: the scheduler's sends must not wait on the
     # process, which is itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
+    from sgl_tts.plugin.sparse_attention import _Job
     from sgl_tts.plugin.sparse_worker import CacheRank
 
     s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
@@ -309,7 +313,7 @@ def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
 
     def send_three():
         for _ in range(3):     # 3.2 MB each; each answer 1.6 MB
-            rank.submit([0], [5, 1], [1, 1], torch.tensor([n, n]), history, available, SCALE, index, None)
+            rank.submit(_Job([0], [5, 1], [1, 1], torch.tensor([n, n]), history, available, SCALE, [keys], index))
         sent.set()
 
     try:

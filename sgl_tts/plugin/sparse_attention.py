@@ -203,6 +203,8 @@ class SparseDecoder:
 
         if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
             self._rank = CacheRank(self.s, k_caches)
+            logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools in shared "
+                        "memory)", self._rank.process.pid, sorted(k_caches))
         return self
 
     # --------------------------------------------------------------------------------- extend
@@ -446,8 +448,7 @@ class SparseDecoder:
                 self.counters.dropped_jobs += 1
                 return
             try:
-                self._rank.submit(job.layers, job.slots, job.epochs, job.lengths, job.history, job.available,
-                                  job.scale, job.index, job.rotary)
+                self._rank.submit(job)
                 return
             except OSError as exc:      # its end of the pipe closed: it died
                 self._rank_failed(exc)
@@ -551,7 +552,9 @@ class SparseDecoder:
         """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
         so far; false if ``timeout`` passed first."""
         if self._rank is not None:
-            if not self._rank.answers_in.poll(timeout) and self._rank.finished < self._rank.given:
+            if self._rank.finished >= self._rank.given:
+                return True
+            if not self._rank.answers_in.poll(timeout):
                 return False
             self._collect(wait=True)
             return True
@@ -599,8 +602,6 @@ def _make_backend_class():
                 first = getattr(kv_pool, "start_layer", 0)
                 layers = [i for i in range(first, first + kv_pool.layer_num) if i >= sp.dense_layers]
                 self.sparse.start_cache_rank(share_key_pools(kv_pool, layers))
-                logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools in "
-                            "shared memory)", self.sparse._rank.process.pid, layers)
             self._layer_id = 0
             self._runner = model_runner
             self._rope = None

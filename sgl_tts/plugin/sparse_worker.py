@@ -94,13 +94,14 @@ class CacheRank:
         sparse layer: the first step's count)."""
         return self.given - self.finished >= self._most
 
-    def submit(self, layers, slots, epochs, lengths, history, available, scale, index, rotary) -> None:
-        """Hand one job (the arguments of :func:`~sgl_tts.plugin.sparse_decoding.choose_next`, the key
-        pools by layer id) to the process."""
-        msg: dict[str, Any] = {"layers": list(layers), "slots": list(slots), "epochs": list(epochs),
-                               "lengths": _array(lengths), "history": _array(history),
-                               "available": _array(available), "scale": scale, "index": _array(index),
-                               "rotary": None}
+    def submit(self, job: Any) -> None:
+        """Hand one job to the process: a :class:`~sgl_tts.plugin.sparse_attention._Job` (the arguments of
+        :func:`~sgl_tts.plugin.sparse_decoding.choose_next`; its key pools go by layer id)."""
+        msg: dict[str, Any] = {"layers": list(job.layers), "slots": list(job.slots), "epochs": list(job.epochs),
+                               "lengths": _array(job.lengths), "history": _array(job.history),
+                               "available": _array(job.available), "scale": job.scale,
+                               "index": _array(job.index), "rotary": None}
+        rotary = job.rotary
         if rotary is not None:
             key = (rotary.cos_sin.data_ptr(), tuple(rotary.cos_sin.shape), rotary.rotary_dim, rotary.neox)
             if key != self._rotary_sent:

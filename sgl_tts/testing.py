@@ -333,7 +333,8 @@ class ScriptedPRM:
         default: the score of a step the mapping does not hold (``None``: such a step is an error,
             with the step in the message).
 
-    Every call is kept in :attr:`calls`, in call order (a program's scoring calls are sequential).
+    Every call is kept in :attr:`calls`, in the order the calls ended: a program's calls, unless it
+    verifies overlapped (then they run on several threads, and two made a moment apart can swap).
     """
 
     def __init__(self, step_score: Callable[[str], float] | Mapping[str, float], *,

@@ -5,6 +5,7 @@ beams really finish while stragglers run, branches really are stopped and aborte
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -364,27 +365,47 @@ def split_families(prm: ScriptedPRM) -> tuple[int, dict[int, list[tuple[str, ...
     return len(calls_of), split
 
 
+def calls_made(records) -> dict[int, list[list[int]]]:
+    """The PRM calls a search made, in the order it made them, by depth: each call's beams' parents
+    (the pipeline's debug log; the calls run on a pool, so :attr:`ScriptedPRM.calls`, in the order
+    they ran, can swap two made a moment apart)."""
+    out: dict[int, list[list[int]]] = {}
+    for r in records:
+        if r.name == "sgl_tts.search.pipeline" and "makes a PRM call" in r.msg:
+            _, depth, _, parents = r.args
+            out.setdefault(depth, []).append(list(parents))
+    return out
+
+
 @pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
-def test_overlap_by_family_sends_each_family_in_one_prm_call(program):
+def test_overlap_by_family_sends_each_family_in_one_prm_call(program, caplog):
     """By family, a family's PRM requests go in one call (issue 32: the PRM computes their shared path
     once), except the depth's last family: once only its beams generate, its members go as they are
-    ready, and no other family's request comes after its first call at that depth. By beam, the same
+    ready, and no other family's request is made after its first call at that depth. By beam, the same
     searches split several families of a depth over calls, as siblings' steps end apart (the check
     tells the two apart). The kept beams are the same."""
     settings = dict(SETTINGS, step_tokens=64)   # no step is cut
     several_split_by_beam = 0
+    caplog.set_level(logging.DEBUG, logger="sgl_tts.search.pipeline")
     for q in QUESTIONS:
         by_beam, prm_by_beam, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
                                       overlap_verification=True, **settings)
+        caplog.clear()
         by_family, prm, _ = run(program, q, backend=ScriptedBackend(distinct_heavy, seconds_per_token=PACE),
                                 overlap_verification=True, overlap_by_family=True, **settings)
         assert kept(by_family) == kept(by_beam)
         families, split = split_families(prm)
         assert families >= 4 and all(len(parents) == 1 for parents in split.values()), (q, split)
-        for depth, (last,) in split.items():
-            first = min(k for k, call in enumerate(prm.calls) if any(tuple(p[:-1]) == last for p in call.steps_batch))
-            later = [tuple(p[:-1]) for call in prm.calls[first + 1:] for p in call.steps_batch if len(p) == depth + 1]
-            assert set(later) <= {last}, (q, depth)
+        made = calls_made(caplog.records)
+        assert sum(len(calls) for calls in made.values()) == len(prm.calls) and len(made) >= 3
+        assert sum(len(p) for calls in made.values() for p in calls) == sum(len(c.steps_batch) for c in prm.calls)
+        for depth, calls in made.items():
+            parents_of = [{p for p in parents if p >= 0} for parents in calls]   # a root beam: no family
+            split_here = {p for p in set().union(*parents_of) if sum(p in call for call in parents_of) > 1}
+            assert len(split_here) <= 1, (q, depth, calls)
+            for last in split_here:
+                first = next(k for k, call in enumerate(parents_of) if last in call)
+                assert set().union(*parents_of[first + 1:]) == {last}, (q, depth, calls)
         several_split_by_beam += sum(len(parents) > 1 for parents in split_families(prm_by_beam)[1].values())
     assert several_split_by_beam > 0
 

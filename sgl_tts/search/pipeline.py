@@ -385,7 +385,7 @@ class StepPipeline:
                     if self._rows is not None:
                         self._rows.publish(self, len(waiting) + self._running_branches())
             if ready:   # what became ready in one look goes out as one PRM call
-                verifying.append((ready, self._verify(ready)))
+                verifying.append((ready, self._send(ready, depth)))
                 sent.update(c.index for c in ready)
             if waiting and not ended:   # sleep (no CPU) until a step or a branch of this search ends
                 self._waiter.wait(seen)
@@ -398,7 +398,7 @@ class StepPipeline:
         # on a shared device they would slow the verification selection waits for (CPU bench: 12x)
         rest = [c for c in cands if c.index not in sent]
         if rest:
-            verifying.append((rest, self._verify(rest, now=not self.overlap)))
+            verifying.append((rest, self._send(rest, depth, now=not self.overlap)))
         for group, got in verifying:
             self._apply(group, *(got.result() if hasattr(got, "result") else got))
         done = time.perf_counter()
@@ -534,6 +534,14 @@ class StepPipeline:
             self.costs.prm_requests += len(paths)
             out.append((c, paths))
         return out
+
+    def _send(self, cands: Sequence[Candidate], depth: int, now: bool = False):
+        """:meth:`_verify`, logged (debug) in the order the search makes its PRM calls: with ``overlap``
+        they run on the pool, and one made later can reach the PRM first."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sgl-tts: %s depth %d makes a PRM call for beams %s (parents %s)", self.group, depth,
+                         [c.index for c in cands], [c.beam.parent for c in cands])
+        return self._verify(cands, now)
 
     def _verify(self, cands: Sequence[Candidate], now: bool = False):
         """Score ``cands``: on the pool (a future) with ``overlap``, else in one call now."""

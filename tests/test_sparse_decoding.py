@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tts.plugin.sparse_decoding import (Selection, budgets, overlap_ratio, page_scores,
-                                            predict_next_query, ridge_weights, select_pages, select_tokens,
-                                            sparse_attention, token_scores)
+from sgl_tts.plugin.sparse_decoding import (KeyMirror, Selection, budgets, choose_next, gather_selected_kv,
+                                            overlap_ratio, page_scores, predict_next_query, ridge_weights,
+                                            select_pages, select_tokens, sparse_attention, token_scores)
 
 
 def _softmax(xs):
@@ -149,6 +149,36 @@ def test_token_selection_keeps_sinks_recent_and_the_highest_scores(seed):
             assert got == _select_by_hand(scores[r, kv].tolist(), lengths[r], want_keep, sink, recent), (r, kv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_token_selection_ranks_half_precision_and_double_scores_exactly(dtype):
+    """Scores in any float type are ranked by their own values (half types widened without rounding,
+    doubles not narrowed): two doubles 1e-12 apart, equal in float32, are told apart."""
+    rnd = random.Random(7)
+    n, sink, recent = 30, 1, 2
+    values = [rnd.choice([0.25, 0.5, 0.75, 1.0, 1.5]) for _ in range(n)]
+    if dtype == torch.float64:
+        values[10], values[20] = 3.0, 3.0 + 1e-12    # 20 must win a budget of one free slot
+    scores = torch.tensor([[values]], dtype=dtype)
+    lengths, keep = torch.tensor([n]), torch.tensor([sink + recent + 1])
+    sel = select_tokens(scores, lengths, keep, sink=sink, recent=recent)
+    want = _select_by_hand([float(v) for v in scores[0, 0]], n, sink + recent + 1, sink, recent)
+    assert sel.positions[0, 0][sel.mask[0, 0]].tolist() == want
+    if dtype == torch.float64:
+        assert want == [0, 20, 28, 29]
+
+
+def test_gathering_keys_and_values_together_reads_each_head_at_its_own_slots():
+    g = torch.Generator().manual_seed(9)
+    k_pool, v_pool = torch.randn(20, 3, 4, generator=g), torch.randn(20, 3, 4, generator=g)
+    index = torch.randint(0, 20, (2, 3, 5), generator=g)
+    keys, values = gather_selected_kv(k_pool, v_pool, index)
+    for r in range(2):
+        for h in range(3):
+            for j in range(5):
+                assert torch.equal(keys[r, h, j], k_pool[index[r, h, j], h])
+                assert torch.equal(values[r, h, j], v_pool[index[r, h, j], h])
+
+
 def test_a_budget_that_covers_the_context_keeps_every_position():
     lengths = torch.tensor([5, 9])
     keep = budgets(lengths, 64, sink=1, recent=2)
@@ -217,7 +247,9 @@ def gather_selected(keys, selection):
     return keys.gather(2, selection.positions[..., None].expand(-1, -1, -1, keys.shape[-1]))
 
 
-def test_sparse_attention_attends_over_the_selected_tokens_only():
+@pytest.mark.parametrize("ragged", [True, False], ids=["rows-of-different-sizes", "every-slot-real"])
+def test_sparse_attention_attends_over_the_selected_tokens_only(ragged):
+    """With padding (a mask) and without (every slot real: the path that passes no mask)."""
     g = torch.Generator().manual_seed(5)
     rows, heads, kv_heads, n, dim = 2, 4, 2, 12, 5
     query = torch.randn(rows, heads, dim, generator=g, dtype=torch.float64)
@@ -225,6 +257,9 @@ def test_sparse_attention_attends_over_the_selected_tokens_only():
     values = torch.randn(rows, kv_heads, n, dim, generator=g, dtype=torch.float64)
     positions = torch.tensor([[[0, 3, 7, 0], [1, 2, 11, 5]], [[4, 9, 0, 0], [0, 6, 8, 10]]])
     mask = torch.tensor([[[1, 1, 1, 0], [1, 1, 1, 1]], [[1, 1, 0, 0], [1, 1, 1, 1]]], dtype=torch.bool)
+    if not ragged:
+        positions = torch.tensor([[[0, 3, 7, 9], [1, 2, 11, 5]], [[4, 9, 1, 2], [0, 6, 8, 10]]])
+        mask = torch.ones_like(mask)
     sel = Selection(positions, mask)
     got = sparse_attention(query, gather_selected(keys, sel), gather_selected(values, sel), mask)
     for r in range(rows):
@@ -294,3 +329,64 @@ def test_rotate_is_sglangs_rotary_embedding_and_its_inverse_undoes_it(neox, monk
                             dtype=torch.float32)
     assert find_rotary(torch.nn.ModuleList([rope, other])) is None
     assert find_rotary(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_key_mirror_copies_only_new_tokens_and_rebuilds_a_row_that_changed():
+    """A row's keys come from the mirror's copy plus the tokens written since: a key changed in the pool
+    at a position already copied is not read again (the copy is incremental), a new position is; a new
+    epoch, other pool slots or a shorter context rebuild the row from the pool; rows a job no longer
+    holds are dropped. bf16 pools are widened to float32."""
+    g = torch.Generator().manual_seed(11)
+    pool = torch.randn(40, 2, 3, generator=g).to(torch.bfloat16)
+    index = torch.randperm(40, generator=g)[:30].to(torch.int32)
+    mirror = KeyMirror()
+
+    def want(n):
+        return pool.float()[index[:n].long()].transpose(0, 1)
+
+    got = mirror.keys(0, 5, 1, pool, index, 10)
+    assert got.dtype == torch.float32 and got.shape == (2, 10, 3) and torch.equal(got, want(10))
+    stale = want(10)[:, 3].clone()
+    pool[index[3]] += 1.0                          # an old position changes: the mirror keeps its copy
+    pool[index[12]] += 1.0                         # a new one: read when the row grows to it
+    got = mirror.keys(0, 5, 1, pool, index, 13)
+    assert torch.equal(got[:, 3], stale) and torch.equal(got[:, 10:], want(13)[:, 10:])
+    assert torch.equal(mirror.keys(0, 5, 2, pool, index, 13), want(13))            # a new epoch: rebuilt
+    pool[index[0]] -= 1.0
+    other = index.clone()
+    other[0] = int(index[29])                                                        # another slot at 0
+    assert torch.equal(mirror.keys(0, 5, 2, pool, other, 13)[:, 0], pool.float()[other[0].long()])
+    assert torch.equal(mirror.keys(0, 5, 2, pool, other, 8), pool.float()[other[:8].long()].transpose(0, 1))
+    mirror.keys(1, 5, 2, pool, index, 4)
+    mirror.keys(0, 6, 1, pool, index, 6)
+    assert mirror.tokens == 8 + 4 + 6
+    mirror.keep_only([0], [6])                     # layer 0 keeps slot 6 only; layer 1 is another job's
+    assert mirror.tokens == 4 + 6
+
+
+def test_the_choice_from_mirrored_keys_is_the_choice_from_the_pool():
+    """choose_next over a KeyMirror equals choose_next over the pool, step after step, rows of different
+    lengths growing and one row's slot taken by a new request."""
+    g = torch.Generator().manual_seed(12)
+    layers, kv, heads, dim, h = 2, 2, 4, 8, 6
+    # float64: the two ways sum in another order, and no near-tie within that rounding should decide
+    pools = [torch.randn(400, kv, dim, generator=g, dtype=torch.float64) for _ in range(layers)]
+    free = torch.randperm(400, generator=g)     # live rows never share a slot they write
+    index, free = free[:360].view(3, 120).clone(), free[360:]
+    lengths, epochs = torch.tensor([40, 57, 33]), [1, 1, 1]
+    mirror = KeyMirror()
+    for step in range(5):
+        if step == 3:      # row 1: a new request (another epoch) in the same slot, other pool slots
+            mine = torch.cat([index[1], free])
+            epochs[1], index[1] = 2, mine[torch.randperm(len(mine), generator=g)[:120]]
+        history = torch.randn(layers, 3, h, heads, dim, generator=g, dtype=torch.float64)
+        available = torch.full((layers, 3), h)
+        args = (history, available, lengths, index, pools, None)
+        kw = dict(windows=(2, 4), ridge=0.01, budget=0.5, sink=2, recent=3)
+        plain = choose_next(*args, **kw)
+        mirrored = choose_next(*args, **kw, keys_of=mirror.source([0, 1], [7, 8, 9], epochs, pools, index))
+        assert torch.equal(plain[1].positions, mirrored[1].positions), step
+        assert torch.equal(plain[1].mask, mirrored[1].mask) and torch.equal(plain[0], mirrored[0])
+        lengths = lengths + torch.tensor([1, 2, 1])
+        for p in pools:    # the tokens the step wrote
+            p[index[torch.arange(3), lengths - 1]] = torch.randn(3, kv, dim, generator=g, dtype=torch.float64)

@@ -191,6 +191,7 @@ class SparseDecoder:
         self._given = self._finished = 0      # jobs handed to the worker, jobs it has finished or dropped
         self._thread = None
         self._rank = None         # the cache rank process (--tts-sparse-worker process): start_cache_rank
+        self._mirror = None       # the thread's (or inline) copy of the keys: the process keeps its own
         if settings.mode == "async" and threaded and settings.worker == "thread":
             self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
             self._thread.start()
@@ -291,8 +292,7 @@ class SparseDecoder:
             c.context_tokens += int(lengths[rows].sum()) * selection.mask.shape[1]
             c.attended_tokens += int(selection.mask.sum())
             pool = torch.gather(req_to_token[slots[rows]], 1, selection.positions.flatten(1)).view_as(selection.positions)
-            keys = sd.gather_selected_pool(k_cache, pool)
-            values = sd.gather_selected_pool(v_cache, pool)
+            keys, values = sd.gather_selected_kv(k_cache, v_cache, pool)
             if keys.dtype != query.dtype:
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
             out[rows] = sd.sparse_attention(query[rows], keys, values, selection.mask, scale)
@@ -498,9 +498,12 @@ class SparseDecoder:
 
         t0 = time.perf_counter()
         s = self.s
+        if self._mirror is None:
+            self._mirror = sd.KeyMirror()
+        keys_of = self._mirror.source(job.layers, job.slots, job.epochs, job.k_caches, job.index)
         query, selection = sd.choose_next(job.history, job.available, job.lengths, job.index, job.k_caches,
                                           job.scale, windows=s.windows, ridge=s.ridge, budget=s.budget,
-                                          sink=s.sink, recent=s.recent, rotary=job.rotary)
+                                          sink=s.sink, recent=s.recent, rotary=job.rotary, keys_of=keys_of)
         self._store(job.layers, job.slots, job.epochs, job.lengths, selection.positions, selection.mask,
                     query if s.measure else None)
         self.counters.selections += len(job.layers) * len(job.slots)

@@ -52,7 +52,7 @@ Shapes: ``rows`` sequences, ``heads`` query heads, ``kv_heads`` KV heads, ``dim`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -206,20 +206,29 @@ def select_tokens(scores: torch.Tensor, lengths: torch.Tensor, keep: torch.Tenso
     positions, then the highest ``scores`` (``[rows, kv_heads, n]``) among the others (ties to the
     earlier position); every position when ``keep`` covers the context.
 
-    No sort of the context: a top-k finds each row's ``keep``-th value, every position above it is
-    kept and the earliest of those equal to it fill the rest (what a stable sort would keep)."""
+    No sort of the context: a selection (``kthvalue``, 2-3x cheaper than a top-k of half the context
+    here) finds each row's ``keep``-th value, every position above it is kept and the earliest of those
+    equal to it fill the rest (what a stable sort would keep)."""
     import torch
 
     rows, kv_heads, n = scores.shape
     valid = _valid(lengths, n)[:, None, :]
     forced = always_kept(lengths, n, sink, recent)[:, None, :]
-    rank = scores.double().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-    k = int(keep.max()) if rows else 0
-    if k == 0:
+    # half-precision scores are widened (exactly); float32 and float64 are ranked as they are
+    rank = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    rank = rank.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    if rows == 0 or int(keep.max()) == 0:
         empty = torch.zeros(rows, kv_heads, 0, dtype=torch.long, device=scores.device)
         return Selection(empty, empty.bool())
-    top = torch.topk(rank, k, dim=-1).values                                       # descending
-    threshold = top.gather(-1, (keep - 1).clamp(min=0)[:, None, None].expand(rows, kv_heads, 1))
+    # each row's keep-th largest value: the (n - keep + 1)-th smallest, a selection, not a sort (the
+    # -inf past a row's length are the smallest); rows of one budget at once
+    threshold = torch.empty(rows, kv_heads, 1, dtype=rank.dtype, device=rank.device)
+    for want in keep.unique().tolist():
+        at = (keep == want).nonzero().squeeze(1)
+        if want > 0:
+            threshold[at] = torch.kthvalue(rank[at], n - want + 1, dim=-1, keepdim=True).values
+        else:
+            threshold[at] = float("inf")
     above = rank > threshold
     equal = rank == threshold
     need = keep[:, None, None] - above.sum(-1, keepdim=True)
@@ -305,6 +314,19 @@ def gather_selected_pool(cache: torch.Tensor, pool_index: torch.Tensor) -> torch
     return picked.view(rows, kv_heads, k, cache.shape[-1])
 
 
+def gather_selected_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       pool_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_selected_pool` of a layer's key and value pools at the same slots, the flat index
+    computed once."""
+    import torch
+
+    rows, kv_heads, k = pool_index.shape
+    flat = (pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]).reshape(-1)
+    keys = k_cache.reshape(-1, k_cache.shape[-1]).index_select(0, flat)
+    values = v_cache.reshape(-1, v_cache.shape[-1]).index_select(0, flat)
+    return keys.view(rows, kv_heads, k, -1), values.view(rows, kv_heads, k, -1)
+
+
 def selection_from_mask(chosen: torch.Tensor) -> Selection:
     """The positions where ``chosen`` ``[rows, kv_heads, n]`` is true, ascending, as a :class:`Selection`
     (compacted by a running count, not sorted)."""
@@ -332,9 +354,11 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     kv_heads = keys.shape[1]
     rep = heads // kv_heads
     q = query.reshape(rows, kv_heads, rep, dim)
-    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
-    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, :, None, :],
-                                                           scale=scale)
+    bias = None
+    if not bool(mask.all()):   # rows of different sizes (a mask makes the CPU's kernel ~1.7x slower)
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+        bias = bias[:, :, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(rows, heads, values.shape[-1])
 
 
@@ -352,9 +376,71 @@ def overlap_ratio(a: Selection, b: Selection) -> torch.Tensor:
     return both / a.mask.sum(-1).clamp(min=1).double()
 
 
+class KeyMirror:
+    """The cache rank's own float32 (or float64) copy of each row's keys, per layer, grown by the tokens written
+    since its last job (seed 003's cache rank likewise holds its copy of the cache): a job then reads
+    a context's keys without gathering the whole context from the pool and widening it to float32,
+    1.5 ms of a layer's 3.4 ms at 16k context here. The price is memory: twice the bytes of the
+    mirrored rows' bf16 keys.
+
+    A row's copy is rebuilt when its epoch (a new request in the slot) or its pool slots differ from
+    what was copied; :meth:`keep_only` drops the rows a job no longer holds."""
+
+    def __init__(self):
+        # (layer, slot) -> [epoch, pool slots copied (int32 [capacity]), keys [kv, capacity, dim], filled]
+        self._rows: dict[tuple[int, int], list] = {}
+
+    def keys(self, layer: int, slot: int, epoch: int, k_cache: torch.Tensor, index: torch.Tensor,
+             length: int) -> torch.Tensor:
+        """Row ``slot``'s first ``length`` keys of ``layer`` (pool ``k_cache``, context slots ``index``),
+        ``[kv_heads, length, dim]``, half-precision keys widened to float32: what is copied already, then
+        the new tokens."""
+        import torch
+
+        got = self._rows.get((layer, slot))
+        if (got is None or got[0] != epoch or got[3] > length
+                or not torch.equal(got[1][:got[3]], index[:got[3]].to(torch.int32))):
+            wide = k_cache.dtype if k_cache.dtype in (torch.float32, torch.float64) else torch.float32
+            got = [epoch, torch.empty(0, dtype=torch.int32),
+                   k_cache.new_empty((k_cache.shape[1], 0, k_cache.shape[2]), dtype=wide), 0]
+        epoch_, copied, keys, filled = got
+        if keys.shape[1] < length:        # grow by a quarter at least: a row grows a token per step
+            cap = max(length, keys.shape[1] * 5 // 4 + 64)
+            wider = keys.new_empty((keys.shape[0], cap, keys.shape[2]))
+            wider[:, :filled] = keys[:, :filled]
+            more = torch.empty(cap, dtype=torch.int32)
+            more[:filled] = copied[:filled]
+            keys, copied = wider, more
+        if filled < length:
+            new = index[filled:length].long()
+            keys[:, filled:length] = k_cache.index_select(0, new).transpose(0, 1)
+            copied[filled:length] = new.to(torch.int32)
+        self._rows[(layer, slot)] = [epoch_, copied, keys, length]
+        return keys[:, :length]
+
+    def source(self, layers: Sequence[int], slots: Sequence[int], epochs: Sequence[int],
+               k_caches: Sequence[torch.Tensor], index: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
+        """:func:`choose_next`'s ``keys_of`` for one job (its layers, rows, pools and context slots); the
+        rows of those layers that the job does not hold are forgotten."""
+        self.keep_only(layers, slots)
+        return lambda i, r, length: self.keys(layers[i], slots[r], epochs[r], k_caches[i], index[r], length)
+
+    def keep_only(self, layers: Sequence[int], slots: Sequence[int]) -> None:
+        """Forget the rows of ``layers`` not among ``slots``."""
+        held, wanted = set(layers), set(slots)
+        for key in [k for k in self._rows if k[0] in held and k[1] not in wanted]:
+            del self._rows[key]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens copied, over every layer and row."""
+        return sum(row[3] for row in self._rows.values())
+
+
 def choose_next(history: torch.Tensor, available: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor,
                 k_caches: Sequence[torch.Tensor], scale: Optional[float], *, windows: Sequence[int], ridge: float,
-                budget: float, sink: int, recent: int, rotary: Optional["Rotary"] = None
+                budget: float, sink: int, recent: int, rotary: Optional["Rotary"] = None,
+                keys_of: Optional[Callable[[int, int, int], torch.Tensor]] = None
                 ) -> tuple[torch.Tensor, Selection]:
     """The asynchronous choice for the next step of the same rows in several layers (the cache rank's
     job): each row's next query predicted from its recent ones (one regression over every layer),
@@ -367,8 +453,10 @@ def choose_next(history: torch.Tensor, available: torch.Tensor, lengths: torch.T
     next query's position); ``index`` ``[rows, >= max length]`` each context's slots in the pools
     ``k_caches`` (one per layer, ``[slots, kv_heads, dim]``). The next step's context is one longer
     and its newest position is always among the recent ones, so each row keeps its budget at
-    ``length + 1`` less one, with one recent token fewer. Returns the predicted queries
-    ``[layers, rows, heads, dim]`` and the selection ``[layers * rows, kv_heads, k]`` (layer-major)."""
+    ``length + 1`` less one, with one recent token fewer. ``keys_of(layer, row, length)``, if given,
+    is where a row's keys come from instead (``[kv_heads, length, dim]``: a :class:`KeyMirror`'s).
+    Returns the predicted queries ``[layers, rows, heads, dim]`` and the selection
+    ``[layers * rows, kv_heads, k]`` (layer-major)."""
     import torch
 
     layers, rows, h, heads, dim = history.shape
@@ -383,6 +471,13 @@ def choose_next(history: torch.Tensor, available: torch.Tensor, lengths: torch.T
     n = int(lengths.max())
     scores = []
     for i, k_cache in enumerate(k_caches):      # one layer's keys at a time: [rows, kv, n, dim]
+        if keys_of is not None:                 # row by row: no padded copy of the rows' keys
+            layer_scores = query.new_zeros(rows, kv, n)
+            for r, length in enumerate(lengths.tolist()):
+                keys = keys_of(i, r, length)[None].to(query.dtype)
+                layer_scores[r, :, :length] = token_scores(query[i, r:r + 1], keys, lengths[r:r + 1], scale)[0]
+            scores.append(layer_scores)
+            continue
         keys = gather_heads(k_cache, index[:, :n])
         if keys.dtype != query.dtype:
             keys = keys.to(query.dtype)
@@ -404,7 +499,7 @@ def group_cosine(a: torch.Tensor, b: torch.Tensor, kv_heads: int) -> torch.Tenso
     return torch.nn.functional.cosine_similarity(a, b, dim=-1)
 
 
-__all__ = ["QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads",
-           "choose_next", "gather_selected_pool", "group_cosine", "overlap_ratio",
+__all__ = ["KeyMirror", "QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads",
+           "choose_next", "gather_selected_kv", "gather_selected_pool", "group_cosine", "overlap_ratio",
            "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
            "selection_from_mask", "sparse_attention", "token_scores"]

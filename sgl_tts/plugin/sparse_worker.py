@@ -165,6 +165,7 @@ def serve(jobs, answers, settings_json: str, k_caches: dict) -> None:
 
     threading.Thread(target=receive, name="sgl-tts-cache-rank-inbox", daemon=True).start()
     rotary = None
+    mirror = sd.KeyMirror()
     while True:
         with arrived:
             arrived.wait_for(lambda: inbox or closed)
@@ -184,14 +185,15 @@ def serve(jobs, answers, settings_json: str, k_caches: dict) -> None:
             newest[key] = msg
         for key, msg in newest.items():
             try:
-                answers.send(_answer(msg, superseded.get(key, 0), s, k_caches, rotary))
+                answers.send(_answer(msg, superseded.get(key, 0), s, k_caches, rotary, mirror))
             except (EOFError, OSError):
                 return
 
 
-def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, rotary: Any) -> dict:
-    """One job's answer: :func:`~sgl_tts.plugin.sparse_decoding.choose_next` on its arrays, positions as
-    int32 (half the bytes back), or the error that stopped it (its rows then stay dense)."""
+def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, rotary: Any, mirror: Any = None) -> dict:
+    """One job's answer: :func:`~sgl_tts.plugin.sparse_decoding.choose_next` on its arrays (the keys from
+    ``mirror``, a :class:`~sgl_tts.plugin.sparse_decoding.KeyMirror`, if given), positions as int32 (half
+    the bytes back), or the error that stopped it (its rows then stay dense)."""
     import torch
 
     from sgl_tts.plugin import sparse_decoding as sd
@@ -200,11 +202,12 @@ def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, rotary: Any) -> 
     answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"], "lengths": msg["lengths"],
               "superseded": superseded, "error": None}
     try:
+        index, pools = torch.from_numpy(msg["index"]), [k_caches[layer] for layer in msg["layers"]]
+        keys_of = None if mirror is None else mirror.source(msg["layers"], msg["slots"], msg["epochs"], pools, index)
         query, selection = sd.choose_next(
             torch.from_numpy(msg["history"]), torch.from_numpy(msg["available"]), torch.from_numpy(msg["lengths"]),
-            torch.from_numpy(msg["index"]), [k_caches[layer] for layer in msg["layers"]], msg["scale"],
-            windows=s.windows, ridge=s.ridge, budget=s.budget, sink=s.sink, recent=s.recent,
-            rotary=rotary if msg.get("rotated") else None)
+            index, pools, msg["scale"], windows=s.windows, ridge=s.ridge, budget=s.budget, sink=s.sink,
+            recent=s.recent, rotary=rotary if msg.get("rotated") else None, keys_of=keys_of)
         answer.update(positions=selection.positions.to(torch.int32).numpy(), mask=selection.mask.numpy(),
                       query=query.numpy() if s.measure else None)
     except Exception as exc:  # noqa: BLE001 - a failed choice leaves rows dense, never the server down

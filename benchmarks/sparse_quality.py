@@ -58,7 +58,8 @@ def main() -> None:
     prompts = [q.question + "\n\n" for q in problems]
     gen = str(shipped_model("generator"))
     common = ("--tts-sparse-budget", args.budget, "--tts-sparse-dense-below", str(args.dense_below),
-              "--tts-sparse-dense-layers", str(args.dense_layers), "--tts-sparse-measure")
+              "--tts-sparse-dense-layers", str(args.dense_layers), "--tts-sparse-measure",
+              "--tts-sparse-stand-down", "off")   # every row sparse: what its choice keeps, at every length
     specs = {name: LiveServer(gen, policy="off", metrics=True, kv_bytes=64 << 20,
                               cpu_attention="ragged" if name == "dense" else "native",
                               extra=(flags + common) if flags else ())

@@ -164,7 +164,8 @@ def live(request, tmp_path_factory, tiny_model_path):
         # from 24 tokens on attend to half their context, chosen asynchronously
         "generator_sparse": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
                                        extra=("--tts-sparse-attention", "async", "--tts-sparse-budget", "0.5",
-                                              "--tts-sparse-dense-below", "24", "--tts-sparse-measure")),
+                                              "--tts-sparse-dense-below", "24", "--tts-sparse-measure",
+                                              "--tts-sparse-stand-down", "off")),
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
     }
     servers = LiveServers(specs, work / "servers")

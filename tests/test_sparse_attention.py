@@ -25,6 +25,12 @@ HEADS, KV, DIM = 4, 2, 8
 SCALE = DIM ** -0.5
 
 
+def sparse_settings(*args, **kw) -> SparseSettings:
+    """SparseSettings with the stand-down off unless asked: these tests check what sparse attention
+    computes, at contexts far too short for it to pay."""
+    return SparseSettings(*args, **{"stand_down": "off", **kw})
+
+
 class Pool:
     """A KV pool and a request table the way SGLang lays them out: slot ``s``'s context is at pool
     entries ``req_to_token[s, :length]``, scattered."""
@@ -87,7 +93,7 @@ def _dense_positions(pool, row):
 
 @pytest.mark.parametrize("mode", ["sync", "quest"])
 def test_sync_rows_attend_to_what_the_current_query_selects_and_short_rows_are_dense(mode):
-    s = SparseSettings(mode, budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0)
+    s = sparse_settings(mode, budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0)
     pool = Pool([70, 39, 120, 44], seed=1)
     query = torch.randn(4, HEADS, DIM, generator=pool.g, dtype=torch.float64)
     dec = SparseDecoder(s)
@@ -123,7 +129,7 @@ def _quest_by_hand(q, keys, n, kv, keep, s, page=16):
 
 
 def test_the_first_layers_attend_densely():
-    s = SparseSettings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=2)
+    s = sparse_settings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=2)
     pool = Pool([70, 120], seed=6)
     query = torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64)
     dec = SparseDecoder(s)
@@ -137,8 +143,34 @@ def test_the_first_layers_attend_densely():
     assert dec.counters.sparse_rows == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_attention_seconds_are_counted_by_kind_and_context_bucket(mode):
+    """Dense layers' and sparse layers' seconds and context tokens, apart, in the bucket of the rows'
+    mean context (the power of two at or below it); a row left dense in a sparse layer counts as dense."""
+    s = sparse_settings(mode, budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=1, worker="thread")
+    pool = Pool([45, 60, 30], seed=8)
+    dec = SparseDecoder(s, threaded=False).bind(8)
+    if mode == "async":
+        dec.record_extend(1, torch.randn(135, HEADS, DIM, generator=pool.g, dtype=torch.float64), pool.slots,
+                          pool.lengths, pool.lengths)
+    for step in range(2):   # async: the first step's sparse layer chooses for the second
+        for layer in (0, 1):
+            pool.run(dec, torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64), layer=layer)
+        if step == 0:
+            pool.grow()
+    c = dec.counters
+    if mode == "sync":   # two steps: layer 0 dense (135 then 138 tokens, mean 45-46: bucket 32); layer 1
+        # sparse for 45 and 60 (mean 52-53: 32), dense for 30 (then 31: 16)
+        assert c.dense_tokens == {"32": 135 + 138, "16": 30 + 31} and c.sparse_tokens == {"32": 105 + 107}
+    else:                # async: step 1's layer 1 has no selection yet: all three rows dense (bucket 32)
+        assert c.dense_tokens == {"32": 135 + 138 + 135, "16": 31} and c.sparse_tokens == {"32": 107}
+    assert all(v > 0 for v in [*c.dense_seconds.values(), *c.sparse_seconds.values()])
+    assert set(c.per_token()) == {16, 32} and c.per_token()[16][1] is None and c.per_token()[32][1] > 0
+    dec.close()
+
+
 def test_a_budget_that_covers_every_context_is_dense_attention():
-    s = SparseSettings("sync", budget=100_000, dense_below=1, dense_layers=0)
+    s = sparse_settings("sync", budget=100_000, dense_below=1, dense_layers=0)
     pool = Pool([70, 9, 120], seed=2)
     query = torch.randn(3, HEADS, DIM, generator=pool.g, dtype=torch.float64)
     dec = SparseDecoder(s)
@@ -158,7 +190,7 @@ def _grouped(q):
 def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(worker, layers):
     # with several sparse layers each layer predicts from its own queries (one job per step for all); the
     # choice runs in the step (inline), in a thread, or in the cache rank process over shared key pools
-    s = SparseSettings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0,
+    s = sparse_settings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0,
                        worker="thread" if worker == "inline" else worker)
     pool = Pool([45, 60, 30], seed=3)
     dec = SparseDecoder(s, threaded=worker != "inline").bind(8)
@@ -228,7 +260,7 @@ class GatedDecoder(SparseDecoder):
 
 
 def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
-    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0,
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0,
                        worker="thread")
     pool = Pool([30, 30], seed=4)
     dec = GatedDecoder(s).bind(8)
@@ -258,7 +290,7 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
     import os
     import signal
 
-    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     pool = Pool([30, 30], seed=4)
     pool.k.share_memory_()
     dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k})
@@ -301,7 +333,7 @@ def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
     from sgl_tts.plugin.sparse_attention import _Job
     from sgl_tts.plugin.sparse_worker import CacheRank
 
-    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     n, rows = 200_000, 2
     keys = torch.randn(n + 8, KV, DIM)
     keys.share_memory_()
@@ -330,7 +362,7 @@ def test_a_selection_is_used_with_every_token_written_since_it_was_made():
     # rows of slots 5 and 1: a selection made at length 40 used at 41 (on time) and one made at 30 used at 37
     # (late by 6 steps, more than `recent`): each attends to its chosen positions and to every position
     # from the length it was made at to the current one
-    s = SparseSettings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0)
+    s = sparse_settings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0)
     dec = SparseDecoder(s, threaded=False).bind(8)
     chosen = {5: [[0, 1, 7, 20, 37, 38, 39], [0, 1, 3, 38, 39]], 1: [[0, 1, 28, 29], [0, 1, 5, 6, 28, 29]]}
     made = {5: 40, 1: 30}
@@ -349,7 +381,7 @@ def test_a_selection_is_used_with_every_token_written_since_it_was_made():
 
 
 def test_a_slot_refilled_by_another_request_drops_the_old_selection():
-    s = SparseSettings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     pool = Pool([30], seed=5)
     dec = SparseDecoder(s, threaded=False).bind(8)
     dec.record_extend(0, torch.randn(30, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
@@ -379,7 +411,7 @@ def test_a_row_history_restarts_when_its_next_query_does_not_continue_it():
 
 
 def test_measure_counts_the_overlap_with_the_current_querys_choice():
-    s = SparseSettings("quest", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0, measure=True)
+    s = sparse_settings("quest", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=0, measure=True)
     pool = Pool([70, 120], seed=7)
     query = torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64)
     dec = SparseDecoder(s)
@@ -405,7 +437,7 @@ def _cosine_by_hand(a, b):
 def test_measure_compares_the_predicted_and_the_previous_query_with_the_true_one():
     # rows 0 and 1 sparse from the start; row 2 reaches dense_below (50) at step 3; before step 3 row 1's
     # slot is refilled by another request (a new epoch: neither its prediction nor its last query carries over)
-    s = SparseSettings("async", budget=0.5, windows=(2, 3), sink=1, recent=2, dense_below=50, dense_layers=1,
+    s = sparse_settings("async", budget=0.5, windows=(2, 3), sink=1, recent=2, dense_below=50, dense_layers=1,
                        measure=True)
     pool = Pool([55, 60, 46], seed=11)
     dec = SparseDecoder(s, threaded=False).bind(8)
@@ -480,6 +512,11 @@ def test_the_sparse_flags_reach_server_args_and_the_environment_and_bad_values_a
                                                "--tts-sparse-windows", "2,8", "--tts-sparse-dense-below", "512",
                                                "--tts-sparse-measure"]
     assert prepare_server_args(["--model-path", "dummy", "--tts-sparse-budget", "0.25"]).tts_sparse.budget == 0.25
+    off = prepare_server_args(["--model-path", "dummy", "--tts-sparse-attention", "sync", "--tts-sparse-stand-down",
+                               "off"]).tts_sparse
+    assert off.stand_down == "off" and want.stand_down == "auto" and off.args()[-2:] == ["--tts-sparse-stand-down", "off"]
+    with pytest.raises(ValueError, match="--tts-sparse-stand-down must be one of auto, off, got 'sometimes'"):
+        SparseSettings("sync", stand_down="sometimes")
     with pytest.raises(ValueError, match=r"--tts-sparse-budget 8 is smaller than the tokens always kept "
                                          r"\(--tts-sparse-sink 4 \+ --tts-sparse-recent 16\)"):
         prepare_server_args(["--model-path", "dummy", "--tts-sparse-attention", "sync", "--tts-sparse-budget", "8"])
@@ -487,3 +524,75 @@ def test_the_sparse_flags_reach_server_args_and_the_environment_and_bad_values_a
         SparseSettings("sync", budget=1.5)
     with pytest.raises(ValueError, match="SGLANG_TTS_SPARSE is not a sparse-attention setting"):
         SparseSettings.from_json('{"mode": "sideways"}')
+
+
+def test_the_payoff_stands_a_bucket_down_where_sparse_measured_slower_and_probes_it_again():
+    """Per context bucket, by its definition: no decision before ``samples`` timings of each side; a
+    bucket where sparse's seconds per token are no lower than dense's runs dense, except one probe
+    step of sparse every ``probe_every`` steps since sparse last ran, whose selections async asks for
+    ``lead`` steps ahead; a faster sparse runs sparse; with no dense layers, a sparse bucket is
+    timed dense until it has its samples, then every ``probe_every`` steps."""
+    from sgl_tts.plugin.sparse_payoff import SparsePayoff
+
+    p = SparsePayoff(probe_every=5, samples=2, smoothing=0.5, lead=2)
+    p.new_step({1024, 4096}, dense_layers=2)
+    assert p.sparse(1024) and p.sparse(4096) and p.pays(1024) is None
+    for _ in range(2):      # step 1: 1024 sparse 2.0 s/token, dense 1.0; 4096 sparse 1.0, dense 3.0
+        p.record("dense", 1024, 1000, 1000.0)
+        p.record("sparse", 1024, 1000, 2000.0)
+        p.record("dense", 4096, 1000, 3000.0)
+        p.record("sparse", 4096, 1000, 1000.0)
+    assert p.pays(1024) is False and p.pays(4096) is True
+    plan = []
+    for step in range(2, 9):
+        p.new_step({1024, 4096}, dense_layers=2)
+        if p.sparse(1024):   # the step's timings, then (async, after them) whether to hand jobs
+            p.record("sparse", 1024, 1000, 2000.0)
+        plan.append((step, p.sparse(1024), p.wants_selection(1024)))
+        assert p.sparse(4096) and p.wants_selection(4096)
+    # sparse last ran at step 1: steps 2-5 dense, 6 (5 steps on) a probe, then dense again; the probe's
+    # selection is asked for in the lead = 2 steps before it
+    assert plan == [(2, False, False), (3, False, False), (4, False, True), (5, False, True), (6, True, False),
+                    (7, False, False), (8, False, False)]
+    assert p.stood_down_steps == 6
+    p.record("sparse", 1024, 1000, 0.0)            # the load changed: the average falls to 1.0, not below
+    assert p.rate("sparse", 1024) == 1000.0 / 1000 * 1.0 and p.pays(1024) is False
+    p.record("sparse", 1024, 1000, 0.0)            # 0.5 < dense's 1.0: it pays again
+    assert p.pays(1024) is True
+
+    q = SparsePayoff(probe_every=4, samples=2)     # no dense layers: dense is probed
+    got = []
+    for step in range(1, 10):
+        q.new_step({2048}, dense_layers=0)
+        got.append(q.sparse(2048))
+        q.record("sparse", 2048, 100, 0.5) if q.sparse(2048) else q.record("dense", 2048, 100, 1.0)
+    # two sparse steps (its samples), two dense (theirs), then sparse (it pays) but dense again 4 steps
+    # after the last dense one
+    assert got == [True, True, False, False, True, True, True, False, True]
+    with pytest.raises(ValueError, match="probe_every >= 2"):
+        SparsePayoff(probe_every=1)
+
+
+def test_a_stood_down_row_attends_densely_in_every_layer_and_is_counted():
+    """The decoder follows its payoff: rows of a bucket where sparse measured slower attend densely
+    in the sparse layers too (the by-hand dense output) and count as stood down; a bucket that pays
+    stays sparse; with the stand-down off, no row stands down."""
+    s = sparse_settings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=1, stand_down="auto")
+    pool = Pool([45, 70], seed=9)       # buckets 32 and 64
+    dec = SparseDecoder(s)
+    for _ in range(3):
+        dec.payoff.record("dense", 32, 100, 1.0)
+        dec.payoff.record("sparse", 32, 100, 2.0)
+        dec.payoff.record("dense", 64, 100, 2.0)
+        dec.payoff.record("sparse", 64, 100, 1.0)
+    query = torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64)
+    pool.run(dec, query, layer=0)
+    got = pool.run(dec, query, layer=1)
+    assert got[0].flatten().tolist() == pytest.approx(_expected(pool, query, 0, _dense_positions(pool, 0)), rel=1e-9)
+    assert got[1].flatten().tolist() != pytest.approx(_expected(pool, query, 1, _dense_positions(pool, 1)), rel=1e-9)
+    assert (dec.counters.stood_down, dec.counters.sparse_rows) == (1, 1)
+    off = SparseDecoder(sparse_settings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=1))
+    assert off.payoff is None
+    pool.run(off, query, layer=0)
+    pool.run(off, query, layer=1)
+    assert (off.counters.stood_down, off.counters.sparse_rows) == (0, 2)

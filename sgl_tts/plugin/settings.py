@@ -28,6 +28,8 @@ SPARSE_MODES = ("off", "async", "sync", "quest")
 SPARSE_FRAMES = ("rotary", "query")
 # --tts-sparse-worker: where async's choice runs (sgl_tts.plugin.sparse_worker)
 SPARSE_WORKERS = ("process", "thread")
+# --tts-sparse-stand-down: whether rows attend densely where sparse measured slower (sgl_tts.plugin.sparse_payoff)
+SPARSE_STAND_DOWN = ("auto", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,10 @@ class SparseSettings:
         frame: ``rotary`` (default): ``async`` predicts the next query with the recent queries
             rotated back to position 0 and turns the prediction to the next position; ``query``: on
             the rotated queries themselves (the seed's literal reading).
+        worker: where ``async`` chooses: ``process`` (default) or ``thread``.
+        stand_down: ``auto`` (default): rows attend densely at context lengths where this server
+            measured sparse attention no faster than dense (:mod:`sgl_tts.plugin.sparse_payoff`);
+            ``off``: every eligible row attends sparsely (what the quality measurements want).
     """
 
     mode: str = "off"
@@ -66,8 +72,12 @@ class SparseSettings:
     frame: str = "rotary"
     measure: bool = False
     worker: str = "process"
+    stand_down: str = "auto"
 
     def __post_init__(self):
+        if self.stand_down not in SPARSE_STAND_DOWN:
+            raise ValueError(f"--tts-sparse-stand-down must be one of {', '.join(SPARSE_STAND_DOWN)}, "
+                             f"got {self.stand_down!r}")
         if self.worker not in SPARSE_WORKERS:
             raise ValueError(f"--tts-sparse-worker must be one of {', '.join(SPARSE_WORKERS)}, got {self.worker!r}")
         if self.frame not in SPARSE_FRAMES:
@@ -121,7 +131,7 @@ class SparseSettings:
         """The flags off their defaults."""
         d, out = SparseSettings(), []
         for name in ("mode", "budget", "windows", "ridge", "sink", "recent", "dense_below", "dense_layers", "frame",
-                     "measure", "worker"):
+                     "measure", "worker", "stand_down"):
             v = getattr(self, name)
             if v != getattr(d, name):
                 flag = "--tts-sparse-attention" if name == "mode" else "--tts-sparse-" + name.replace("_", "-")
@@ -409,6 +419,10 @@ def _add_sparse_arguments(group) -> None:
                        help="async: choose in a process of its own, the key pools in shared memory (process, "
                             "default: seed 003's cache rank), or in a thread of the scheduler (thread: it "
                             "shares the scheduler's interpreter lock)")
+    group.add_argument("--tts-sparse-stand-down", choices=SPARSE_STAND_DOWN, default=sparse.stand_down,
+                       help="auto (default): rows attend densely at context lengths where the server measured "
+                            "sparse attention no faster than dense (timed from its own steps, measured again "
+                            "every 64 steps); off: every eligible row attends sparsely")
 
 
 def sparse_from_args(args: argparse.Namespace) -> SparseSettings:
@@ -422,7 +436,8 @@ def sparse_from_args(args: argparse.Namespace) -> SparseSettings:
                           getattr(args, "tts_sparse_dense_layers", d.dense_layers),
                           getattr(args, "tts_sparse_frame", d.frame),
                           bool(getattr(args, "tts_sparse_measure", d.measure)),
-                          getattr(args, "tts_sparse_worker", d.worker))
+                          getattr(args, "tts_sparse_worker", d.worker),
+                          getattr(args, "tts_sparse_stand_down", d.stand_down))
 
 
 def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
@@ -452,5 +467,5 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     return settings
 
 
-__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SPARSE_WORKERS", "SparseSettings", "TTSSettings",
+__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SPARSE_STAND_DOWN", "SPARSE_WORKERS", "SparseSettings", "TTSSettings",
            "add_arguments", "apply", "sparse_from_args"]

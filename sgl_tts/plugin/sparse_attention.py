@@ -35,6 +35,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
+from sgl_tts.plugin.sparse_counters import SparseCounters, add_to_mean, bucket_of
+from sgl_tts.plugin.sparse_payoff import SparsePayoff
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,67 +48,6 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "sgl_tts_sparse"
 #: decode steps between two counter lines in the server's log
 LOG_EVERY = 500
-
-
-@dataclasses.dataclass
-class SparseCounters:
-    """What the decoder did, summed over layers and rows (one row of one layer counts once)."""
-
-    dense_rows: int = 0          # attended densely: short, budget covers the context, or no selection
-    sparse_rows: int = 0         # attended to a selection
-    late: int = 0                # async: the newest finished selection was older than the previous step
-    missing: int = 0             # async: no selection for the row yet (it attended densely)
-    context_tokens: int = 0      # sparse rows: their contexts' tokens
-    attended_tokens: int = 0     # sparse rows: the tokens they attended to
-    selections: int = 0          # rows selected (by the worker or in the step)
-    selection_seconds: float = 0.0
-    dropped_jobs: int = 0        # async: a layer's job superseded by a newer one before the worker took it
-    # measure: per layer, the summed overlap ratio (seed 003's Eq. 1) of a sparse row's selection with the
-    # current query's choice (per KV head), and how many row-heads were compared
-    overlap_sum: dict = dataclasses.field(default_factory=dict)
-    overlap_count: dict = dataclasses.field(default_factory=dict)
-    # measure, async: per layer, the summed cosine of the predicted query with the true one (per KV
-    # head, its query heads as one vector), and of the previous step's query with the true one (what
-    # a selection from the last query would have used: the value of predicting over not predicting)
-    cosine_sum: dict = dataclasses.field(default_factory=dict)
-    cosine_count: dict = dataclasses.field(default_factory=dict)
-    previous_cosine_sum: dict = dataclasses.field(default_factory=dict)
-    previous_cosine_count: dict = dataclasses.field(default_factory=dict)
-    # measure: per layer, the overlap with the current query's choice of the previous step's query's
-    # choice (token level, over the current context): a selection one step stale, without prediction
-    previous_overlap_sum: dict = dataclasses.field(default_factory=dict)
-    previous_overlap_count: dict = dataclasses.field(default_factory=dict)
-
-    def overlap(self) -> dict:
-        """Mean overlap per layer."""
-        return _means(self.overlap_sum, self.overlap_count)
-
-    def cosine(self) -> dict:
-        """Mean cosine of the predicted query with the true one, per layer."""
-        return _means(self.cosine_sum, self.cosine_count)
-
-    def previous_cosine(self) -> dict:
-        """Mean cosine of the previous step's query with the true one, per layer."""
-        return _means(self.previous_cosine_sum, self.previous_cosine_count)
-
-    def previous_overlap(self) -> dict:
-        """Mean overlap of the previous step's query's choice with the current query's, per layer."""
-        return _means(self.previous_overlap_sum, self.previous_overlap_count)
-
-    def line(self) -> str:
-        share = self.attended_tokens / self.context_tokens if self.context_tokens else 0.0
-        return (f"sgl-tts sparse attention: rows sparse {self.sparse_rows} dense {self.dense_rows}, "
-                f"attended {share:.1%} of their context, late {self.late}, missing {self.missing}, "
-                f"selections {self.selections} in {self.selection_seconds:.2f}s, dropped jobs {self.dropped_jobs}")
-
-
-def _means(sums: dict, counts: dict) -> dict:
-    return {layer: sums[layer] / counts[layer] for layer in sorted(sums) if counts.get(layer)}
-
-
-def _add(sums: dict, counts: dict, layer: int, values) -> None:
-    sums[layer] = sums.get(layer, 0.0) + float(values.sum())
-    counts[layer] = counts.get(layer, 0) + int(values.numel())
 
 
 class _History:
@@ -182,6 +124,10 @@ class SparseDecoder:
         # measure: layer -> slot -> (epoch, length, the step's query [heads, dim])
         self._previous: dict[int, dict[int, tuple]] = {}
         self._steps = 0
+        self._step_tokens = (-1, 0)   # (step, its rows' context tokens)
+        #: where sparse pays, from this decoder's own timings (``None``: ``stand_down="off"``)
+        self.payoff = SparsePayoff() if settings.stand_down == "auto" and settings.mode != "off" else None
+        self._standing = None         # this step's rows that sparse attention stands down for (a bool mask)
         # async: this step's layers waiting to be handed to the worker as one job: (layer, history,
         # available, key pool), and the rows they are for (slots, lengths, context index, scale)
         self._pending: list = []
@@ -268,8 +214,15 @@ class SparseDecoder:
             self._steps += 1
             if self._steps % LOG_EVERY == 0:
                 logger.info(self.counters.line())
+        t0 = time.perf_counter()
         keep = sd.budgets(lengths, s.budget, sink=s.sink, recent=s.recent)
-        eligible = (lengths >= s.dense_below) & (keep < lengths) & (layer >= s.dense_layers)
+        eligible = (lengths >= s.dense_below) & (keep < lengths)
+        if layer == 0 and self.payoff is not None:
+            self._plan_step(lengths, eligible)
+        eligible &= layer >= s.dense_layers
+        if self._standing is not None and layer >= s.dense_layers:
+            self.counters.stood_down += int((eligible & self._standing).sum())
+            eligible &= ~self._standing
         rows = eligible.nonzero().squeeze(1)
         selection = predicted = None
         if len(rows):
@@ -285,8 +238,12 @@ class SparseDecoder:
         dense_idx = dense_rows.nonzero().squeeze(1)
         c = self.counters
         c.dense_rows += len(dense_idx)
+        spent = time.perf_counter() - t0          # the sparse rows' share so far: finding their selections
         if len(dense_idx):
+            t1 = time.perf_counter()
             dense(dense_idx)
+            self._timed("dense", self._tokens(lengths, dense_idx), len(dense_idx), time.perf_counter() - t1)
+        t1 = time.perf_counter()
         if len(rows):
             c.sparse_rows += len(rows)
             c.context_tokens += int(lengths[rows].sum()) * selection.mask.shape[1]
@@ -296,20 +253,51 @@ class SparseDecoder:
             if keys.dtype != query.dtype:
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
             out[rows] = sd.sparse_attention(query[rows], keys, values, selection.mask, scale)
+            spent += time.perf_counter() - t1
             if s.measure:
                 self._measure(layer, selection, query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
                               keep[rows], scale)
                 if predicted:   # on-time rows: their prediction was of this very query
                     at = list(predicted)
-                    _add(c.cosine_sum, c.cosine_count, layer, sd.group_cosine(
+                    add_to_mean(c.cosine_sum, c.cosine_count, layer, sd.group_cosine(
                         torch.stack([predicted[i] for i in at]), query[rows[at]], selection.mask.shape[1]))
         if s.measure and layer >= s.dense_layers:
             self._measure_previous(layer, query, k_cache, req_to_token, slots, lengths, eligible, keep, scale)
         self._top_layer = max(self._top_layer, layer)
         if s.mode == "async":
+            t1 = time.perf_counter()
             self._after_step(layer, query, k_cache, req_to_token, slots, lengths, scale)
+            spent += time.perf_counter() - t1
+        if len(rows):
+            self._timed("sparse", self._tokens(lengths, rows), len(rows), spent)
         if self.stats_path and layer == self._top_layer:
             self.write_stats()
+
+    def _plan_step(self, lengths: torch.Tensor, eligible: torch.Tensor) -> None:
+        """At a step's first layer: which buckets attend sparsely this step (:class:`SparsePayoff`)."""
+        import torch
+
+        at = eligible.nonzero().squeeze(1).tolist()
+        buckets = [bucket_of(n) for n in lengths[at].tolist()]
+        self.payoff.new_step(set(buckets), self.s.dense_layers)
+        down = [i for i, b in zip(at, buckets) if not self.payoff.sparse(b)]
+        self._standing = None
+        if down:
+            self._standing = torch.zeros(len(lengths), dtype=torch.bool)
+            self._standing[down] = True
+
+    def _timed(self, kind: str, tokens: int, rows: int, seconds: float) -> None:
+        self.counters.time(kind, tokens, rows, seconds)
+        if self.payoff is not None:
+            self.payoff.record(kind, bucket_of(tokens // rows), tokens, seconds)
+
+    def _tokens(self, lengths: torch.Tensor, rows: torch.Tensor) -> int:
+        """The context tokens of ``rows``; every row's total read once a step (every layer has it)."""
+        if len(rows) == len(lengths):
+            if self._step_tokens[0] != self._steps:
+                self._step_tokens = (self._steps, int(lengths.sum()))
+            return self._step_tokens[1]
+        return int(lengths[rows].sum())
 
     def write_stats(self) -> None:
         """The counters as JSON at ``stats_path`` (replaced whole: a reader never sees half a file)."""
@@ -325,7 +313,7 @@ class SparseDecoder:
         # the reference is always token-level, whatever the mode
         best = self._select_now(query, k_cache, req_to_token, slots, lengths, keep, scale, mode="sync", count=False)
         c = self.counters
-        _add(c.overlap_sum, c.overlap_count, layer, sd.overlap_ratio(best, selection))
+        add_to_mean(c.overlap_sum, c.overlap_count, layer, sd.overlap_ratio(best, selection))
 
     def _measure_previous(self, layer, query, k_cache, req_to_token, slots, lengths, eligible, keep, scale) -> None:
         """``measure``: for each eligible row with a previous step's query (one position earlier in the
@@ -342,12 +330,12 @@ class SparseDecoder:
         if pairs:
             before = torch.stack([kept[int(slots[i])][2] for i in pairs])
             c = self.counters
-            _add(c.previous_cosine_sum, c.previous_cosine_count, layer,
+            add_to_mean(c.previous_cosine_sum, c.previous_cosine_count, layer,
                  sd.group_cosine(before, query[pairs], k_cache.shape[1]))
             at = (slots[pairs], lengths[pairs], keep[pairs])
             stale = self._select_now(before, k_cache, req_to_token, *at, scale, mode="sync", count=False)
             best = self._select_now(query[pairs], k_cache, req_to_token, *at, scale, mode="sync", count=False)
-            _add(c.previous_overlap_sum, c.previous_overlap_count, layer, sd.overlap_ratio(best, stale))
+            add_to_mean(c.previous_overlap_sum, c.previous_overlap_count, layer, sd.overlap_ratio(best, stale))
         for i, slot in enumerate(slots.tolist()):
             kept[slot] = (self._epoch.get(slot, 0), int(lengths[i]), query[i].clone())
 
@@ -426,6 +414,9 @@ class SparseDecoder:
         hist = self._history_for(layer, query)
         hist.append(slots, self._to_frame(query, lengths - 1), lengths)
         near = (lengths + 1 >= self.s.dense_below).nonzero().squeeze(1)
+        if self.payoff is not None and len(near):   # a stood-down bucket's rows only ahead of its probe
+            near = near[torch.tensor([self.payoff.wants_selection(bucket_of(n + 1)) for n in lengths[near].tolist()],
+                                     dtype=torch.bool)]
         if len(near):
             sl = slots[near]
             self._pending.append((layer, hist.q[sl].clone(), hist.available[sl].clone(), k_cache))

@@ -596,3 +596,30 @@ def test_a_stood_down_row_attends_densely_in_every_layer_and_is_counted():
     pool.run(off, query, layer=0)
     pool.run(off, query, layer=1)
     assert (off.counters.stood_down, off.counters.sparse_rows) == (0, 2)
+
+
+def test_async_hands_no_job_for_a_stood_down_row_until_just_before_its_probe():
+    """Async with the stand-down: a stood-down bucket's rows attend densely and no choice is made for
+    them, except in the ``lead`` steps before its probe step, which then attends to that choice."""
+    from sgl_tts.plugin.sparse_payoff import SparsePayoff
+
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=40, dense_layers=1,
+                        stand_down="auto")
+    pool = Pool([40, 50], seed=10)                  # bucket 32, as are their next lengths
+    dec = SparseDecoder(s, threaded=False).bind(8)
+    dec.payoff = SparsePayoff(probe_every=4, samples=1, lead=1)
+    dec.payoff.record("dense", 32, 100, 1.0)        # sparse measured slower (at step 0)
+    dec.payoff.record("sparse", 32, 100, 2.0)
+    dec.record_extend(1, torch.randn(105, HEADS, DIM, generator=pool.g, dtype=torch.float64), pool.slots,
+                      pool.lengths, pool.lengths)
+    seen = []
+    for step in range(1, 6):
+        before = (dec.counters.selections, dec.counters.sparse_rows)
+        for layer in (0, 1):
+            pool.run(dec, torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64), layer=layer)
+        seen.append((step, dec.counters.selections - before[0], dec.counters.sparse_rows - before[1]))
+        pool.grow()
+    # steps 1-2 dense, no choice; 3 (one step before the probe) chooses for both rows; 4 is the probe:
+    # sparse over step 3's choice, after which (sparse just ran) nothing is chosen; 5 dense again
+    assert seen == [(1, 0, 0), (2, 0, 0), (3, 2, 0), (4, 0, 2), (5, 0, 0)]
+    assert dec.counters.stood_down == 2 * 4

@@ -407,6 +407,8 @@ class SparseDecoder:
         """``async``: record the step's queries; at the step's top layer, hand the rows near or past
         ``dense_below`` to the worker, which chooses their next step's tokens for every sparse layer
         in one job (during the first step the top layer is not known yet: a job per layer)."""
+        import torch
+
         if layer < self.s.dense_layers:
             return
         if self._pending and layer <= self._pending[-1][0]:   # a new step, the last one's not handed yet

@@ -93,7 +93,8 @@ class SparsePayoff:
         steps (a stood-down bucket's only in the :attr:`lead` steps before its probe)."""
         if self.pays(bucket) is not False:
             return True
-        return self._step - self._last.get(("sparse", bucket), 0) >= self.probe_every - self.lead
+        last = self._step if self.sparse(bucket) else self._last.get(("sparse", bucket), 0)   # (a probe now)
+        return self._step - last >= self.probe_every - self.lead
 
 
 __all__ = ["SparsePayoff", "bucket_of"]

@@ -41,9 +41,11 @@ BACKEND_NAME = "sgl_tts_ragged"
 # A bucket's longest row is at most this many times its shortest: the padding it computes is bounded
 # by 30% of the bucket's work, and a batch of similar lengths (a search's beams) is a handful of calls.
 BUCKET_RATIO = 1.3
-# Key elements gathered for one call (the values as many again): 16M float32 = 64 MiB each, whatever
-# the batch, the context or the model.
-MAX_GATHER_ELEMENTS = 1 << 24
+# Key elements gathered for one call (the values as many again): 2M = 8 MiB of float32 each, one row of
+# 16k context on the tiny model. Larger calls fall off a cliff on the CPU: on the 2-core Xeon
+# (2026-11-29, float32, kv 2 x 64) 4 rows of 16k took 52 ms per layer in one call of 16M elements and
+# 31 ms in calls of 2M, 32 rows of 1k 30 against 15, and no shape measured slower with the smaller cap.
+MAX_GATHER_ELEMENTS = 1 << 21
 
 
 def scaled_dot_product_attention(*args, **kwargs):

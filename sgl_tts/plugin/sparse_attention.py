@@ -287,9 +287,12 @@ class SparseDecoder:
             self._standing[down] = True
 
     def _timed(self, kind: str, tokens: int, rows: int, seconds: float) -> None:
-        self.counters.time(kind, tokens, rows, seconds)
+        """One layer's attention of ``rows`` rows (``tokens`` context tokens): counted and, with the
+        stand-down, weighed (both in the bucket of the rows' mean context)."""
+        bucket = bucket_of(tokens // rows)
+        self.counters.time(kind, bucket, tokens, seconds)
         if self.payoff is not None:
-            self.payoff.record(kind, bucket_of(tokens // rows), tokens, seconds)
+            self.payoff.record(kind, bucket, tokens, seconds)
 
     def _tokens(self, lengths: torch.Tensor, rows: torch.Tensor) -> int:
         """The context tokens of ``rows``; every row's total read once a step (every layer has it)."""

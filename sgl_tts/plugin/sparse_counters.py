@@ -52,12 +52,10 @@ class SparseCounters:
     sparse_seconds: dict = dataclasses.field(default_factory=dict)
     sparse_tokens: dict = dataclasses.field(default_factory=dict)
 
-    def time(self, kind: str, tokens: int, rows: int, seconds: float) -> None:
-        """Add one layer's ``seconds`` attending ``rows`` rows of ``tokens`` context tokens in all
-        (``kind``: ``"dense"`` or ``"sparse"``)."""
-        if rows <= 0:
-            return
-        bucket = str(bucket_of(tokens // rows))
+    def time(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
+        """Add one layer's ``seconds`` attending rows of ``tokens`` context tokens in all, in ``bucket``
+        (:func:`bucket_of` their mean context; ``kind``: ``"dense"`` or ``"sparse"``)."""
+        bucket = str(bucket)
         secs, toks = (self.dense_seconds, self.dense_tokens) if kind == "dense" else (self.sparse_seconds,
                                                                                        self.sparse_tokens)
         secs[bucket] = secs.get(bucket, 0.0) + seconds

@@ -306,25 +306,26 @@ def gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_selected_pool(cache: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
     """An SGLang KV pool ``[pool tokens, kv_heads, dim]`` read at per-head slots ``pool_index``
     ``[rows, kv_heads, k]``: ``[rows, kv_heads, k, dim]`` (KV head ``h`` of slot ``pool_index[r, h, j]``)."""
+    picked = cache.reshape(-1, cache.shape[-1]).index_select(0, _flat_slots(pool_index))
+    return picked.view(*pool_index.shape, cache.shape[-1])
+
+
+def _flat_slots(pool_index: torch.Tensor) -> torch.Tensor:
+    """Per-head pool slots ``[rows, kv_heads, k]`` as rows of the pool viewed ``[tokens * kv_heads, dim]``."""
     import torch
 
-    rows, kv_heads, k = pool_index.shape
-    flat = pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]
-    picked = cache.reshape(-1, cache.shape[-1]).index_select(0, flat.reshape(-1))
-    return picked.view(rows, kv_heads, k, cache.shape[-1])
+    kv_heads = pool_index.shape[1]
+    return (pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]).reshape(-1)
 
 
 def gather_selected_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pool_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_selected_pool` of a layer's key and value pools at the same slots, the flat index
     computed once."""
-    import torch
-
-    rows, kv_heads, k = pool_index.shape
-    flat = (pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]).reshape(-1)
+    flat = _flat_slots(pool_index)
     keys = k_cache.reshape(-1, k_cache.shape[-1]).index_select(0, flat)
     values = v_cache.reshape(-1, v_cache.shape[-1]).index_select(0, flat)
-    return keys.view(rows, kv_heads, k, -1), values.view(rows, kv_heads, k, -1)
+    return keys.view(*pool_index.shape, -1), values.view(*pool_index.shape, -1)
 
 
 def selection_from_mask(chosen: torch.Tensor) -> Selection:
@@ -403,7 +404,7 @@ class KeyMirror:
             wide = k_cache.dtype if k_cache.dtype in (torch.float32, torch.float64) else torch.float32
             got = [epoch, torch.empty(0, dtype=torch.int32),
                    k_cache.new_empty((k_cache.shape[1], 0, k_cache.shape[2]), dtype=wide), 0]
-        epoch_, copied, keys, filled = got
+        _, copied, keys, filled = got
         if keys.shape[1] < length:        # grow by a quarter at least: a row grows a token per step
             cap = max(length, keys.shape[1] * 5 // 4 + 64)
             wider = keys.new_empty((keys.shape[0], cap, keys.shape[2]))
@@ -415,7 +416,7 @@ class KeyMirror:
             new = index[filled:length].long()
             keys[:, filled:length] = k_cache.index_select(0, new).transpose(0, 1)
             copied[filled:length] = new.to(torch.int32)
-        self._rows[(layer, slot)] = [epoch_, copied, keys, length]
+        self._rows[(layer, slot)] = [epoch, copied, keys, length]
         return keys[:, :length]
 
     def source(self, layers: Sequence[int], slots: Sequence[int], epochs: Sequence[int],

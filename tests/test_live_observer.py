@@ -106,3 +106,27 @@ def test_observe_only_counts_rounds_and_recomputed_blocks_on_a_stock_server(obse
     # no scheduling hook: the class-change hook is not there, SGLang answers with its bare flag
     with pytest.raises(RuntimeError, match="answered False to tts_set_class: is the sgl-tts plugin loaded there"):
         SGLangEndpoint(url).set_class("g", "boosted")
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_a_flushed_cache_makes_the_next_prefill_fresh_not_recomputed(observed):
+    """``sgl-tts bench`` runs several sides on one start of the servers and empties their radix caches
+    between two sides (SGLang's ``/flush_cache``): the prompt prefilled again after the flush is the
+    cold start of a new side, not thrashing. Without the observer's flush hook every block of it would
+    count as recomputed (its blocks were seen before)."""
+    from sgl_tts.bench.command import flush_caches
+
+    url = observed.url("observed")
+    prompt = "Flush: " + " ".join(f"{i}*2={2 * i};" for i in range(40, 100))[:400]
+    first = _generate(url, prompt, 1)
+    before = parse_counters(_metrics(url))
+    flush_caches({"observed": url})
+    again = _generate(url, prompt, 1)
+    got = delta(before, parse_counters(_metrics(url)))
+    assert first["prompt_tokens"] == again["prompt_tokens"] > 100
+    assert again["cached_tokens"] == 0   # the flush emptied the radix cache: all of it computed again
+    assert got["prefill_computed_tokens"] == again["prompt_tokens"]
+    assert got["recomputed_blocks"] == 0
+    time.sleep(1.5)   # the JSONL file is flushed about every second
+    assert any(r["event"] == "flush" for r in observed.metrics_records("observed"))

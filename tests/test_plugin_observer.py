@@ -21,7 +21,7 @@ from sgl_tts.plugin import EVICT_TARGETS, TARGETS, hook_table, scheduling_hooks
 from sgl_tts.plugin import observer
 from sgl_tts.plugin.metrics import SchedulerMetrics, summarize
 
-OBSERVED = {TARGETS["scheduler_init"], TARGETS["prefill"], TARGETS["next_batch"], *EVICT_TARGETS}
+OBSERVED = {TARGETS["scheduler_init"], TARGETS["prefill"], TARGETS["next_batch"], TARGETS["flush"], *EVICT_TARGETS}
 
 
 def test_both_modes_share_one_list_of_observation_hooks_without_duplicates():
@@ -83,6 +83,7 @@ def test_observe_only_registers_the_observation_hooks_and_nothing_else():
     assert got["hooked"] == {TARGETS["scheduler_init"]: [name + "scheduler_init"],
                              TARGETS["prefill"]: [name + "after_prefill"],
                              TARGETS["next_batch"]: [name + "time_round"],
+                             TARGETS["flush"]: [name + "after_flush"],
                              **{t: [name + "after_evict"] for t in EVICT_TARGETS}}
     assert got["missing"] == [] and got["flag"] == "exit 2"
     assert "unrecognized arguments: --tts-policy prefix-aware" in run.stderr

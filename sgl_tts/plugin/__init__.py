@@ -60,6 +60,7 @@ TARGETS = {
     "add_one_req": "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
     "prefill": "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
     "next_batch": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+    "flush": "sglang.srt.managers.scheduler.Scheduler.flush_cache",
     "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
     "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",

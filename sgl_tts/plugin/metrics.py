@@ -138,6 +138,13 @@ class SchedulerMetrics:
                 p["round_seconds"][kind].inc(round_seconds)
         self._write(record)
 
+    def on_flush(self) -> None:
+        """The radix cache was emptied (SGLang's ``/flush_cache``): what was computed before is gone
+        by request, not by eviction, so no block seen before counts as recomputed."""
+        with self._lock:
+            self._seen.clear()
+        self._write({"event": "flush", "time": time.time()})
+
     def on_evict(self, tokens: int) -> None:
         self.totals["evicted_tokens"] += tokens
         if self._prom:

@@ -8,7 +8,9 @@ change an argument, a return value or the order of anything:
 - ``Scheduler.get_next_batch_to_run`` (around): the round timer, ``time.perf_counter()`` around
   SGLang's call; a round that returned a batch counts as a prefill round (an extend batch, mixed or
   not) or a decode round, with its seconds, and the batch is recorded (size, occupancy, context);
-- every tree cache's ``evict`` (:data:`sgl_tts.plugin.EVICT_TARGETS`, after): tokens evicted.
+- every tree cache's ``evict`` (:data:`sgl_tts.plugin.EVICT_TARGETS`, after): tokens evicted;
+- ``Scheduler.flush_cache`` (after): a flush that emptied the radix cache clears the thrashing
+  measure's seen blocks (a fresh start, not an eviction).
 
 :func:`observation_hooks` is that list; the full plugin (:func:`sgl_tts.plugin.hook_table`) registers it
 beside its scheduling hooks. With ``SGLANG_TTS_OBSERVE_ONLY=1`` in the server's environment
@@ -57,6 +59,7 @@ def observation_hooks() -> list[tuple[str, Any, str]]:
         (TARGETS["prefill"], after_prefill, "AFTER"),
         (TARGETS["next_batch"], time_round, "AROUND"),
         *((target, after_evict, "AFTER") for target in EVICT_TARGETS),
+        (TARGETS["flush"], after_flush, "AFTER"),
     ]
 
 
@@ -156,6 +159,17 @@ def after_evict(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-__all__ = ["METRICS_FILE_ENV", "OBSERVE_ONLY_ENV", "SERVER_ENV", "after_evict", "after_prefill", "attach_metrics",
+def after_flush(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook on ``Scheduler.flush_cache``: a flush that emptied the radix cache (it returns True)
+    makes the server as cold as a fresh one, so the thrashing measure forgets the blocks it saw
+    computed: a prefix computed again after a flush is not a recomputation caused by eviction
+    (``sgl-tts bench`` flushes between two sides on the same servers)."""
+    metrics = getattr(scheduler, "sgl_tts_metrics", None)
+    if metrics is not None and result:
+        metrics.on_flush()
+    return result
+
+
+__all__ = ["METRICS_FILE_ENV", "OBSERVE_ONLY_ENV", "SERVER_ENV", "after_evict", "after_flush", "after_prefill", "attach_metrics",
            "observation_hooks", "observe_only", "observer_hook_table", "occupancy", "scheduler_init",
            "seq_tokens", "time_round"]

@@ -61,7 +61,7 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
            "--trace-max-tokens", "32", "--trace-max-depth", "6", "--limit-tokens", "16",
            "--models-dir", str(tmp_path / "models"), "--output", str(out),
            "--generator-port", str(gen_port), "--prm-port", str(prm_port), "--health-timeout", "300",
-           "--sgl-tts-split", "0.5", "--no-progress", "--json"]
+           "--sgl-tts-split", "0.5", "--sides", "stock", "sgl-tts", "sgl-tts+overlap", "--no-progress", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-6000:]
     assert "DIFFER" not in run.stdout + run.stderr
@@ -84,8 +84,8 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
     for row in rows:
         assert row["kept_beams_match"] is True and row["mismatched"] == []
         assert row["limit_batch"] == 8 and row["limit_goodput"] > 0
-        stock, tts = row["sides"]["stock"], row["sides"]["sgl-tts"]
-        for side in (stock, tts):
+        stock, tts, overlap = (row["sides"][s] for s in ("stock", "sgl-tts", "sgl-tts+overlap"))
+        for side in (stock, tts, overlap):
             assert set(side) == SIDE_FIELDS and side["problems"] == 1
             assert side["goodput"] > 0 and side["tokens_generated"] > 0 and side["tokens_kept"] > 0
             assert side["latency"] == pytest.approx(side["generator_seconds"] + side["verifier_seconds"])
@@ -93,27 +93,33 @@ def test_bench_device_cpu_runs_both_sides_on_real_servers_and_keeps_the_same_bea
             # the random text came back as the same token ids: the radix cache reused the paths
             assert side["generator_hit_rate"] > 0.75 and 0 < side["prm_hit_rate"] <= 1
         # the same work on both sides: the trace fixed every step, so the token counts agree too
-        assert (stock["tokens_generated"], stock["tokens_kept"]) == (tts["tokens_generated"], tts["tokens_kept"])
+        assert (stock["tokens_generated"], stock["tokens_kept"]) == (tts["tokens_generated"], tts["tokens_kept"]) \
+            == (overlap["tokens_generated"], overlap["tokens_kept"])
 
     records = [json.loads(x) for x in out.read_text().splitlines()][1:]
     searches = sorted((r["side"], r["algorithm"]) for r in records if r["kind"] == "search")
-    assert searches == sorted((s, a) for s in ("stock", "sgl-tts") for a in ("beam_search", "dvts"))
-    # the plugin ran on the sgl-tts generator only: one scheduler announced it, and it wrote metrics
+    assert searches == sorted((s, a) for s in ("stock", "sgl-tts", "sgl-tts+overlap") for a in ("beam_search", "dvts"))
+    # the plugin ran on the sgl-tts generator only: one scheduler announced it, and it wrote metrics.
+    # sgl-tts+overlap ran on the same start of the sgl-tts servers (only the program's settings differ),
+    # their radix caches emptied first: each server logged the flush once
     assert run.stderr.count("sgl-tts: scheduler policy prefix-aware") == 1
+    assert [r for r in records if r["kind"] == "servers"] == [
+        {"kind": "servers", "side": "sgl-tts+overlap", "started_for": "sgl-tts", "flushed": True}]
+    assert run.stderr.count("Cache flushed successfully!") == 2
     metrics = list(tmp_path.glob("run.plugin-metrics.jsonl.*"))
     assert len(metrics) == 1 and metrics[0].stat().st_size > 0
-    assert (tmp_path / "run.md").read_text().count("| match |") == 4
+    assert (tmp_path / "run.md").read_text().count("| match |") == 6
     # SGLang's own counters, from each generator's /metrics (--enable-metrics on both sides): 1 GiB of
     # KV holds this whole run, so nothing was evicted or retracted
     zero = {"evicted_tokens": 0, "retracted_requests": 0, "retracted_prompt_tokens": 0}
     assert {side: {k: c[k] for k in zero} for side, c in summary["server_counters"].items()} == {
-        "stock": zero, "sgl-tts": zero}
+        "stock": zero, "sgl-tts": zero, "sgl-tts+overlap": zero}
     # the sgl-tts observer's, on both sides (stock: the plugin observe-only): rounds were timed, and
     # every prefilled token belongs to a round
     for side, c in summary["server_counters"].items():
         assert c["prefill_rounds"] >= 1 and c["decode_rounds"] >= 1 and c["prefill_computed_tokens"] > 0, side
         assert c["prefill_round_seconds"] > 0 and c["recomputed_blocks"] >= 0, side
-    assert [r["side"] for r in records if r["kind"] == "counters"] == ["stock", "sgl-tts"]
+    assert [r["side"] for r in records if r["kind"] == "counters"] == ["stock", "sgl-tts", "sgl-tts+overlap"]
     assert "| stock | 0 | 0 | 0 |" in (tmp_path / "run.md").read_text()
     # every server was stopped
     assert not _answers(gen_port) and not _answers(prm_port)

@@ -372,6 +372,36 @@ def test_the_stock_sides_run_sglang_s_own_policies_without_the_plugin(tmp_path, 
         assert pool(cmd) == pool(cmds[f"# sgl-tts {server}"])
 
 
+def test_sides_whose_servers_are_the_same_commands_share_one_start_of_them(tmp_path, capsys):
+    """A server start costs about a minute on the lent GPU (a lease has fifteen): sides that differ only
+    in the program's settings (sgl-tts, +overlap, +auto+overlap) run on one start of the sgl-tts servers,
+    in the order of the group's first side; stock sides of one policy would too; a locality side never
+    shares (its eviction state lives on the radix tree), not even with a locality side of the same flags."""
+    from sgl_tts.bench.command import server_groups
+
+    sides = ["stock", "sgl-tts", "stock-lpm", "sgl-tts+overlap", "sgl-tts+locality", "sgl-tts+locality+overlap",
+             "sgl-tts+auto+overlap", "stock"]
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
+                       "--sides", *sides])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()[1:]
+    assert [x for x in lines if x.startswith("#")] == [
+        "# stock generator", "# stock prm",
+        "# sgl-tts generator", "# sgl-tts prm",
+        "# sgl-tts+overlap: on the sgl-tts servers, started once; both radix caches flushed before it",
+        "# sgl-tts+auto+overlap: on the sgl-tts servers, started once; both radix caches flushed before it",
+        "# stock-lpm generator", "# stock-lpm prm",
+        "# sgl-tts+locality generator", "# sgl-tts+locality prm",
+        "# sgl-tts+locality+overlap generator", "# sgl-tts+locality+overlap prm"]
+    # the same commands are the rule, not the names: two sides of equal specs share, others do not
+    a, b = [object()], [object()]
+    assert server_groups(["x", "y", "z", "w"], {"x": a, "y": b, "z": list(a), "w": b}) == [["x", "z"], ["y", "w"]]
+    assert server_groups(["sgl-tts+locality", "sgl-tts+locality+overlap"],
+                         {"sgl-tts+locality": a, "sgl-tts+locality+overlap": a}) == [
+        ["sgl-tts+locality"], ["sgl-tts+locality+overlap"]]
+
+
 def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path, capsys):
     """The locality ablation (issue 32): sgl-tts+locality runs both rules on both servers, the
     -eviction and -order sides one rule alone (--tts-locality-rules), -families both with whole-family
@@ -618,6 +648,14 @@ class H(BaseHTTPRequestHandler):
             return
         self.send({"model_path": args.model_path, "is_generation": True})
     def do_POST(self):
+        if self.path.startswith("/flush_cache"):   # FAKE_FLUSH_FAILS: refused, as SGLang with requests pending
+            refused = os.environ.get("FAKE_FLUSH_FAILS") == "1"
+            data = b"Timed out waiting for idle state." if refused else b"Cache flushed."
+            self.send_response(400 if refused else 200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         served[0] += 1
         if die_after and served[0] > die_after:
@@ -772,6 +810,30 @@ def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, fake_sglang, caps
     assert _bench(tmp_path, "--stop-after", "0") == 3
     assert "--stop-after reached with work left (9 searches or measurements)" in capsys.readouterr().err
     assert _launches(fake_sglang) == []   # no server was started for nothing
+
+
+def test_a_server_that_refuses_the_flush_between_two_sides_stops_the_run_naming_them(tmp_path, fake_sglang,
+                                                                                    monkeypatch, capsys):
+    """Two sides on one start of the servers: the first side's searches are kept, and a server that
+    does not empty its cache before the second (SGLang answers 400 when it stays busy) stops the run
+    with the side and the server's reason, rather than measuring the second side on a warm cache."""
+    monkeypatch.setenv("FAKE_FLUSH_FAILS", "1")
+    assert _bench(tmp_path, "--n", "4", "--sides", "sgl-tts", "sgl-tts+overlap") == 1
+    err = capsys.readouterr().err
+    assert ("sgl-tts+overlap: the generator server did not flush its cache between two sides: Timed out "
+            "waiting for idle state.") in err
+    assert len(_launches(fake_sglang)) == 2   # one start of the pair
+    records = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert sorted((r["side"], r["algorithm"]) for r in records if r["kind"] == "search") == [
+        ("sgl-tts", "beam_search"), ("sgl-tts", "dvts")]
+    # run again with a server that flushes: only the second side is left, on a fresh start of the pair
+    monkeypatch.delenv("FAKE_FLUSH_FAILS")
+    assert _bench(tmp_path, "--n", "4", "--sides", "sgl-tts", "sgl-tts+overlap") == 0
+    assert len(_launches(fake_sglang)) == 4
+    records = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert sorted((r["side"], r["algorithm"]) for r in records if r["kind"] == "search") == [
+        (s, a) for s in ("sgl-tts", "sgl-tts+overlap") for a in ("beam_search", "dvts")]
+    assert not [r for r in records if r["kind"] == "servers"]   # the second side ran on servers of its own
 
 
 def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglang, monkeypatch):

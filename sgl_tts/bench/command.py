@@ -404,52 +404,89 @@ def bench_header(args, argv: Sequence[str], setup: BenchSetup) -> dict:
             "trace": {**dataclasses.asdict(trace), **{k: round(v, 3) for k, v in setup.shape.items()}}}
 
 
+def server_groups(sides: Sequence[str], specs: dict[str, list]) -> list[list[str]]:
+    """The sides in groups that run on one start of the same servers, in the order of each group's first
+    side: sides whose servers are the same commands (e.g. ``sgl-tts``, ``sgl-tts+overlap`` and
+    ``sgl-tts+auto+overlap``: only the program's settings differ). A server start costs about a minute
+    on a GPU (docs/gpu-bringup-log.md), a lease has fifteen. The locality policy's sides always start
+    their own: their eviction state lives on the radix tree, whose survival of a flush is not proven."""
+    groups: list[list[str]] = []
+    for side in dict.fromkeys(sides):
+        shared = side not in SERVER_POLICIES and next(
+            (g for g in groups if g[0] not in SERVER_POLICIES and specs[g[0]] == specs[side]), None)
+        if shared:
+            shared.append(side)
+        else:
+            groups.append([side])
+    return groups
+
+
+def flush_caches(urls: dict[str, str], timeout: float = 120.0) -> None:
+    """Empty both servers' radix caches (SGLang's ``/flush_cache``, which waits up to ``timeout`` for the
+    server to be idle), so that a side run on servers an earlier side used starts as cold as on fresh
+    ones; the plugin's observer forgets what it saw computed (:func:`sgl_tts.plugin.observer.after_flush`).
+    Raises BenchError when a server refuses."""
+    import urllib.error
+    import urllib.request
+
+    from sgl_tts.bench.goodput import BenchError
+
+    for name, url in urls.items():
+        req = urllib.request.Request(f"{url}/flush_cache?timeout={timeout:g}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout + 30) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            raise BenchError(f"the {name} server did not flush its cache between two sides: "
+                             f"{exc.read().decode(errors='replace').strip()}") from exc
+
+
 class SideRunner:
-    """Runs the sides one after another on one records file: a side's servers start, it runs what it
-    has not finished (and, on an sgl-tts side, the decode limit), its servers stop; ``left`` counts
-    what ``--stop-after`` left undone."""
+    """Runs the sides group by group (:func:`server_groups`) on one records file: a group's servers
+    start, each of its sides runs what it has not finished (and, on an sgl-tts side, the decode limit)
+    after the radix caches were flushed if an earlier side used them, its servers stop; ``left`` counts
+    what ``--stop-after`` left undone; ``side`` is the side running (or last run)."""
 
     def __init__(self, args, setup: BenchSetup, specs: dict[str, list], writer: RecordWriter):
         self.args, self.setup, self.specs, self.writer = args, setup, specs, writer
         self.deadline = time.monotonic() + args.stop_after if args.stop_after is not None else None
         self.left = 0
+        self.side = ""
 
-    def run(self, side: str) -> None:
-        """Raises ServerFailed / BenchError / OSError (connection errors) when the side fails."""
-        from sgl_tts.launch.serve import run_servers
-
+    def _todo(self, side: str) -> tuple[set, set, int]:
+        """Every side's finished searches, the decode limits measured, and how many searches and
+        measurements ``side`` has left."""
         settings, writer = self.setup.settings, self.writer
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
         need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
-        need_limit = not is_stock(side) and {min(n, settings.planned_batch) for n in settings.n} - limits
-        if need <= done and not need_limit:
+        need_limit = not is_stock(side) and bool({min(n, settings.planned_batch) for n in settings.n} - limits)
+        return done, limits, len(need - done) + int(need_limit)
+
+    def run_group(self, sides: Sequence[str]) -> None:
+        """Raises ServerFailed / BenchError / OSError (connection errors) when a side fails."""
+        from sgl_tts.launch.serve import run_servers
+
+        todo = [side for side in sides if self._todo(side)[2]]
+        if not todo:
             return
         if self.deadline is not None and time.monotonic() >= self.deadline:
-            self.left += len(need - done) + (1 if need_limit else 0)
+            self.left += sum(self._todo(side)[2] for side in todo)
             return
         stop = threading.Event()
 
         def work(servers):
             try:
                 urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}
-                toks = self.setup.tokenizers
-                if SIDE_OPTIONS[side].get("speculative") == "auto":
-                    # its decode curve and the PRM's slowdown (cached; run_side reads them back) are
-                    # measured before the side's counters start: their prompts are not the side's work
-                    side_curve(side, urls["generator"], settings, settings.step_trace())
-                    side_slowdown(side, urls["generator"], urls["prm"])
-                before = server_counters.server_counters(urls["generator"])
-                unfinished = run_side(side, urls["generator"], urls["prm"], settings,
-                                      prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
-                                      vocab=self.setup.vocab, done=done, write=writer,
-                                      progress=not self.args.no_progress, deadline=self.deadline)
-                self.left += unfinished
-                # after a side's searches only (the decode limit below is not its work)
-                writer({"kind": "counters", "side": side,
-                        **server_counters.delta(before, server_counters.server_counters(urls["generator"]))})
-                if not is_stock(side) and not unfinished:
-                    measure_limit(urls["generator"], settings, vocab=self.setup.vocab, write=writer, done=limits)
+                for k, side in enumerate(todo):
+                    self.side = side
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        self.left += self._todo(side)[2]
+                        continue
+                    if k:
+                        flush_caches(urls)
+                        self.writer({"kind": "servers", "side": side, "started_for": todo[0], "flushed": True})
+                    self._run_side(side, urls)
             except Exception as exc:
                 time.sleep(0.5)   # a server that crashed has exited by now: name it, with its last lines
                 dead = next((s for s in servers if not s.alive()), None)
@@ -459,10 +496,32 @@ class SideRunner:
             finally:
                 stop.set()
 
-        run_servers(self.specs[side], health_timeout=self.args.health_timeout, on_ready=work, stop_event=stop,
+        self.side = todo[0]
+        run_servers(self.specs[todo[0]], health_timeout=self.args.health_timeout, on_ready=work, stop_event=stop,
                     out=sys.stderr if self.args.json else None)   # with --json stdout carries only the JSON
+
+    def _run_side(self, side: str, urls: dict[str, str]) -> None:
+        settings, writer, toks = self.setup.settings, self.writer, self.setup.tokenizers
+        done, limits, _ = self._todo(side)
+        if SIDE_OPTIONS[side].get("speculative") == "auto":
+            # its decode curve and the PRM's slowdown (cached; run_side reads them back) are
+            # measured before the side's counters start: their prompts are not the side's work
+            side_curve(side, urls["generator"], settings, settings.step_trace())
+            side_slowdown(side, urls["generator"], urls["prm"])
+        before = server_counters.server_counters(urls["generator"])
+        unfinished = run_side(side, urls["generator"], urls["prm"], settings,
+                              prm_tokenizer=str(toks["prm"]), generator_tokenizer=str(toks["generator"]),
+                              vocab=self.setup.vocab, done=done, write=writer,
+                              progress=not self.args.no_progress, deadline=self.deadline)
+        self.left += unfinished
+        # after a side's searches only (the decode limit below is not its work)
+        writer({"kind": "counters", "side": side,
+                **server_counters.delta(before, server_counters.server_counters(urls["generator"]))})
+        if not is_stock(side) and not unfinished:
+            measure_limit(urls["generator"], settings, vocab=self.setup.vocab, write=writer, done=limits)
 
 
 __all__ = ["CPU_MODELS", "CPU_TRACE", "DEVICES", "BenchSetup", "SideRunner", "apply_device_defaults", "bench_header",
+           "flush_caches", "server_groups",
            "measured_header", "run_record", "model_folder",
            "planner_args", "prepare", "report", "server_extra", "settings_from_args", "side_specs", "summary_json"]

@@ -111,13 +111,27 @@ def _add_server_arguments(ap: argparse.ArgumentParser) -> None:
     s.add_argument("--health-timeout", type=float, default=900.0)
 
 
+def print_dry_run(sides: Sequence[str], settings, specs: dict[str, list]) -> None:
+    """``--dry-run``: the settings as JSON, then each server group's commands (a comment naming the
+    side and server, then the command), and one line for each side that runs on an earlier side's
+    servers."""
+    from sgl_tts.bench.command import server_groups
+    from sgl_tts.launch.serve import print_commands
+
+    print(json.dumps(settings.to_json()))
+    for group in server_groups(sides, specs):
+        print_commands(specs[group[0]], label=group[0], health=False)
+        for side in group[1:]:   # one line each: the pairs above stay (comment, command)
+            print(f"# {side}: on the {group[0]} servers, started once; both radix caches flushed before it")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
     from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, measured_header, prepare,
-                                       report, run_record, side_specs, summary_json)
+                                       report, run_record, server_groups, side_specs, summary_json)
     from sgl_tts.bench.goodput import BenchError, RecordWriter, read_records, summarize
     from sgl_tts.frontend import end_stream_executors
-    from sgl_tts.launch.serve import ServerFailed, print_commands, sigterm_stops_servers
+    from sgl_tts.launch.serve import ServerFailed, sigterm_stops_servers
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
@@ -142,9 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = side_specs(args, setup, output)
     header = bench_header(args, argv, setup)
     if args.dry_run:
-        print(json.dumps(settings.to_json()))
-        for side, specs_of_side in specs.items():
-            print_commands(specs_of_side, label=side, health=False)
+        print_dry_run(args.sides, settings, specs)
         return 0
 
     def show(records) -> None:
@@ -168,13 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one SIGTERM handler for every side: a signal between two sides stops the command the same way
     try:
         with sigterm_stops_servers():
-            for side in args.sides:
+            for group in server_groups(args.sides, specs):
                 try:
-                    runner.run(side)
+                    runner.run_group(group)
                 except (ServerFailed, BenchError, OSError) as exc:   # OSError: connection errors of urllib/requests
                     end_stream_executors()
                     show(writer.records)
-                    return fail(f"{side}: {exc} (finished searches are kept in {output}; run again to resume)")
+                    return fail(f"{runner.side}: {exc} (finished searches are kept in {output}; run again to resume)")
     except KeyboardInterrupt:
         # A search cut short leaves its forks' workers (non-daemon threads) waiting for work; their
         # states would end them when collected, but not when the signal landed inside that clean-up

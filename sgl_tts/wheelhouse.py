@@ -148,6 +148,35 @@ def download(dists: dict[str, str], dest: Path) -> None:
                         f"{name}=={version}"], check=True)
 
 
+CALL_MIB = 64            # what one device call carries: the working tree, the part, and what else it carries
+CALL_MARGIN_MIB = 1.0    # what the device tool counts that git does not list (e.g. a file written meanwhile)
+JIT_CACHE = Path(".gpu-cache") / "jit-cache.tgz"   # carried beside the last part (GPU_BRINGUP.md §2b)
+JIT_CACHE_MIB = 6.0      # its room when none is here yet (4.5-5.3 MiB in the leases so far)
+MIN_PART_MIB = 8.0
+
+
+def working_tree_bytes(root: Path) -> int:
+    """What a device call carries of the checkout at ``root``: its tracked files and the untracked ones
+    git does not ignore (``git ls-files --cached --others --exclude-standard``)."""
+    names = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file())
+
+
+def fitting_part_mib(root: Path) -> float:
+    """The largest part (whole MiB) one device call can carry beside the working tree at ``root`` and
+    the JIT cache that travels with the last part (its size if ``root`` has one, else
+    :data:`JIT_CACHE_MIB`). The tree grew from 20 MiB to 31 MiB in Nov. 2026 and the fixed 40 MiB parts
+    stopped fitting (the device tool refused the first call of the fifth lease)."""
+    jit = root / JIT_CACHE
+    room = jit.stat().st_size / 2**20 if jit.exists() else JIT_CACHE_MIB
+    part = int(CALL_MIB - working_tree_bytes(root) / 2**20 - room - CALL_MARGIN_MIB)
+    if part < MIN_PART_MIB:
+        raise ValueError(f"the working tree leaves {part} MiB per device call for a part (under "
+                         f"{MIN_PART_MIB:.0f}): move large files out of the checkout or give --part-mib")
+    return float(part)
+
+
 def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     """The whole builder: probe, download, slim, build sgl-tts, pack."""
     wheels_dir = out / "wheels"
@@ -175,5 +204,6 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     return manifest
 
 
-__all__ = ["EXCLUDE", "SERVER_MODULES", "build", "imported_distributions", "pack", "present_on_machine",
+__all__ = ["EXCLUDE", "SERVER_MODULES", "build", "fitting_part_mib", "imported_distributions", "pack",
+           "present_on_machine", "working_tree_bytes",
            "select_wheels", "slim_wheel", "wanted"]

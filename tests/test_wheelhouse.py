@@ -180,3 +180,30 @@ def test_the_leases_smoke_command_parses_as_sgl_tts_smoke():
     args = shlex.split(re.sub(r"\$\(\(.*?\)\)", "90", line.split("sgl_tts.cli smoke", 1)[1]))
     got = build_parser().parse_args(args)
     assert (got.problems, got.health_timeout, got.dry_run) == (2, 90.0, False)
+
+
+def test_parts_are_sized_to_what_a_device_call_leaves_beside_the_working_tree(tmp_path):
+    """A device call carries 64 MiB: the working tree (tracked files and untracked ones git does not
+    ignore), one part, and with the last part the JIT cache. The fifth lease found the tree at 31 MiB
+    and the old fixed 40 MiB parts refused; the default now follows the tree."""
+    from sgl_tts.wheelhouse import fitting_part_mib, working_tree_bytes
+
+    mib = 2**20
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text(".wheelhouse/\n.gpu-cache/\n")
+    (tmp_path / "tracked.bin").write_bytes(b"\0" * (20 * mib))
+    git("add", ".")
+    (tmp_path / "untracked.bin").write_bytes(b"\0" * (10 * mib))   # travels too: git does not ignore it
+    (tmp_path / ".wheelhouse").mkdir()
+    (tmp_path / ".wheelhouse" / "old.tar").write_bytes(b"\0" * (30 * mib))   # ignored: does not count
+    tree = working_tree_bytes(tmp_path)
+    assert tree == 30 * mib + len(".wheelhouse/\n.gpu-cache/\n")
+    # 64 - 30.0 (tree) - 6 (room for a JIT cache not built yet) - 1 (margin) = 26.99...: whole MiB, down
+    assert fitting_part_mib(tmp_path) == 26.0
+    (tmp_path / ".gpu-cache").mkdir()
+    (tmp_path / ".gpu-cache" / "jit-cache.tgz").write_bytes(b"\0" * (4 * mib))   # the real one's size counts
+    assert fitting_part_mib(tmp_path) == 28.0
+    (tmp_path / "more.bin").write_bytes(b"\0" * (25 * mib))
+    with pytest.raises(ValueError, match=r"the working tree leaves 3 MiB per device call for a part \(under 8\)"):
+        fitting_part_mib(tmp_path)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -15,8 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="download, slim and pack the wheels (here)")
     b.add_argument("--out", default=".wheelhouse", help="output folder (ignore it in git; default .wheelhouse)")
-    b.add_argument("--part-mib", type=float, default=40.0,
-                   help="MiB per part (a device call carries 64 MiB with the working tree, about 20 MiB in Nov. 2026; default 40)")
+    b.add_argument("--part-mib", type=float, default=None,
+                   help="MiB per part (default: what a 64 MiB device call leaves beside this working tree "
+                        "and the JIT cache carried with the last part)")
     b.add_argument("--add", nargs="*", default=[], help="more distributions to carry (at this environment's version)")
     b.add_argument("--list", action="store_true", help="only print what would travel")
     return ap
@@ -31,14 +33,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}=={version}")
         return 0
     out = Path(args.out)
-    manifest = build(out, args.part_mib, args.add)
+    root = Path(__file__).resolve().parent.parent.parent   # the checkout a device call carries
+    part_mib = args.part_mib
+    if part_mib is None:
+        from sgl_tts.wheelhouse import fitting_part_mib
+
+        try:
+            part_mib = fitting_part_mib(root)
+        except ValueError as exc:
+            print(f"sgl-tts wheelhouse: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"parts of {part_mib:.0f} MiB: what a device call leaves beside this working tree")
+    manifest = build(out, part_mib, args.add)
     print(f"{len(manifest['wheels'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB in {manifest['parts']} parts "
           f"under {out}/ (sizes in {out}/sizes.txt)")
     print("device calls, back to back (the machine stays warm 30 s after each):")
     for k in range(manifest["parts"]):
         last = k == manifest["parts"] - 1
         cmd = f"bash tools/gpu/bringup.sh receive {out}/part-{k:02d}"
+        carry = f"\"{out}/part-{k:02d}\""
         if last:
-            cmd += " && bash tools/gpu/bringup.sh install && bash tools/gpu/bringup.sh smoke"
-        print(f"  carry=[\"{out}/part-{k:02d}\"]  command: {cmd}")
+            cmd += " && bash tools/gpu/short-lease.sh 585 smoke tests"
+            carry += ", \".gpu-cache\"" if (root / ".gpu-cache").exists() else ""
+        print(f"  carry=[{carry}]  command: {cmd}")
     return 0

@@ -79,6 +79,7 @@ def main() -> None:
                    "stderr": math.sqrt(acc * (1 - acc) / len(problems)),
                    "same_as_dense": sum(a == b for a, b in zip(texts[name], texts["dense"])),
                    "seconds": round(seconds, 2)}
+            time.sleep(0.5)   # the server writes its counters at most every 0.2 s (StatsFile)
             stats = sorted(Path(args.workdir).glob(f"{name}.metrics.jsonl.sparse.*"))
             if stats:
                 c = json.loads(stats[-1].read_text())

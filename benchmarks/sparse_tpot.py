@@ -135,15 +135,16 @@ def main() -> None:
             prompts = ["".join(rng.choice("0123456789 ") for _ in range(context)) for _ in range(rows)]
             for side in sides:
                 generate(urls[side], prompts, 1)                 # prefill, cached from here on
-            before = {side: counters(work / "servers", side) for side in sides}
+            before = settled_counters(work / "servers", sides)
             # the sides take turns, forwards then backwards, so the host's drift falls on all of them alike
             times = {side: {"short": [], "long": []} for side in sides}
             for rep in range(args.repeats):
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
                     times[side]["short"].append(generate(urls[side], prompts, args.short))
                     times[side]["long"].append(generate(urls[side], prompts, args.long))
+            settled = settled_counters(work / "servers", sides)
             for side in sides:
-                after = counters(work / "servers", side)
+                after = settled[side]
                 short, long = min(times[side]["short"]), min(times[side]["long"])
                 rec = {"side": side, "rows": rows, "context": context,
                        "tpot_ms": round(1000 * (long - short) / (args.long - args.short), 2)}
@@ -169,6 +170,13 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def settled_counters(folder: Path, sides: list[str]) -> dict[str, dict]:
+    """Every side's counters once its server has written its last steps' (at most every 0.2 s:
+    :class:`sgl_tts.plugin.sparse_counters.StatsFile`)."""
+    time.sleep(0.5)
+    return {side: counters(folder, side) for side in sides}
 
 
 def counters(folder: Path, side: str) -> dict:

@@ -169,6 +169,36 @@ def test_the_attention_seconds_are_counted_by_kind_and_context_bucket(mode):
     dec.close()
 
 
+def test_the_counters_file_is_written_off_the_step_at_most_five_times_a_second(tmp_path):
+    """The decoder marks its counters changed at each step's top layer; a thread writes them (whole,
+    by rename) soon after, at most every 0.2 s however many steps mark meanwhile, and an idle decoder
+    writes nothing more. Writing in the step cost ~0.4 ms a step."""
+    import json
+
+    path = tmp_path / "stats.json"
+    s = sparse_settings("sync", budget=0.5, sink=2, recent=3, dense_below=40, dense_layers=1)
+    pool = Pool([45, 60], seed=3)
+    dec = SparseDecoder(s, threaded=False, stats_path=str(path)).bind(8)
+    writes = []
+    real_write = dec._stats.write
+    dec._stats.write = lambda: (writes.append(time.monotonic()), real_write())
+    t0 = time.monotonic()
+    for step in range(30):
+        for layer in (0, 1):
+            pool.run(dec, torch.randn(2, HEADS, DIM, generator=pool.g, dtype=torch.float64), layer=layer)
+        pool.grow()
+    time.sleep(1.0)   # the last marks are written within 0.2 s of the rate limit's end
+    spent = time.monotonic() - t0
+    got = json.loads(path.read_text())
+    assert got["sparse_rows"] == dec.counters.sparse_rows == 60 and got["dense_rows"] == dec.counters.dense_rows
+    assert 1 <= len(writes) <= spent / 0.2 + 1
+    assert all(b - a >= 0.19 for a, b in zip(writes, writes[1:]))
+    idle = len(writes)
+    time.sleep(0.5)
+    assert len(writes) == idle and not (tmp_path / "stats.json.tmp").exists()
+    dec.close()
+
+
 def test_a_budget_that_covers_every_context_is_dense_attention():
     s = sparse_settings("sync", budget=100_000, dense_below=1, dense_layers=0)
     pool = Pool([70, 9, 120], seed=2)

@@ -27,7 +27,6 @@ lengths), so tests drive it in-process with the same inputs a server gives it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -35,7 +34,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from sgl_tts.plugin.sparse_counters import SparseCounters, add_to_mean, bucket_of
+from sgl_tts.plugin.sparse_counters import SparseCounters, StatsFile, add_to_mean, bucket_of
 from sgl_tts.plugin.sparse_payoff import SparsePayoff
 
 if TYPE_CHECKING:
@@ -115,6 +114,7 @@ class SparseDecoder:
         self.rotary = rotary
         self.counters = SparseCounters()
         self.stats_path = stats_path
+        self._stats = StatsFile(self.counters, stats_path) if stats_path else None
         self._top_layer = -1
         self._history: dict[int, _History] = {}
         self._epoch: dict[int, int] = {}
@@ -270,8 +270,8 @@ class SparseDecoder:
             spent += time.perf_counter() - t1
         if len(rows):
             self._timed("sparse", self._tokens(lengths, rows), len(rows), spent)
-        if self.stats_path and layer == self._top_layer:
-            self.write_stats()
+        if self._stats is not None and layer == self._top_layer:
+            self._stats.mark()
 
     def _plan_step(self, lengths: torch.Tensor, eligible: torch.Tensor) -> None:
         """At a step's first layer: which buckets attend sparsely this step (:class:`SparsePayoff`)."""
@@ -301,13 +301,6 @@ class SparseDecoder:
                 self._step_tokens = (self._steps, int(lengths.sum()))
             return self._step_tokens[1]
         return int(lengths[rows].sum())
-
-    def write_stats(self) -> None:
-        """The counters as JSON at ``stats_path`` (replaced whole: a reader never sees half a file)."""
-        tmp = f"{self.stats_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(self.counters), f)
-        os.replace(tmp, self.stats_path)
 
     def _measure(self, layer, selection, query, k_cache, req_to_token, slots, lengths, keep, scale) -> None:
         """``measure``: the overlap of ``selection`` with the current query's token-level choice."""

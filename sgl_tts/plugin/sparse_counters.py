@@ -6,6 +6,13 @@ this machine (``docs/BENCHMARKS.md``, "Sparse decoding", reads it per cell)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_of(length: int) -> int:
@@ -104,4 +111,48 @@ def add_to_mean(sums: dict, counts: dict, layer: int, values) -> None:
     counts[layer] = counts.get(layer, 0) + int(values.numel())
 
 
-__all__ = ["SparseCounters", "add_to_mean", "bucket_of", "means"]
+class StatsFile:
+    """``counters`` as JSON at ``path``, written by a thread of its own after :meth:`mark`, at most once
+    per ``every`` seconds (replaced whole: a reader never sees half a file). Writing it in the step,
+    every step, cost the step ~0.4 ms on the 2-core Xeon (``asdict``, ``json.dump``, a rename): more
+    than a sparse layer's bookkeeping. A reader sees counts at most ``every`` seconds old (wait that
+    long after the work to read it whole); an idle server's thread blocks, using no CPU."""
+
+    def __init__(self, counters: SparseCounters, path: str, every: float = 0.2):
+        self.counters, self.path, self.every = counters, path, every
+        self._dirty = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._loop, name="sgl-tts-sparse-stats", daemon=True).start()
+
+    def mark(self) -> None:
+        """The counters changed (one step): the thread writes them soon."""
+        with self._changed:
+            if not self._dirty:
+                self._dirty = True
+                self._changed.notify()
+
+    def write(self) -> None:
+        """Write now (the thread's work; a test may call it)."""
+        try:
+            data = json.dumps(dataclasses.asdict(self.counters))
+        except RuntimeError:   # a dict grew a bucket while being copied (the step runs on): next time
+            self.mark()
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(data)
+        os.replace(tmp, self.path)
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._dirty)
+                self._dirty = False
+            try:
+                self.write()
+            except OSError:
+                logger.exception("sgl-tts sparse attention: could not write its counters to %s", self.path)
+            time.sleep(self.every)   # the rate limit: marks meanwhile make one more write, not many
+
+
+__all__ = ["StatsFile", "SparseCounters", "add_to_mean", "bucket_of", "means"]

@@ -26,7 +26,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools" / "gpu"
+ROOT = Path(__file__).resolve().parent.parent   # the checkout (a device call carries its working tree)
+TOOLS = ROOT / "tools" / "gpu"
 # What the server imports at start (SGLang 0.5.15, Qwen2/Llama/Mistral, triton attention, torch sampling),
 # and what the benchmark and smoke clients import
 SERVER_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
@@ -163,7 +164,7 @@ def working_tree_bytes(root: Path) -> int:
     return sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file())
 
 
-def fitting_part_mib(root: Path) -> float:
+def fitting_part_mib(root: Path = ROOT) -> float:
     """The largest part (whole MiB) one device call can carry beside the working tree at ``root`` and
     the JIT cache that travels with the last part (its size if ``root`` has one, else
     :data:`JIT_CACHE_MIB`). The tree grew from 20 MiB to 31 MiB in Nov. 2026 and the fixed 40 MiB parts
@@ -186,13 +187,12 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
         for w in wheels_dir.glob(f"{name.replace('-', '_')}-*.whl"):
             before, after = slim_wheel(w, drop)   # in place; a second pass finds nothing to drop
             print(f"slimmed {w.name}: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB")
-    root = Path(__file__).resolve().parent.parent
     for old in wheels_dir.glob("sgl_tts-*.whl"):
         old.unlink()
-    shutil.rmtree(root / "build", ignore_errors=True)   # setuptools would pack stale files from it
+    shutil.rmtree(ROOT / "build", ignore_errors=True)   # setuptools would pack stale files from it
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels_dir), str(root)], check=True)
-    shutil.rmtree(root / "build", ignore_errors=True)
+                    str(wheels_dir), str(ROOT)], check=True)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     wheels = select_wheels(wheels_dir, dists)
     for stale in out.glob("part-*"):
         for f in stale.iterdir():
@@ -204,6 +204,6 @@ def build(out: Path, part_mib: float, extra: Sequence[str] = ()) -> dict:
     return manifest
 
 
-__all__ = ["EXCLUDE", "SERVER_MODULES", "build", "fitting_part_mib", "imported_distributions", "pack",
+__all__ = ["EXCLUDE", "JIT_CACHE", "ROOT", "SERVER_MODULES", "build", "fitting_part_mib", "imported_distributions", "pack",
            "present_on_machine", "working_tree_bytes",
            "select_wheels", "slim_wheel", "wanted"]

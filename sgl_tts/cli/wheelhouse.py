@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sgl_tts.wheelhouse import build, imported_distributions, present_on_machine, wanted
+    from sgl_tts.wheelhouse import (JIT_CACHE, ROOT, build, fitting_part_mib, imported_distributions,
+                                    present_on_machine, wanted)
 
     args = build_parser().parse_args(argv)
     if args.list:
@@ -33,13 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}=={version}")
         return 0
     out = Path(args.out)
-    root = Path(__file__).resolve().parent.parent.parent   # the checkout a device call carries
     part_mib = args.part_mib
     if part_mib is None:
-        from sgl_tts.wheelhouse import fitting_part_mib
-
         try:
-            part_mib = fitting_part_mib(root)
+            part_mib = fitting_part_mib()
         except ValueError as exc:
             print(f"sgl-tts wheelhouse: error: {exc}", file=sys.stderr)
             return 1
@@ -54,6 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         carry = f"\"{out}/part-{k:02d}\""
         if last:
             cmd += " && bash tools/gpu/short-lease.sh 585 smoke tests"
-            carry += ", \".gpu-cache\"" if (root / ".gpu-cache").exists() else ""
+            carry += f", \"{JIT_CACHE.parent}\"" if (ROOT / JIT_CACHE.parent).exists() else ""
         print(f"  carry=[{carry}]  command: {cmd}")
     return 0

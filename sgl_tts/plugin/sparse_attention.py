@@ -113,7 +113,6 @@ class SparseDecoder:
         #: ``frame="rotary"`` queries are predicted with their rotation removed
         self.rotary = rotary
         self.counters = SparseCounters()
-        self.stats_path = stats_path
         self._stats = StatsFile(self.counters, stats_path) if stats_path else None
         self._top_layer = -1
         self._history: dict[int, _History] = {}

@@ -215,24 +215,53 @@ def _grouped(q):
     return [sum((q[kv * 2 + r].tolist() for r in range(2)), []) for kv in range(KV)]
 
 
-@pytest.mark.parametrize("worker,layers", [("inline", (0,)), ("thread", (0,)), ("process", (0,)),
-                                           ("inline", (0, 1, 2)), ("thread", (0, 1, 2)), ("process", (0, 1, 2))])
-def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(worker, layers):
+ROPE_BASE = 10000.0
+
+
+def _rotary_table(positions: int) -> "Rotary":  # noqa: F821
+    """A neox rotary embedding over the whole head (SGLang's ``cos_sin_cache`` layout: cosines, then sines)."""
+    from sgl_tts.plugin.sparse_decoding import Rotary
+
+    freq = 1.0 / ROPE_BASE ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * freq[None, :]
+    return Rotary(torch.cat([angles.cos(), angles.sin()], dim=-1), DIM, True)
+
+
+def _turn_by_hand(q, position):
+    """Query heads ``q`` [heads][dim] (lists) turned by ``position`` (negative: back) as neox rotary turns
+    them: pair (i, i + DIM/2) by angle ``position * base^(-2i/DIM)``."""
+    out = []
+    for head in q:
+        x1, x2 = head[:DIM // 2], head[DIM // 2:]
+        angles = [position * ROPE_BASE ** (-2 * i / DIM) for i in range(DIM // 2)]
+        out.append([a * math.cos(t) - b * math.sin(t) for a, b, t in zip(x1, x2, angles)]
+                   + [b * math.cos(t) + a * math.sin(t) for a, b, t in zip(x1, x2, angles)])
+    return out
+
+
+@pytest.mark.parametrize("worker,layers,rotary", [
+    ("inline", (0,), False), ("thread", (0,), False), ("process", (0,), False), ("inline", (0, 1, 2), False),
+    ("thread", (0, 1, 2), False), ("process", (0, 1, 2), False), ("inline", (0,), True), ("process", (0, 1), True)])
+def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earlier(worker, layers, rotary):
     # with several sparse layers each layer predicts from its own queries (one job per step for all); the
-    # choice runs in the step (inline), in a thread, or in the cache rank process over shared key pools
+    # choice runs in the step (inline), in a thread, or in the cache rank process over shared key pools;
+    # with a rotary embedding each recorded query is turned back from its position before the regression
+    # and the prediction is turned to the next position
     s = sparse_settings("async", budget=0.5, windows=(2, 4), sink=2, recent=3, dense_below=50, dense_layers=0,
                        worker="thread" if worker == "inline" else worker)
     pool = Pool([45, 60, 30], seed=3)
-    dec = SparseDecoder(s, threaded=worker != "inline").bind(8)
+    dec = SparseDecoder(s, threaded=worker != "inline", rotary=_rotary_table(128) if rotary else None).bind(8)
     if worker == "process":
         pool.k.share_memory_()
-        dec.start_cache_rank({layer: pool.k for layer in layers})
+        dec.start_cache_rank({layer: pool.k for layer in layers}, pool.req_to_token)
     # the prefill: each row's last (up to 5 = history) prompt queries are recorded, per layer
     prompt_q = {layer: [torch.randn(int(n), HEADS, DIM, generator=pool.g, dtype=torch.float64) for n in pool.lengths]
                 for layer in layers}
     for layer in layers:
         dec.record_extend(layer, torch.cat(prompt_q[layer]), pool.slots, pool.lengths, pool.lengths)
-    history = {layer: [list(pq[-s.history:]) for pq in prompt_q[layer]] for layer in layers}
+    # per layer and row: the recorded queries with their positions
+    history = {layer: [[(q, int(n) - len(pq[-s.history:]) + j) for j, q in enumerate(pq[-s.history:])]
+                       for pq, n in zip(prompt_q[layer], pool.lengths)] for layer in layers}
     made = {layer: [None] * 3 for layer in layers}   # the previous step's selection per row: positions per kv
     for step in range(6):
         pool.grow()
@@ -257,14 +286,16 @@ def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earl
             # this step's choice for the next one, by hand: predicted query, its mass over [0, n), the
             # budget of n + 1 less the next token (which the recent ones keep)
             for row in range(3):
-                history[layer][row] = (history[layer][row] + [query[row]])[-s.history:]
                 n = int(pool.lengths[row])
+                history[layer][row] = (history[layer][row] + [(query[row], n - 1)])[-s.history:]
                 if n + 1 < s.dense_below:
                     made[layer][row] = None
                     continue
-                feats = [[_grouped(q)[kv] for q in history[layer][row]] for kv in range(KV)]
+                framed = [torch.tensor(_turn_by_hand(q.tolist(), -p)) if rotary else q for q, p in history[layer][row]]
+                feats = [[_grouped(q)[kv] for q in framed] for kv in range(KV)]
                 pred = [_predict_by_hand(feats[kv], s.windows, s.ridge) for kv in range(KV)]
-                pred_q = torch.tensor([pred[h // 2][(h % 2) * DIM:(h % 2 + 1) * DIM] for h in range(HEADS)])
+                pred_q = [pred[h // 2][(h % 2) * DIM:(h % 2 + 1) * DIM] for h in range(HEADS)]
+                pred_q = torch.tensor(_turn_by_hand(pred_q, n) if rotary else pred_q)
                 keys, _ = pool.context(row)
                 mass = _mass_by_hand(pred_q.tolist(), [[k[kv] for k in keys] for kv in range(KV)], n, HEADS, KV,
                                      SCALE)
@@ -323,7 +354,7 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     pool = Pool([30, 30], seed=4)
     pool.k.share_memory_()
-    dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k})
+    dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k}, pool.req_to_token)
     pid = dec._rank.process.pid
     try:
         dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
@@ -357,25 +388,28 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         dec.close()
 
 
-def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
-    # jobs and answers each larger than a pipe's buffer: the scheduler's sends must not wait on the
-    # process, which is itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
-    from sgl_tts.plugin.sparse_attention import _Job
-    from sgl_tts.plugin.sparse_worker import CacheRank
+def test_the_cache_rank_takes_jobs_while_its_big_answers_wait_unread():
+    # answers larger than a pipe's buffer: the scheduler's sends must not wait on the process, which is
+    # itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
+    from sgl_tts.plugin.sparse_async import Job
+    from sgl_tts.plugin.sparse_worker import CacheRank, answer_of
 
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     n, rows = 200_000, 2
     keys = torch.randn(n + 8, KV, DIM)
     keys.share_memory_()
-    rank = CacheRank(s, {0: keys})
-    history = torch.randn(1, rows, s.history, HEADS, DIM)
+    req_to_token = torch.zeros(8, n + 8, dtype=torch.int32)
+    req_to_token[5, :n] = torch.arange(n)
+    req_to_token[1, :n] = torch.arange(n).flip(0)
+    rank = CacheRank(s, {0: keys}, req_to_token)
+    assert req_to_token.is_shared()          # moved in place: the process reads the server's own table
+    ring = torch.randn(1, rows, s.history, HEADS, DIM)
     available = torch.full((1, rows), s.history)
-    index = torch.arange(n).expand(rows, n).contiguous()
     sent = threading.Event()
 
     def send_three():
-        for _ in range(3):     # 3.2 MB each; each answer 1.6 MB
-            rank.submit(_Job([0], [5, 1], [1, 1], torch.tensor([n, n]), history, available, SCALE, [keys], index))
+        for _ in range(3):     # each answer 1.6 MB
+            rank.submit(Job([0], [5, 1], [1, 1], torch.tensor([n, n]), ring, available, SCALE, [keys], req_to_token))
         sent.set()
 
     try:
@@ -383,7 +417,14 @@ def test_the_cache_rank_takes_big_jobs_while_its_answers_wait_unread():
         assert sent.wait(60), "the scheduler's send waited on the cache rank"
         got = list(rank.answers(wait=True))
         assert rank.finished == 3 and 1 <= len(got) <= 3 and all(a["error"] is None for a in got)
-        assert got[-1]["positions"].shape == (rows, KV, math.ceil((n + 1) * 0.5) - 1)
+        answer = answer_of(got[-1])
+        k = math.ceil((n + 1) * 0.5) - 1
+        assert answer.rows.shape == (rows, KV, k) and answer.counts == [k, k]
+        # flat pool rows: token slot * KV + head; slot 1's context is the pool backwards
+        tokens, heads = answer.rows // KV, answer.rows % KV
+        assert (heads == torch.arange(KV)[None, :, None]).all()
+        assert tokens[0].min() >= 0 and tokens[0].max() < n and tokens[1].max() < n
+        assert int(tokens[0, 0, 0]) == 0 and int(tokens[1, 0, 0]) == n - 1     # the sink: position 0
     finally:
         rank.close()
 
@@ -392,22 +433,32 @@ def test_a_selection_is_used_with_every_token_written_since_it_was_made():
     # rows of slots 5 and 1: a selection made at length 40 used at 41 (on time) and one made at 30 used at 37
     # (late by 6 steps, more than `recent`): each attends to its chosen positions and to every position
     # from the length it was made at to the current one
-    s = sparse_settings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0)
+    from sgl_tts.plugin.sparse_async import Entry
+
+    s = sparse_settings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0, measure=True)
+    pool = Pool([41, 37], seed=9)
     dec = SparseDecoder(s, threaded=False).bind(8)
-    chosen = {5: [[0, 1, 7, 20, 37, 38, 39], [0, 1, 3, 38, 39]], 1: [[0, 1, 28, 29], [0, 1, 5, 6, 28, 29]]}
+    chosen = {5: [[0, 1, 7, 20, 37, 38, 39], [0, 1, 3, 38, 39, 2, 4]], 1: [[0, 1, 28, 29, 10, 11], [0, 1, 5, 6, 28, 29]]}
     made = {5: 40, 1: 30}
     for slot, per_kv in chosen.items():
-        k = max(map(len, per_kv))
-        pos = torch.tensor([p + [0] * (k - len(p)) for p in per_kv])
-        mask = torch.tensor([[True] * len(p) + [False] * (k - len(p)) for p in per_kv])
-        dec._selected.setdefault(0, {})[slot] = (0, made[slot], pos, mask, None)
-    rows, sel, _ = dec._finished_selections(0, torch.tensor([5, 1]), torch.tensor([0, 1]), torch.tensor([41, 37]))
+        pos = torch.tensor(per_kv)
+        rows = pool.req_to_token[slot][pos] * KV + torch.arange(KV)[:, None]
+        dec._selected.setdefault(0, {})[slot] = Entry(0, made[slot], rows, pos, None)
+    dec._step_of(0, pool.lengths)
+    rows, index, mask, sel, _ = dec._finished_selections(0, pool.slots, torch.tensor([0, 1]), pool.lengths,
+                                                         pool.req_to_token, KV)
     assert rows.tolist() == [0, 1] and (dec.counters.late, dec.counters.missing) == (1, 0)
+    # row 0 attends 7 + 1 tokens per head, row 1 6 + 7: padded, and the mask says which are real
+    assert index.shape == (2, KV, 13) and mask is not None and mask.sum(-1).tolist() == [[8, 8], [13, 13]]
     for r, (slot, n) in enumerate([(5, 41), (1, 37)]):
-        for kv in range(2):
-            got = sel.positions[r, kv][sel.mask[r, kv]].tolist()
-            assert sorted(got) == sorted(set(chosen[slot][kv]) | set(range(made[slot], n))), (slot, kv)
-            assert len(got) == len(set(got))
+        position_of = {int(t): p for p, t in enumerate(pool.req_to_token[slot, :n].tolist())}
+        for kv in range(KV):
+            want = set(chosen[slot][kv]) | set(range(made[slot], n))
+            real = index[r, kv][mask[r, kv]]
+            assert (real % KV == kv).all()
+            got = [position_of[int(t)] for t in (real // KV).tolist()]
+            assert sorted(got) == sorted(want) and len(got) == len(set(got)), (slot, kv)
+            assert sorted(sel.positions[r, kv][sel.mask[r, kv]].tolist()) == sorted(want)
 
 
 def test_a_slot_refilled_by_another_request_drops_the_old_selection():
@@ -428,16 +479,16 @@ def test_a_slot_refilled_by_another_request_drops_the_old_selection():
 
 
 def test_a_row_history_restarts_when_its_next_query_does_not_continue_it():
-    from sgl_tts.plugin.sparse_attention import _History
+    from sgl_tts.plugin.sparse_async import QueryHistory
 
-    hist = _History(4, 3, HEADS, DIM, torch.float64, "cpu")
+    hist = QueryHistory(4, 3, HEADS, DIM, torch.float64, "cpu")
     slots = torch.tensor([2])
     qs = [torch.full((1, HEADS, DIM), float(i), dtype=torch.float64) for i in range(5)]
     for i, length in enumerate([10, 11, 12, 13]):
         hist.append(slots, qs[i], torch.tensor([length]))
-    assert int(hist.available[2]) == 3 and hist.q[2, :, 0, 0].tolist() == [1.0, 2.0, 3.0]
+    assert int(hist.available[2]) == 3 and hist.ordered(slots)[0, :, 0, 0].tolist() == [1.0, 2.0, 3.0]
     hist.append(slots, qs[4], torch.tensor([20]))      # not 14: another context, one query known
-    assert int(hist.available[2]) == 1 and float(hist.q[2, -1, 0, 0]) == 4.0
+    assert int(hist.available[2]) == 1 and float(hist.ordered(slots)[0, -1, 0, 0]) == 4.0
 
 
 def test_measure_counts_the_overlap_with_the_current_querys_choice():

@@ -26,7 +26,6 @@ lengths), so tests drive it in-process with the same inputs a server gives it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -34,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
+from sgl_tts.plugin.sparse_async import Answer, Entry, Job, QueryHistory, assemble, choose, entries, new_rows
 from sgl_tts.plugin.sparse_counters import SparseCounters, StatsFile, add_to_mean, bucket_of
 from sgl_tts.plugin.sparse_payoff import SparsePayoff
 
@@ -49,57 +49,17 @@ BACKEND_NAME = "sgl_tts_sparse"
 LOG_EVERY = 500
 
 
-class _History:
-    """Each pool slot's last ``h`` queries for one layer (in the frame the decoder predicts in), with
-    how many are real and the context length at the newest (a row's next query continues the history
-    only at length + 1)."""
+class _Step:
+    """What every layer of one decode step shares (found at its first layer): each row's budget, the
+    rows that attend sparsely in the sparse layers (long enough, budget under the context, not stood
+    down; a mask and their batch positions), how many were stood down, and (async) the flat pool rows of each row's tokens written since
+    a choice was made, by (slot, made)."""
 
-    def __init__(self, slots: int, h: int, heads: int, dim: int, dtype, device):
-        import torch
+    __slots__ = ("lengths", "keep", "eligible", "rows", "stood_down", "new")
 
-        self.q = torch.zeros(slots, h, heads, dim, dtype=dtype, device=device)
-        self.available = torch.zeros(slots, dtype=torch.long, device=device)
-        self.length = torch.full((slots,), -1, dtype=torch.long, device=device)
-
-    def append(self, slots: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Record ``queries`` [rows, heads, dim], the queries at positions ``lengths - 1``."""
-        import torch
-
-        continues = self.length[slots] == lengths - 1
-        h = self.q.shape[1]
-        rolled = torch.roll(self.q[slots], -1, dims=1)
-        rolled[:, -1] = queries
-        self.q[slots] = rolled
-        self.available[slots] = torch.where(continues, torch.clamp(self.available[slots] + 1, max=h),
-                                            torch.ones_like(lengths))
-        self.length[slots] = lengths
-
-    def reset(self, slot: int, queries: torch.Tensor, length: int) -> None:
-        """A slot's context was (re)filled: its history is the newest of ``queries`` [n, heads, dim]."""
-        h = self.q.shape[1]
-        n = min(h, int(queries.shape[0]))
-        self.q[slot].zero_()
-        if n:
-            self.q[slot, h - n:] = queries[-n:]
-        self.available[slot] = n
-        self.length[slot] = length
-
-
-@dataclasses.dataclass
-class _Job:
-    """The next step's selections of the same rows for one or more layers (a step's sparse layers,
-    packed into one job as seed 003's cache rank takes a unit of layers: one prediction, one choice)."""
-
-    layers: list           # layer ids
-    slots: list            # pool slots of the rows
-    epochs: list           # each slot's epoch when the job was made
-    lengths: "torch.Tensor"      # [rows] context length at the newest query
-    history: "torch.Tensor"      # [layers, rows, h, heads, dim]
-    available: "torch.Tensor"    # [layers, rows]
-    scale: Optional[float]
-    k_caches: list               # each layer's key pool
-    index: "torch.Tensor"        # [rows, longest] pool slots of the rows' contexts
-    rotary: object = None        # the history is in the rotary frame: turn the prediction to its position
+    def __init__(self, lengths, keep, eligible, rows, stood_down):
+        self.lengths, self.keep, self.eligible, self.rows, self.stood_down = lengths, keep, eligible, rows, stood_down
+        self.new: dict = {}
 
 
 class SparseDecoder:
@@ -115,11 +75,12 @@ class SparseDecoder:
         self.counters = SparseCounters()
         self._stats = StatsFile(self.counters, stats_path) if stats_path else None
         self._top_layer = -1
-        self._history: dict[int, _History] = {}
+        self._last_layer = -1
+        self._step: Optional[_Step] = None
+        self._history: dict[int, QueryHistory] = {}
         self._epoch: dict[int, int] = {}
-        # layer -> slot -> (epoch, length the selection was made at, positions [kv, k], mask [kv, k],
-        # the predicted query [heads, dim] under measure)
-        self._selected: dict[int, dict[int, tuple]] = {}
+        #: async: layer -> slot -> the newest finished choice (:class:`~sgl_tts.plugin.sparse_async.Entry`)
+        self._selected: dict[int, dict[int, Entry]] = {}
         # measure: layer -> slot -> (epoch, length, the step's query [heads, dim])
         self._previous: dict[int, dict[int, tuple]] = {}
         self._steps = 0
@@ -127,11 +88,11 @@ class SparseDecoder:
         #: where sparse pays, from this decoder's own timings (``None``: ``stand_down="off"``)
         self.payoff = SparsePayoff() if settings.stand_down == "auto" and settings.mode != "off" else None
         self._standing = None         # this step's rows that sparse attention stands down for (a bool mask)
-        # async: this step's layers waiting to be handed to the worker as one job: (layer, history,
-        # available, key pool), and the rows they are for (slots, lengths, context index, scale)
+        # async: this step's layers waiting to be handed to the worker as one job: (layer, history, key
+        # pool), and the rows they are for (slots, lengths, scale, req_to_token)
         self._pending: list = []
         self._pending_rows = None
-        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._done = threading.Condition()
         self._given = self._finished = 0      # jobs handed to the worker, jobs it has finished or dropped
         self._thread = None
@@ -141,16 +102,18 @@ class SparseDecoder:
             self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
             self._thread.start()
 
-    def start_cache_rank(self, k_caches: dict) -> "SparseDecoder":
+    def start_cache_rank(self, k_caches: dict, req_to_token: torch.Tensor) -> "SparseDecoder":
         """``async`` with ``worker="process"``: start the cache rank process over ``k_caches`` (layer id
-        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.sparse_worker.share_key_pools`);
-        until then (and with any other setting) jobs run as ``threaded`` said."""
+        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.sparse_worker.share_key_pools`)
+        and the server's ``req_to_token`` (moved into shared memory in place, if it is not there yet: the
+        process reads the rows' contexts from it); until then (and with any other setting) jobs run as
+        ``threaded`` said."""
         from sgl_tts.plugin.sparse_worker import CacheRank
 
         if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
-            self._rank = CacheRank(self.s, k_caches)
-            logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools in shared "
-                        "memory)", self._rank.process.pid, sorted(k_caches))
+            self._rank = CacheRank(self.s, k_caches, req_to_token)
+            logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools and the "
+                        "request table in shared memory)", self._rank.process.pid, sorted(k_caches))
         return self
 
     # --------------------------------------------------------------------------------- extend
@@ -163,35 +126,26 @@ class SparseDecoder:
                 for slot in slots.tolist():
                     self._epoch[slot] = self._epoch.get(slot, 0) + 1
             return
-        import torch
-
         hist = self._history_for(layer, query)
         start = 0
         for slot, total, new in zip(slots.tolist(), seq_lens.tolist(), extend_seq_lens.tolist()):
             if layer == 0:
                 self._epoch[slot] = self._epoch.get(slot, 0) + 1
-            kept = min(new, hist.q.shape[1])
-            queries = query[start + new - kept:start + new]
-            hist.reset(slot, self._to_frame(queries, torch.arange(total - kept, total)), total)
+            kept = min(new, hist.h)
+            hist.reset(slot, query[start + new - kept:start + new], total)
             self._selected.setdefault(layer, {}).pop(slot, None)
             start += new
 
-    def _history_for(self, layer: int, query: torch.Tensor) -> _History:
+    def _history_for(self, layer: int, query: torch.Tensor) -> QueryHistory:
         hist = self._history.get(layer)
         if hist is None:
-            hist = self._history[layer] = _History(self._slots, self.s.history, query.shape[1], query.shape[2],
-                                                   query.dtype, query.device)
+            hist = self._history[layer] = QueryHistory(self._slots, self.s.history, query.shape[1], query.shape[2],
+                                                       query.dtype, query.device)
         return hist
 
     @property
     def rotary_frame(self) -> bool:
         return self.s.frame == "rotary" and self.rotary is not None
-
-    def _to_frame(self, queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Queries at ``positions`` in the prediction's frame (rotated back to position 0, or as they are)."""
-        from sgl_tts.plugin.sparse_decoding import rotate
-
-        return rotate(queries, positions, self.rotary, inverse=True) if self.rotary_frame else queries
 
     def bind(self, slots: int) -> "SparseDecoder":
         """How many pool slots (rows of ``req_to_token``) the server has."""
@@ -214,28 +168,27 @@ class SparseDecoder:
             if self._steps % LOG_EVERY == 0:
                 logger.info(self.counters.line())
         t0 = time.perf_counter()
-        keep = sd.budgets(lengths, s.budget, sink=s.sink, recent=s.recent)
-        eligible = (lengths >= s.dense_below) & (keep < lengths)
-        if layer == 0 and self.payoff is not None:
-            self._plan_step(lengths, eligible)
-        eligible &= layer >= s.dense_layers
-        if self._standing is not None and layer >= s.dense_layers:
-            self.counters.stood_down += int((eligible & self._standing).sum())
-            eligible &= ~self._standing
-        rows = eligible.nonzero().squeeze(1)
-        selection = predicted = None
+        step = self._step_of(layer, lengths)
+        c = self.counters
+        rows = step.rows if layer >= s.dense_layers else step.rows[:0]
+        if layer >= s.dense_layers:
+            c.stood_down += step.stood_down
+        selection = predicted = mask = None
         if len(rows):
             if s.mode == "async":
-                if self._rank is not None:
+                if self._rank is not None and self._rank.owes:
                     self._collect(wait=False)
-                rows, selection, predicted = self._finished_selections(layer, slots, rows, lengths)
+                rows, index, mask, selection, predicted = self._finished_selections(layer, slots, rows, lengths,
+                                                                                     req_to_token, k_cache.shape[1])
             else:
                 selection = self._select_now(query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
-                                             keep[rows], scale)
+                                             step.keep[rows], scale)
+                pool = torch.gather(req_to_token[slots[rows]], 1, selection.positions.flatten(1))
+                index = sd.flat_rows(pool.view_as(selection.positions))
+                mask = None if bool(selection.mask.all()) else selection.mask
         dense_rows = torch.ones(len(lengths), dtype=torch.bool)
         dense_rows[rows] = False
         dense_idx = dense_rows.nonzero().squeeze(1)
-        c = self.counters
         c.dense_rows += len(dense_idx)
         spent = time.perf_counter() - t0          # the sparse rows' share so far: finding their selections
         if len(dense_idx):
@@ -245,23 +198,23 @@ class SparseDecoder:
         t1 = time.perf_counter()
         if len(rows):
             c.sparse_rows += len(rows)
-            c.context_tokens += int(lengths[rows].sum()) * selection.mask.shape[1]
-            c.attended_tokens += int(selection.mask.sum())
-            pool = torch.gather(req_to_token[slots[rows]], 1, selection.positions.flatten(1)).view_as(selection.positions)
-            keys, values = sd.gather_selected_kv(k_cache, v_cache, pool)
+            c.context_tokens += int(lengths[rows].sum()) * int(index.shape[1])
+            c.attended_tokens += int(index.numel()) if mask is None else int(mask.sum())
+            keys, values = sd.gather_flat_kv(k_cache, v_cache, index)
             if keys.dtype != query.dtype:
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
-            out[rows] = sd.sparse_attention(query[rows], keys, values, selection.mask, scale)
+            out[rows] = sd.sparse_attention(query[rows], keys, values, mask, scale)
             spent += time.perf_counter() - t1
             if s.measure:
                 self._measure(layer, selection, query[rows], k_cache, req_to_token, slots[rows], lengths[rows],
-                              keep[rows], scale)
+                              step.keep[rows], scale)
                 if predicted:   # on-time rows: their prediction was of this very query
                     at = list(predicted)
                     add_to_mean(c.cosine_sum, c.cosine_count, layer, sd.group_cosine(
                         torch.stack([predicted[i] for i in at]), query[rows[at]], selection.mask.shape[1]))
         if s.measure and layer >= s.dense_layers:
-            self._measure_previous(layer, query, k_cache, req_to_token, slots, lengths, eligible, keep, scale)
+            self._measure_previous(layer, query, k_cache, req_to_token, slots, lengths, step.eligible, step.keep,
+                                   scale)
         self._top_layer = max(self._top_layer, layer)
         if s.mode == "async":
             t1 = time.perf_counter()
@@ -271,6 +224,31 @@ class SparseDecoder:
             self._timed("sparse", self._tokens(lengths, rows), len(rows), spent)
         if self._stats is not None and layer == self._top_layer:
             self._stats.mark()
+
+    def _step_of(self, layer: int, lengths: torch.Tensor) -> _Step:
+        """This step's :class:`_Step`: found at the first layer of a step (a layer no higher than the last
+        one seen, or other rows' lengths), then reused by its other layers."""
+        import torch
+
+        from sgl_tts.plugin import sparse_decoding as sd
+
+        step = self._step
+        if step is not None and layer > self._last_layer and step.lengths is lengths:
+            self._last_layer = layer
+            return step
+        self._last_layer = layer
+        s = self.s
+        keep = sd.budgets(lengths, s.budget, sink=s.sink, recent=s.recent)
+        eligible = (lengths >= s.dense_below) & (keep < lengths)
+        if self.payoff is not None:
+            self._plan_step(lengths, eligible)
+        stood_down = 0
+        rows = eligible
+        if self._standing is not None:
+            stood_down = int((eligible & self._standing).sum())
+            rows = eligible & ~self._standing
+        self._step = _Step(lengths, keep, rows, rows.nonzero().squeeze(1), stood_down)
+        return self._step
 
     def _plan_step(self, lengths: torch.Tensor, eligible: torch.Tensor) -> None:
         """At a step's first layer: which buckets attend sparsely this step (:class:`SparsePayoff`)."""
@@ -355,48 +333,51 @@ class SparseDecoder:
             self.counters.selection_seconds += time.perf_counter() - t0
         return selection
 
-    def _finished_selections(self, layer, slots, rows, lengths):
-        """``async``: the rows among ``rows`` that have a finished selection of their current epoch, and
-        that selection with every token written since it was made appended. The choice kept the sinks
-        and the recent tokens of the context it was made for (one fewer: the next position is new), so
-        this covers the current sinks and recent tokens too, without a pass over the context: one row's
-        positions are its selection's (ascending, then padding) and then the new ones."""
+    def _finished_selections(self, layer, slots, rows, lengths, req_to_token, kv):
+        """``async``: the rows among ``rows`` that have a finished choice of their current epoch, and what
+        they attend to: that choice's pool rows with those of every token written since it was made
+        (``index`` ``[rows, kv, k]``, ``mask`` or ``None`` when every row is as long; see
+        :func:`~sgl_tts.plugin.sparse_async.assemble`). The choice kept the sinks and the recent tokens of the
+        context it was made for (one fewer: the next position is new), so this covers the current
+        sinks and recent tokens too, without a pass over the context. Under measure also the same as
+        context positions (a :class:`~sgl_tts.plugin.sparse_decoding.Selection`) and the predicted
+        queries of the on-time rows, by their place in the returned rows."""
         import torch
 
         from sgl_tts.plugin import sparse_decoding as sd
 
         table = self._selected.get(layer, {})
-        have, picks = [], []
-        for i in rows.tolist():
-            slot = int(slots[i])
+        new = self._step.new
+        have, picks, parts = [], [], []
+        for i, slot, n in zip(rows.tolist(), slots[rows].tolist(), lengths[rows].tolist()):
             got = table.get(slot)
-            if got is None or got[0] != self._epoch.get(slot, 0) or got[1] >= int(lengths[i]):
+            if got is None or got.epoch != self._epoch.get(slot, 0) or got.made >= n:
                 self.counters.missing += 1
                 continue
-            if got[1] < int(lengths[i]) - 1:
+            if got.made < n - 1:
                 self.counters.late += 1
+            fresh = new.get((slot, got.made))
+            if fresh is None:
+                fresh = new[(slot, got.made)] = new_rows(req_to_token, slot, got.made, n, kv, got.rows.dtype)
             have.append(i)
             picks.append(got)
+            parts.append(torch.cat((got.rows, fresh), dim=1))
         if not have:
-            return rows[:0], None, None
+            return rows[:0], None, None, None, None
+        index, mask = assemble(parts)
         rows = torch.tensor(have, dtype=torch.long)
-        lengths = lengths[rows]
-        made = torch.tensor([p[1] for p in picks], dtype=torch.long)    # the length each was made at
-        kv = picks[0][2].shape[0]
-        k = max(int(p[2].shape[1]) for p in picks)
-        w = int((lengths - made).max())                                   # tokens since the oldest of them
-        positions = torch.zeros(len(have), kv, k + w, dtype=torch.long)
-        mask = torch.zeros(len(have), kv, k + w, dtype=torch.bool)
-        for r, (_, _, pos, m, _) in enumerate(picks):
-            positions[r, :, :pos.shape[1]] = pos
-            mask[r, :, :pos.shape[1]] = m
-        new = made[:, None] + torch.arange(w)[None, :]                    # [rows, w]
-        positions[:, :, k:] = new[:, None, :]
-        mask[:, :, k:] = (new < lengths[:, None])[:, None, :]
-        # measure: the predicted query of each row whose selection is on time (made for this position),
-        # by the row's place in ``rows``
-        predicted = {r: p[4] for r, p in enumerate(picks) if p[1] == int(lengths[r]) - 1} if self.s.measure else None
-        return rows, sd.Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask), predicted
+        if not self.s.measure:
+            return rows, index, mask, None, None
+        k = int(index.shape[2])
+        positions = torch.zeros(len(have), kv, k, dtype=torch.long)
+        full = torch.zeros(len(have), kv, k, dtype=torch.bool)
+        for r, (got, n) in enumerate(zip(picks, lengths[rows].tolist())):
+            chosen = got.positions.shape[1]
+            positions[r, :, :chosen] = got.positions
+            positions[r, :, chosen:chosen + n - got.made] = torch.arange(got.made, n)
+            full[r, :, :chosen + n - got.made] = True
+        predicted = {r: p.query for r, (p, n) in enumerate(zip(picks, lengths[rows].tolist())) if p.made == n - 1}
+        return rows, index, mask, sd.Selection(torch.where(full, positions, torch.zeros_like(positions)), full), predicted
 
     def _after_step(self, layer, query, k_cache, req_to_token, slots, lengths, scale) -> None:
         """``async``: record the step's queries; at the step's top layer, hand the rows near or past
@@ -409,28 +390,28 @@ class SparseDecoder:
         if self._pending and layer <= self._pending[-1][0]:   # a new step, the last one's not handed yet
             self._hand_pending()
         hist = self._history_for(layer, query)
-        hist.append(slots, self._to_frame(query, lengths - 1), lengths)
+        hist.append(slots, query, lengths)
         near = (lengths + 1 >= self.s.dense_below).nonzero().squeeze(1)
         if self.payoff is not None and len(near):   # a stood-down bucket's rows only ahead of its probe
             near = near[torch.tensor([self.payoff.wants_selection(bucket_of(n + 1)) for n in lengths[near].tolist()],
                                      dtype=torch.bool)]
         if len(near):
-            sl = slots[near]
-            self._pending.append((layer, hist.q[sl].clone(), hist.available[sl].clone(), k_cache))
-            if len(self._pending) == 1:
-                n = int(lengths[near].max())
-                self._pending_rows = (sl.tolist(), lengths[near].clone(), req_to_token[sl, :n].clone(), scale)
+            if not self._pending:
+                self._pending_rows = (slots[near], lengths[near].clone(), scale, req_to_token)
+            self._pending.append((layer, hist, k_cache))
         if layer == self._top_layer and self._pending:
             self._hand_pending()
 
     def _hand_pending(self) -> None:
         import torch
 
-        layers, histories, available, k_caches = zip(*self._pending)
-        sl, lengths, index, scale = self._pending_rows
+        layers, histories, k_caches = zip(*self._pending)
+        sl, lengths, scale, req_to_token = self._pending_rows
         self._pending = []
-        job = _Job(list(layers), sl, [self._epoch.get(x, 0) for x in sl], lengths, torch.stack(histories),
-                   torch.stack(available), scale, list(k_caches), index, self.rotary if self.rotary_frame else None)
+        slot_list = sl.tolist()
+        job = Job(list(layers), slot_list, [self._epoch.get(x, 0) for x in slot_list], lengths,
+                  torch.stack([h.q[sl] for h in histories]), torch.stack([h.available[sl] for h in histories]),
+                  scale, list(k_caches), req_to_token, self.rotary if self.rotary_frame else None)
         if self._rank is not None:
             if self._rank.behind:       # it answers the older jobs first; this one would come later still
                 self.counters.dropped_jobs += 1
@@ -466,7 +447,7 @@ class SparseDecoder:
                 if more is None:
                     return
                 batch.append(more)
-            newest: dict[tuple, _Job] = {}
+            newest: dict[tuple, Job] = {}
             for j in batch:
                 if tuple(j.layers) in newest:
                     self.counters.dropped_jobs += 1
@@ -480,33 +461,21 @@ class SparseDecoder:
                 self._finished += len(batch)
                 self._done.notify_all()
 
-    def _run(self, job: _Job) -> None:
-        """The job's choice (:func:`~sgl_tts.plugin.sparse_decoding.choose_next`), stored for the next step."""
+    def _run(self, job: Job) -> None:
+        """The job's choice (:func:`~sgl_tts.plugin.sparse_async.choose`), stored for the next step."""
         from sgl_tts.plugin import sparse_decoding as sd
 
-        t0 = time.perf_counter()
-        s = self.s
         if self._mirror is None:
             self._mirror = sd.KeyMirror()
-        keys_of = self._mirror.source(job.layers, job.slots, job.epochs, job.k_caches, job.index)
-        query, selection = sd.choose_next(job.history, job.available, job.lengths, job.index, job.k_caches,
-                                          job.scale, windows=s.windows, ridge=s.ridge, budget=s.budget,
-                                          sink=s.sink, recent=s.recent, rotary=job.rotary, keys_of=keys_of)
-        self._store(job.layers, job.slots, job.epochs, job.lengths, selection.positions, selection.mask,
-                    query if s.measure else None)
-        self.counters.selections += len(job.layers) * len(job.slots)
-        self.counters.selection_seconds += time.perf_counter() - t0
+        self._store(choose(self.s, job.layers, job.slots, job.epochs, job.lengths, job.ring, job.available,
+                           job.scale, job.k_caches, job.req_to_token, job.rotary, self._mirror))
 
-    def _store(self, layers, slots, epochs, lengths, positions, mask, query) -> None:
-        """A finished choice: for each layer and row (layer-major in ``positions``/``mask``), the selection
-        and (under measure) the predicted query ``query[layer, row]``, kept for the row's next step."""
-        rows = len(slots)
-        for i, layer in enumerate(layers):
-            table = self._selected.setdefault(layer, {})
-            for r, (slot, epoch) in enumerate(zip(slots, epochs)):
-                at = i * rows + r
-                table[slot] = (epoch, int(lengths[r]), positions[at], mask[at],
-                               None if query is None else query[i, r])
+    def _store(self, answer: Answer) -> None:
+        """A finished choice, kept per layer and row for the row's next step."""
+        for layer, slot, entry in entries(answer):
+            self._selected.setdefault(layer, {})[slot] = entry
+        self.counters.selections += len(answer.layers) * len(answer.slots)
+        self.counters.selection_seconds += answer.seconds
 
     def _collect(self, wait: bool) -> None:
         """The cache rank's answers that have arrived (``wait``: every one still owed), stored. A cache rank
@@ -525,19 +494,14 @@ class SparseDecoder:
         self._thread.start()
 
     def _take_answers(self, wait: bool) -> None:
-        import torch
+        from sgl_tts.plugin.sparse_worker import answer_of
 
-        c = self.counters
         for a in self._rank.answers(wait=wait):
-            c.dropped_jobs += a["superseded"]
+            self.counters.dropped_jobs += a["superseded"]
             if a["error"] is not None:
                 logger.error("sgl-tts sparse attention: a selection failed in the cache rank: %s", a["error"])
                 continue
-            query = None if a["query"] is None else torch.from_numpy(a["query"])
-            self._store(a["layers"], a["slots"], a["epochs"], a["lengths"], torch.from_numpy(a["positions"]).long(),
-                        torch.from_numpy(a["mask"]), query)
-            c.selections += len(a["layers"]) * len(a["slots"])
-            c.selection_seconds += a["seconds"]
+            self._store(answer_of(a))
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
@@ -592,7 +556,7 @@ def _make_backend_class():
                 kv_pool = model_runner.token_to_kv_pool
                 first = getattr(kv_pool, "start_layer", 0)
                 layers = [i for i in range(first, first + kv_pool.layer_num) if i >= sp.dense_layers]
-                self.sparse.start_cache_rank(share_key_pools(kv_pool, layers))
+                self.sparse.start_cache_rank(share_key_pools(kv_pool, layers), self.req_to_token_pool.req_to_token)
             self._layer_id = 0
             self._runner = model_runner
             self._rope = None

@@ -310,22 +310,34 @@ def gather_selected_pool(cache: torch.Tensor, pool_index: torch.Tensor) -> torch
     return picked.view(*pool_index.shape, cache.shape[-1])
 
 
-def _flat_slots(pool_index: torch.Tensor) -> torch.Tensor:
-    """Per-head pool slots ``[rows, kv_heads, k]`` as rows of the pool viewed ``[tokens * kv_heads, dim]``."""
+def flat_rows(pool_index: torch.Tensor) -> torch.Tensor:
+    """Per-head pool slots ``[rows, kv_heads, k]`` as rows of the pool viewed ``[tokens * kv_heads, dim]``
+    (``slot * kv_heads + head``), same shape."""
     import torch
 
     kv_heads = pool_index.shape[1]
-    return (pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]).reshape(-1)
+    return pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]
+
+
+def _flat_slots(pool_index: torch.Tensor) -> torch.Tensor:
+    return flat_rows(pool_index).reshape(-1)
+
+
+def gather_flat_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's key and value pools ``[pool tokens, kv_heads, dim]`` read at flat pool rows ``index``
+    ``[rows, kv_heads, k]`` (:func:`flat_rows`; int32 or int64): ``[rows, kv_heads, k, dim]`` each."""
+    flat = index.reshape(-1)
+    keys = k_cache.reshape(-1, k_cache.shape[-1]).index_select(0, flat)
+    values = v_cache.reshape(-1, v_cache.shape[-1]).index_select(0, flat)
+    return keys.view(*index.shape, -1), values.view(*index.shape, -1)
 
 
 def gather_selected_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pool_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_selected_pool` of a layer's key and value pools at the same slots, the flat index
     computed once."""
-    flat = _flat_slots(pool_index)
-    keys = k_cache.reshape(-1, k_cache.shape[-1]).index_select(0, flat)
-    values = v_cache.reshape(-1, v_cache.shape[-1]).index_select(0, flat)
-    return keys.view(*pool_index.shape, -1), values.view(*pool_index.shape, -1)
+    return gather_flat_kv(k_cache, v_cache, flat_rows(pool_index))
 
 
 def selection_from_mask(chosen: torch.Tensor) -> Selection:
@@ -344,11 +356,11 @@ def selection_from_mask(chosen: torch.Tensor) -> Selection:
     return Selection(torch.where(mask, positions, torch.zeros_like(positions)), mask)
 
 
-def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
                      scale: Optional[float] = None) -> torch.Tensor:
     """Attention of ``query`` ``[rows, heads, dim]`` over selected ``keys``/``values``
-    ``[rows, kv_heads, k, dim]`` where ``mask`` ``[rows, kv_heads, k]`` is true: ``[rows, heads, dim]``.
-    Query head ``h`` reads KV head ``h // (heads // kv_heads)``."""
+    ``[rows, kv_heads, k, dim]`` where ``mask`` ``[rows, kv_heads, k]`` is true (``None``: all of them):
+    ``[rows, heads, dim]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``."""
     import torch
 
     rows, heads, dim = query.shape
@@ -356,7 +368,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     rep = heads // kv_heads
     q = query.reshape(rows, kv_heads, rep, dim)
     bias = None
-    if not bool(mask.all()):   # rows of different sizes (a mask makes the CPU's kernel ~1.7x slower)
+    if mask is not None and not bool(mask.all()):   # rows of different sizes (a mask makes the CPU's kernel ~1.7x slower)
         bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
         bias = bias[:, :, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
@@ -501,6 +513,6 @@ def group_cosine(a: torch.Tensor, b: torch.Tensor, kv_heads: int) -> torch.Tenso
 
 
 __all__ = ["KeyMirror", "QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads",
-           "choose_next", "gather_selected_kv", "gather_selected_pool", "group_cosine", "overlap_ratio",
+           "choose_next", "flat_rows", "gather_flat_kv", "gather_selected_kv", "gather_selected_pool", "group_cosine", "overlap_ratio",
            "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
            "selection_from_mask", "sparse_attention", "token_scores"]

@@ -12,11 +12,14 @@ What is shared and what is sent:
 - The key pools of the sparse layers are moved into shared memory once (:func:`share_key_pools`, in
   place: SGLang's tensors keep their identity; the pool's pointer tables are rebuilt) and handed to
   the process when it starts; it reads the keys the scheduler writes, no copy per step.
-- Each job goes over a pipe as numpy arrays: the layers, the rows' slots and epochs, lengths, recent
-  queries, how many are real, and their contexts' pool slots (``req_to_token`` rows), plus the
-  rotary table when it changed. Each answer comes back the same way: the positions and masks
-  (layer-major), the predicted queries under measure, the seconds the choice took, and how many
-  waiting jobs it superseded.
+- So is the server's ``req_to_token`` (:class:`CacheRank` moves it in place): the process reads the
+  rows' contexts' pool slots there, so a job carries none.
+- Each job goes over a pipe as numpy arrays: the layers, the rows' slots and epochs, lengths, their
+  recent queries (:class:`~sgl_tts.plugin.sparse_async.QueryHistory` columns) and how many are real,
+  plus the rotary table when it changed. Each answer comes back the same way
+  (:func:`~sgl_tts.plugin.sparse_async.choose`'s, :func:`answer_of` on the scheduler's side): the
+  chosen tokens as flat pool rows (layer-major) and each row's count, positions and predicted
+  queries under measure, the seconds the choice took, and how many waiting jobs it superseded.
 - Two one-way pipes. In the process a thread takes every job as it arrives, so the scheduler's send
   never waits on a choice in progress, and the scheduler hands no job while two steps' worth are unanswered
   (:attr:`CacheRank.MAX_OUTSTANDING_STEPS`): the pipe never fills. (One duplex pipe, each side writing
@@ -66,20 +69,25 @@ class CacheRank:
     """The worker process and the scheduler's end of its pipe.
 
     ``k_caches``: each sparse layer's key tensor, in shared memory (:func:`share_key_pools`, or any
-    CPU tensor after ``share_memory_()``); ``settings``: the :class:`~sgl_tts.plugin.settings.SparseSettings`."""
+    CPU tensor after ``share_memory_()``); ``req_to_token``: the server's request table (moved into
+    shared memory in place if it is not there); ``settings``: the
+    :class:`~sgl_tts.plugin.settings.SparseSettings`."""
 
     #: steps' worth of jobs handed but not answered beyond which a step hands none (the process is
     #: behind, and newer jobs would supersede the older ones anyway): the pipe never fills, so a send
     #: never waits. A step hands one job (its first step a job per sparse layer).
     MAX_OUTSTANDING_STEPS = 2
 
-    def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"]):  # noqa: F821
+    def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"], req_to_token: "torch.Tensor"):  # noqa: F821
         import torch.multiprocessing  # noqa: F401 - registers the shared-tensor pickling the start uses
+
+        if not req_to_token.is_shared():
+            req_to_token.share_memory_()
 
         ctx = multiprocessing.get_context("spawn")   # the scheduler has threads: never fork it
         jobs_out, self.jobs = ctx.Pipe(duplex=False)          # (reader, writer): scheduler -> process
         self.answers_in, answers_out = ctx.Pipe(duplex=False)  # process -> scheduler
-        self.process = ctx.Process(target=serve, args=(jobs_out, answers_out, settings.to_json(), k_caches),
+        self.process = ctx.Process(target=serve, args=(jobs_out, answers_out, settings.to_json(), k_caches, req_to_token),
                                    daemon=True, name="sgl-tts-cache-rank")
         self.process.start()
         jobs_out.close()
@@ -89,18 +97,22 @@ class CacheRank:
         self._most = self.MAX_OUTSTANDING_STEPS * max(1, len(k_caches))
 
     @property
+    def owes(self) -> bool:
+        """Answers are still owed (some may have arrived)."""
+        return self.finished < self.given
+
+    @property
     def behind(self) -> bool:
         """The process has :attr:`MAX_OUTSTANDING_STEPS` steps' worth of jobs unanswered (a job per
         sparse layer: the first step's count)."""
         return self.given - self.finished >= self._most
 
     def submit(self, job: Any) -> None:
-        """Hand one job to the process: a :class:`~sgl_tts.plugin.sparse_attention._Job` (the arguments of
-        :func:`~sgl_tts.plugin.sparse_decoding.choose_next`; its key pools go by layer id)."""
+        """Hand one job to the process: a :class:`~sgl_tts.plugin.sparse_async.Job` (its key pools go by
+        layer id; its request table is the one the process was started with)."""
         msg: dict[str, Any] = {"layers": list(job.layers), "slots": list(job.slots), "epochs": list(job.epochs),
-                               "lengths": _array(job.lengths), "history": _array(job.history),
-                               "available": _array(job.available), "scale": job.scale,
-                               "index": _array(job.index), "rotary": None}
+                               "lengths": _array(job.lengths), "ring": _array(job.ring),
+                               "available": _array(job.available), "scale": job.scale, "rotary": None}
         rotary = job.rotary
         if rotary is not None:
             key = (rotary.cos_sin.data_ptr(), tuple(rotary.cos_sin.shape), rotary.rotary_dim, rotary.neox)
@@ -131,7 +143,7 @@ class CacheRank:
                 self.process.kill()
 
 
-def serve(jobs, answers, settings_json: str, k_caches: dict) -> None:
+def serve(jobs, answers, settings_json: str, k_caches: dict, req_to_token) -> None:
     """The process: a thread takes every job as it arrives (so the scheduler's send never waits on a
     choice in progress); the main thread answers the newest job of each set of layers waiting."""
     import threading
@@ -185,35 +197,51 @@ def serve(jobs, answers, settings_json: str, k_caches: dict) -> None:
             newest[key] = msg
         for key, msg in newest.items():
             try:
-                answers.send(_answer(msg, superseded.get(key, 0), s, k_caches, rotary, mirror))
+                answers.send(_answer(msg, superseded.get(key, 0), s, k_caches, req_to_token, rotary, mirror))
             except (EOFError, OSError):
                 return
 
 
-def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, rotary: Any, mirror: Any = None) -> dict:
-    """One job's answer: :func:`~sgl_tts.plugin.sparse_decoding.choose_next` on its arrays (the keys from
-    ``mirror``, a :class:`~sgl_tts.plugin.sparse_decoding.KeyMirror`, if given), positions as int32 (half
-    the bytes back), or the error that stopped it (its rows then stay dense)."""
+def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, req_to_token: Any, rotary: Any,
+            mirror: Any = None) -> dict:
+    """One job's answer: :func:`~sgl_tts.plugin.sparse_async.choose` on its arrays (the keys from
+    ``mirror``, a :class:`~sgl_tts.plugin.sparse_decoding.KeyMirror`, if given), as numpy arrays, or the
+    error that stopped it (its rows then stay dense)."""
     import torch
 
-    from sgl_tts.plugin import sparse_decoding as sd
+    from sgl_tts.plugin.sparse_async import choose
 
     t0 = time.perf_counter()
     answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"], "lengths": msg["lengths"],
               "superseded": superseded, "error": None}
     try:
-        index, pools = torch.from_numpy(msg["index"]), [k_caches[layer] for layer in msg["layers"]]
-        keys_of = None if mirror is None else mirror.source(msg["layers"], msg["slots"], msg["epochs"], pools, index)
-        query, selection = sd.choose_next(
-            torch.from_numpy(msg["history"]), torch.from_numpy(msg["available"]), torch.from_numpy(msg["lengths"]),
-            index, pools, msg["scale"], windows=s.windows, ridge=s.ridge, budget=s.budget, sink=s.sink,
-            recent=s.recent, rotary=rotary if msg.get("rotated") else None, keys_of=keys_of)
-        answer.update(positions=selection.positions.to(torch.int32).numpy(), mask=selection.mask.numpy(),
-                      query=query.numpy() if s.measure else None)
+        got = choose(s, msg["layers"], msg["slots"], msg["epochs"], torch.from_numpy(msg["lengths"]),
+                     torch.from_numpy(msg["ring"]), torch.from_numpy(msg["available"]), msg["scale"],
+                     [k_caches[layer] for layer in msg["layers"]], req_to_token,
+                     rotary if msg.get("rotated") else None, mirror)
+        answer.update(rows=got.rows.numpy(), counts=got.counts,
+                      positions=None if got.positions is None else got.positions.to(torch.int32).numpy(),
+                      mask=None if got.mask is None else got.mask.numpy(),
+                      query=None if got.query is None else got.query.numpy())
     except Exception as exc:  # noqa: BLE001 - a failed choice leaves rows dense, never the server down
         answer["error"] = f"{type(exc).__name__}: {exc}"
     answer["seconds"] = time.perf_counter() - t0
     return answer
 
 
-__all__ = ["CacheRank", "serve", "share_key_pools"]
+def answer_of(a: dict) -> Any:
+    """The scheduler's side of :func:`_answer`: an :class:`~sgl_tts.plugin.sparse_async.Answer`."""
+    import torch
+
+    from sgl_tts.plugin.sparse_async import Answer
+
+    def tensor(x):
+        return None if x is None else torch.from_numpy(x)
+
+    positions = tensor(a["positions"])
+    return Answer(a["layers"], a["slots"], a["epochs"], [int(n) for n in a["lengths"]], tensor(a["rows"]),
+                  a["counts"], None if positions is None else positions.long(), tensor(a["mask"]),
+                  tensor(a["query"]), a["seconds"])
+
+
+__all__ = ["CacheRank", "answer_of", "serve", "share_key_pools"]

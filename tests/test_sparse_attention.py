@@ -392,7 +392,7 @@ def test_the_cache_rank_takes_jobs_while_its_big_answers_wait_unread():
     # answers larger than a pipe's buffer: the scheduler's sends must not wait on the process, which is
     # itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
     from sgl_tts.plugin.sparse_async import Job
-    from sgl_tts.plugin.sparse_worker import CacheRank, answer_of
+    from sgl_tts.plugin.sparse_worker import PIPE_BYTES, CacheRank, answer_of
 
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     n, rows = 200_000, 2
@@ -403,6 +403,10 @@ def test_the_cache_rank_takes_jobs_while_its_big_answers_wait_unread():
     req_to_token[1, :n] = torch.arange(n).flip(0)
     rank = CacheRank(s, {0: keys}, req_to_token)
     assert req_to_token.is_shared()          # moved in place: the process reads the server's own table
+    import fcntl
+
+    with open("/proc/sys/fs/pipe-max-size") as f:     # the job pipe holds a whole job (1 MiB, as allowed)
+        assert fcntl.fcntl(rank.jobs.fileno(), fcntl.F_GETPIPE_SZ) == min(PIPE_BYTES, int(f.read()))
     ring = torch.randn(1, rows, s.history, HEADS, DIM)
     available = torch.full((1, rows), s.history)
     sent = threading.Event()

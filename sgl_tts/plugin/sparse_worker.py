@@ -58,6 +58,29 @@ def share_key_pools(kv_pool: Any, layers: list[int]) -> dict[int, "torch.Tensor"
     return {layer: kv_pool.get_key_buffer(layer) for layer in layers}
 
 
+#: bytes a pipe of the cache rank holds (Linux's limit for an unprivileged process, 1 MiB by default): a
+#: job (a step's recent queries, 70 KB on the tiny generator) or an answer is written in one go instead of
+#: in the default 64 KiB pieces, each waiting for the other side to read the last (measured in process:
+#: 0.5 ms of a 12 ms step went to one job's write)
+PIPE_BYTES = 1 << 20
+
+
+def widen_pipe(fd: int, size: int = PIPE_BYTES) -> int:
+    """Grow pipe ``fd``'s buffer to ``size`` bytes, or as near as the system allows; returns its size
+    (unchanged where the system has no such setting)."""
+    import fcntl
+
+    setsz, getsz = getattr(fcntl, "F_SETPIPE_SZ", 1031), getattr(fcntl, "F_GETPIPE_SZ", 1032)
+    try:
+        return fcntl.fcntl(fd, setsz, size)
+    except OSError:
+        try:
+            with open("/proc/sys/fs/pipe-max-size") as f:
+                return fcntl.fcntl(fd, setsz, min(size, int(f.read())))
+        except (OSError, ValueError):
+            return fcntl.fcntl(fd, getsz) if hasattr(fcntl, "F_GETPIPE_SZ") else 0
+
+
 def _array(t: "torch.Tensor") -> "numpy.ndarray":  # noqa: F821
     import torch
 
@@ -87,6 +110,8 @@ class CacheRank:
         ctx = multiprocessing.get_context("spawn")   # the scheduler has threads: never fork it
         jobs_out, self.jobs = ctx.Pipe(duplex=False)          # (reader, writer): scheduler -> process
         self.answers_in, answers_out = ctx.Pipe(duplex=False)  # process -> scheduler
+        for end in (self.jobs, answers_out):
+            widen_pipe(end.fileno())
         self.process = ctx.Process(target=serve, args=(jobs_out, answers_out, settings.to_json(), k_caches, req_to_token),
                                    daemon=True, name="sgl-tts-cache-rank")
         self.process.start()
@@ -244,4 +269,4 @@ def answer_of(a: dict) -> Any:
                   tensor(a["query"]), a["seconds"])
 
 
-__all__ = ["CacheRank", "answer_of", "serve", "share_key_pools"]
+__all__ = ["CacheRank", "PIPE_BYTES", "answer_of", "serve", "share_key_pools", "widen_pipe"]

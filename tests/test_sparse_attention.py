@@ -388,6 +388,38 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         dec.close()
 
 
+def test_a_cache_rank_not_ready_in_time_is_stopped_and_a_thread_chooses(monkeypatch, caplog):
+    # the server goes on only once the process is ready (else a server's first requests can pass while
+    # it still imports: no selection at all); one that cannot start in time leaves the choice to a thread
+    import functools
+    import logging
+
+    from sgl_tts.plugin import sparse_worker
+
+    s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
+    pool = Pool([30, 30], seed=4)
+    pool.k.share_memory_()
+    rank = sparse_worker.CacheRank(s, {0: pool.k}, pool.req_to_token)
+    assert rank.ready_seconds > 0 and rank.process.is_alive()
+    rank.close()
+    with pytest.raises(RuntimeError, match="did not start within 0 s"):
+        sparse_worker.CacheRank(s, {0: pool.k}, pool.req_to_token, ready_timeout=0.0)
+    monkeypatch.setattr(sparse_worker, "CacheRank", functools.partial(sparse_worker.CacheRank, ready_timeout=0.0))
+    with caplog.at_level(logging.ERROR, logger="sgl_tts.plugin.sparse_attention"):
+        dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k}, pool.req_to_token)
+    try:
+        assert dec._rank is None and dec._thread is not None
+        assert "did not start within 0 s; choosing in a thread of the scheduler" in caplog.text
+        dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
+        for _ in range(2):
+            pool.grow()
+            pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))
+            assert dec.wait_idle(30)
+        assert (dec.counters.missing, dec.counters.sparse_rows) == (2, 2)
+    finally:
+        dec.close()
+
+
 def test_the_cache_rank_takes_jobs_while_its_big_answers_wait_unread():
     # answers larger than a pipe's buffer: the scheduler's sends must not wait on the process, which is
     # itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)

@@ -99,8 +99,7 @@ class SparseDecoder:
         self._rank = None         # the cache rank process (--tts-sparse-worker process): start_cache_rank
         self._mirror = None       # the thread's (or inline) copy of the keys: the process keeps its own
         if settings.mode == "async" and threaded and settings.worker == "thread":
-            self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
-            self._thread.start()
+            self._start_thread()
 
     def start_cache_rank(self, k_caches: dict, req_to_token: torch.Tensor) -> "SparseDecoder":
         """``async`` with ``worker="process"``: start the cache rank process over ``k_caches`` (layer id
@@ -111,10 +110,21 @@ class SparseDecoder:
         from sgl_tts.plugin.sparse_worker import CacheRank
 
         if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
-            self._rank = CacheRank(self.s, k_caches, req_to_token)
+            try:
+                self._rank = CacheRank(self.s, k_caches, req_to_token)
+            except RuntimeError as exc:
+                logger.error("sgl-tts sparse attention: %s; choosing in a thread of the scheduler", exc)
+                self._start_thread()
+                return self
             logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools and the "
-                        "request table in shared memory)", self._rank.process.pid, sorted(k_caches))
+                        "request table in shared memory), ready in %.1f s", self._rank.process.pid,
+                        sorted(k_caches), self._rank.ready_seconds)
         return self
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
+            self._thread.start()
 
     # --------------------------------------------------------------------------------- extend
     def record_extend(self, layer: int, query: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
@@ -490,8 +500,7 @@ class SparseDecoder:
                      "the scheduler from now on", exc)
         self._rank.close()
         self._rank = None
-        self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     def _take_answers(self, wait: bool) -> None:
         from sgl_tts.plugin.sparse_worker import answer_of

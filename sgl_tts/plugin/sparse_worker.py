@@ -94,14 +94,17 @@ class CacheRank:
     ``k_caches``: each sparse layer's key tensor, in shared memory (:func:`share_key_pools`, or any
     CPU tensor after ``share_memory_()``); ``req_to_token``: the server's request table (moved into
     shared memory in place if it is not there); ``settings``: the
-    :class:`~sgl_tts.plugin.settings.SparseSettings`."""
+    :class:`~sgl_tts.plugin.settings.SparseSettings`. The constructor returns once the process is
+    ready (:attr:`ready_seconds`), or raises ``RuntimeError`` (the process stopped) when it did not
+    start within ``ready_timeout`` seconds or exited first."""
 
     #: steps' worth of jobs handed but not answered beyond which a step hands none (the process is
     #: behind, and newer jobs would supersede the older ones anyway): the pipe never fills, so a send
     #: never waits. A step hands one job (its first step a job per sparse layer).
     MAX_OUTSTANDING_STEPS = 2
 
-    def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"], req_to_token: "torch.Tensor"):  # noqa: F821
+    def __init__(self, settings: Any, k_caches: dict[int, "torch.Tensor"], req_to_token: "torch.Tensor",  # noqa: F821
+                 ready_timeout: float = 120.0):
         import torch.multiprocessing  # noqa: F401 - registers the shared-tensor pickling the start uses
 
         if not req_to_token.is_shared():
@@ -120,6 +123,26 @@ class CacheRank:
         self._rotary_sent: Optional[tuple] = None
         self.given = self.finished = 0
         self._most = self.MAX_OUTSTANDING_STEPS * max(1, len(k_caches))
+        try:
+            self.ready_seconds = self._await_ready(ready_timeout)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def _await_ready(self, timeout: float) -> float:
+        """Wait for the process to say it is ready (its imports done, the shared tensors mapped); the
+        seconds that took. Until then its jobs would only pile up: a server whose first requests come
+        within the process's start-up (seconds on a loaded machine) would serve them without a single
+        selection."""
+        t0 = time.monotonic()
+        if not self.answers_in.poll(timeout):
+            raise RuntimeError(f"the sparse cache rank process did not start within {timeout:.0f} s")
+        try:
+            self.answers_in.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the sparse cache rank process exited while starting (code "
+                               f"{self.process.exitcode})") from None
+        return time.monotonic() - t0
 
     @property
     def owes(self) -> bool:
@@ -181,6 +204,10 @@ def serve(jobs, answers, settings_json: str, k_caches: dict, req_to_token) -> No
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     s = SparseSettings.from_json(settings_json)
+    try:
+        answers.send({"ready": True})        # CacheRank waits for this before the server goes on
+    except (EOFError, OSError):
+        return
     inbox: list = []
     arrived = threading.Condition()
     closed = []

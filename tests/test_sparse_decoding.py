@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tts.plugin.sparse_decoding import (KeyMirror, Selection, budgets, choose_next, gather_selected_kv,
+from sgl_tts.plugin.sparse_decoding import (KeyMirror, Selection, budgets, choose_next, flat_rows, gather_flat_kv,
                                             overlap_ratio, page_scores, predict_next_query, ridge_weights,
                                             select_pages, select_tokens, sparse_attention, token_scores)
 
@@ -171,7 +171,7 @@ def test_gathering_keys_and_values_together_reads_each_head_at_its_own_slots():
     g = torch.Generator().manual_seed(9)
     k_pool, v_pool = torch.randn(20, 3, 4, generator=g), torch.randn(20, 3, 4, generator=g)
     index = torch.randint(0, 20, (2, 3, 5), generator=g)
-    keys, values = gather_selected_kv(k_pool, v_pool, index)
+    keys, values = gather_flat_kv(k_pool, v_pool, flat_rows(index))
     for r in range(2):
         for h in range(3):
             for j in range(5):

@@ -52,8 +52,8 @@ LOG_EVERY = 500
 class _Step:
     """What every layer of one decode step shares (found at its first layer): each row's budget, the
     rows that attend sparsely in the sparse layers (long enough, budget under the context, not stood
-    down; a mask and their batch positions), how many were stood down, and (async) the flat pool rows of each row's tokens written since
-    a choice was made, by (slot, made)."""
+    down; a mask and their batch positions), how many were stood down, and (async) the flat pool rows
+    of each row's tokens written since a choice was made, by (slot, made)."""
 
     __slots__ = ("lengths", "keep", "eligible", "rows", "stood_down", "new")
 

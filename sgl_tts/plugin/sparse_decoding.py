@@ -306,7 +306,7 @@ def gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_selected_pool(cache: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
     """An SGLang KV pool ``[pool tokens, kv_heads, dim]`` read at per-head slots ``pool_index``
     ``[rows, kv_heads, k]``: ``[rows, kv_heads, k, dim]`` (KV head ``h`` of slot ``pool_index[r, h, j]``)."""
-    picked = cache.reshape(-1, cache.shape[-1]).index_select(0, _flat_slots(pool_index))
+    picked = cache.reshape(-1, cache.shape[-1]).index_select(0, flat_rows(pool_index).reshape(-1))
     return picked.view(*pool_index.shape, cache.shape[-1])
 
 
@@ -319,10 +319,6 @@ def flat_rows(pool_index: torch.Tensor) -> torch.Tensor:
     return pool_index * kv_heads + torch.arange(kv_heads, device=pool_index.device)[None, :, None]
 
 
-def _flat_slots(pool_index: torch.Tensor) -> torch.Tensor:
-    return flat_rows(pool_index).reshape(-1)
-
-
 def gather_flat_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
                    index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's key and value pools ``[pool tokens, kv_heads, dim]`` read at flat pool rows ``index``
@@ -331,13 +327,6 @@ def gather_flat_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys = k_cache.reshape(-1, k_cache.shape[-1]).index_select(0, flat)
     values = v_cache.reshape(-1, v_cache.shape[-1]).index_select(0, flat)
     return keys.view(*index.shape, -1), values.view(*index.shape, -1)
-
-
-def gather_selected_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       pool_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gather_selected_pool` of a layer's key and value pools at the same slots, the flat index
-    computed once."""
-    return gather_flat_kv(k_cache, v_cache, flat_rows(pool_index))
 
 
 def selection_from_mask(chosen: torch.Tensor) -> Selection:
@@ -513,6 +502,7 @@ def group_cosine(a: torch.Tensor, b: torch.Tensor, kv_heads: int) -> torch.Tenso
 
 
 __all__ = ["KeyMirror", "QUEST_PAGE", "Rotary", "Selection", "always_kept", "rotate", "budgets", "gather_heads",
-           "choose_next", "flat_rows", "gather_flat_kv", "gather_selected_kv", "gather_selected_pool", "group_cosine", "overlap_ratio",
+           "choose_next", "flat_rows", "gather_flat_kv", "gather_selected_pool", "group_cosine",
+           "overlap_ratio",
            "page_scores", "predict_next_query", "ridge_weights", "select_pages", "select_tokens",
            "selection_from_mask", "sparse_attention", "token_scores"]

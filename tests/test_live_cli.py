@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -111,6 +112,18 @@ def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path, live_stoppe
         out = _post(f"http://127.0.0.1:{gport}/generate",
                     {"text": "Compute ((3+4)*5)-6.\n\n", "sampling_params": {"max_new_tokens": 40, "temperature": 0}})
         assert out["text"].startswith("Step 1: 3+4=7")
+        # code a request sends (a custom logit processor) does not run unless serve was asked for it
+        from sgl_tts.confidence import ConfidenceStop, stop_rule
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(f"http://127.0.0.1:{gport}/generate",
+                  {"text": "Compute ((3+4)*5)-6.\n\n", "custom_logit_processor": ConfidenceStop.to_str(),
+                   "sampling_params": {"max_new_tokens": 8, "custom_params": stop_rule(0.5, 4, 5, 1.0)}})
+        assert refused.value.code == 400
+        assert json.loads(refused.value.read())["error"]["message"] == (
+            "The server is not configured to enable custom logit processor. "
+            "Please set `--enable-custom-logit-processor` to enable this feature.")
+        assert not any("custom logit processors are ON" in x for x in lines)
         # the PRM answers with its head size right (the transformers implementation)
         from sgl_tts.backends import SGLangEndpoint
         from sgl_tts.prm import StepTagPRM

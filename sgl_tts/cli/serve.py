@@ -34,7 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="with --device cpu: compute and KV dtype (default: the checkpoint's; float32 "
                          "computes exactly what sgl_tts.LocalBackend computes)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="the servers' address (default 127.0.0.1: this machine only)")
+    ap.add_argument("--enable-deepconf-stop", action="store_true",
+                    help="turn on SGLang's custom logit processors on the generator "
+                         "(--enable-custom-logit-processor) for online DeepConf's stop inside generation "
+                         "(chunk_tokens 0). A request may then carry code the generator runs: on a "
+                         "non-loopback --host this needs --allow-remote-code-execution (default: off; "
+                         "online DeepConf with chunk_tokens > 0 needs nothing)")
+    ap.add_argument("--allow-remote-code-execution", action="store_true",
+                    help="allow custom logit processors (--enable-deepconf-stop) on a non-loopback --host: "
+                         "anyone who reaches the generator's port can then run code on this machine")
     ap.add_argument("--generator-port", type=int, default=30000)
     ap.add_argument("--prm-port", type=int, default=30001)
     ap.add_argument("--tts-policy", default="prefix-aware", choices=list(POLICIES))
@@ -68,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts serve``."""
-    from sgl_tts.launch.serve import (ServerFailed, pair_flags, print_commands, run_servers, say, serve_specs,
-                                      sigterm_stops_servers, wait_router_workers)
+    from sgl_tts.launch.serve import (ServerFailed, pair_flags, print_commands, remote_code_notice, run_servers, say,
+                                      serve_specs, sigterm_stops_servers, wait_router_workers)
 
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -81,9 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(str(exc))
         print(f"sgl-tts serve: error: {exc}", file=sys.stderr)
         return 1
+    notice = remote_code_notice(specs, "asked for by --enable-deepconf-stop (online DeepConf's stop inside "
+                                "generation)" if args.enable_deepconf_stop else "asked for in --server-args")
     if args.dry_run:
+        if notice:
+            print("# " + notice)
         print_commands(specs)
         return 0
+    if notice:
+        say(notice)
 
     def ready(servers):
         urls = {s.spec.name: s.spec.health_url.rsplit("/", 1)[0] for s in servers}

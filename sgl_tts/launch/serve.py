@@ -8,6 +8,12 @@ once (:func:`start_waves`), and their logs stream with a ``[generator]`` / ``[pr
 prefix. Ctrl-C, or either server dying, stops both: every child runs in its own process group, which
 gets SIGTERM, then SIGKILL after a grace period, so nothing is left running. A server that dies or
 never becomes healthy ends ``serve`` with a non-zero exit and that server's last log lines.
+
+Nothing it starts runs code a request sends unless asked: SGLang's custom logit processors (serialized
+code the server loads) are on only for ``--enable-deepconf-stop`` (online DeepConf's stop inside
+generation) or when ``--server-args`` names them, ``serve`` says so when it starts, and on a
+non-loopback ``--host`` they need ``--allow-remote-code-execution`` (:func:`check_remote_code`, applied by
+:func:`launch_command` to every server sgl-tts starts).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import signal
 import subprocess
@@ -331,41 +338,89 @@ def wait_router_workers(url: str, count: int, timeout: float = 120.0) -> list[st
         time.sleep(0.2)
 
 
+#: SGLang's flag for custom logit processors: a request may then carry a processor, serialized code
+#: (dill) that the server loads and runs. Online DeepConf's stop inside generation needs it
+#: (``sgl_tts.confidence.ConfidenceStop``); nothing sgl-tts starts has it unless asked for.
+CUSTOM_LOGIT_PROCESSOR_FLAG = "--enable-custom-logit-processor"
+#: The generator's flags for online DeepConf's stop inside generation (``sgl-tts serve
+#: --enable-deepconf-stop``).
+DEEPCONF_STOP_FLAGS = (CUSTOM_LOGIT_PROCESSOR_FLAG,)
+#: Deprecated name of :data:`DEEPCONF_STOP_FLAGS` (no generator gets them by default any more).
+GENERATOR_FLAGS = DEEPCONF_STOP_FLAGS
+#: SGLang flags with which a request's content runs as code in the server.
+REMOTE_CODE_FLAGS = (CUSTOM_LOGIT_PROCESSOR_FLAG,)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` answers this machine only: ``localhost`` or a loopback
+    address (127.0.0.0/8, ``::1``). ``0.0.0.0``, ``::``, an empty host (every interface) and any other
+    name (it may resolve to an outside address) are not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_remote_code(host: str, flags: Sequence[str], *, allow_remote_code: bool = False,
+                      asked_by: str | None = None) -> None:
+    """Refuse (ValueError) a server on a non-loopback ``host`` with a flag of :data:`REMOTE_CODE_FLAGS`
+    among ``flags``, unless ``allow_remote_code``: anyone who reaches its port could run code here.
+    ``asked_by``: the user's flag that put it there, for the message (default: the SGLang flag)."""
+    risky = [f for f in REMOTE_CODE_FLAGS if f in flags]
+    if risky and not allow_remote_code and not is_loopback(host):
+        raise ValueError(f"{asked_by or risky[0]} turns on SGLang's custom logit processors (a request's "
+                         f"processor is code the server runs), and --host {host or repr(host)} is not a loopback "
+                         f"address: anyone who reaches the server could run code on this machine. Serve on "
+                         f"127.0.0.1 (the default), or pass --allow-remote-code-execution to accept that risk")
+
+
 def launch_command(model: str, *, host: str, port: int, flags: Sequence[str] = (),
                    plugin: TTSSettings | None = None, extra: Sequence[str] = (),
-                   python: str = sys.executable) -> list[str]:
+                   python: str = sys.executable, allow_remote_code: bool = False) -> list[str]:
     """The one builder of SGLang's command line: ``python -m sglang.launch_server`` for ``model`` on
     ``host:port`` with the server's ``flags`` (a memory plan's, the CPU's), the plugin's settings
     rendered by the plugin's own type (:meth:`TTSSettings.args`, only what is on) and ``extra``
-    flags last (they win over earlier ones)."""
+    flags last (they win over earlier ones). A flag that lets requests run code in the server
+    (:data:`REMOTE_CODE_FLAGS`) on a non-loopback ``host`` is refused unless ``allow_remote_code``
+    (:func:`check_remote_code`)."""
+    check_remote_code(host, [*flags, *extra], allow_remote_code=allow_remote_code)
     return [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
             *flags, *(plugin.args() if plugin is not None else ()), *extra]
-
-
-#: SGLang flags every generator sgl-tts launches gets: custom logit processors, for online DeepConf's
-#: stop inside generation (``sgl_tts.confidence.ConfidenceStop``). A request can then run code it
-#: sends (SGLang deserializes the processor), so such a server must not face untrusted clients.
-GENERATOR_FLAGS = ("--enable-custom-logit-processor",)
 
 
 def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict[str, int],
                 first: str, plugin: TTSSettings | None = None, python: str = sys.executable,
                 extra: dict[str, Sequence[str]] | None = None,
-                env: dict[str, str] | None = None, prm_plugin: TTSSettings | None = None) -> list[ServerSpec]:
-    """The two servers' command lines in start-up order (``plugin``'s settings and
-    :data:`GENERATOR_FLAGS` go to the generator, whose scheduler runs the search's requests;
-    ``prm_plugin``'s, if any, to the PRM, e.g. its CPU attention); ``env`` is added to both servers'
-    environment."""
+                env: dict[str, str] | None = None, prm_plugin: TTSSettings | None = None,
+                deepconf_stop: bool = False, allow_remote_code: bool = False) -> list[ServerSpec]:
+    """The two servers' command lines in start-up order (``plugin``'s settings, and with
+    ``deepconf_stop`` :data:`DEEPCONF_STOP_FLAGS`, go to the generator, whose scheduler runs the
+    search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU attention); ``env`` is added
+    to both servers' environment. Custom logit processors on a non-loopback ``host`` need
+    ``allow_remote_code`` (ValueError otherwise, :func:`check_remote_code`)."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
     specs = []
     for name in order:
-        own = GENERATOR_FLAGS if name == "generator" else ()
+        own = DEEPCONF_STOP_FLAGS if name == "generator" and deepconf_stop else ()
         cmd = launch_command(models[name], host=host, port=ports[name], flags=[*flags[name].args(), *own],
                              plugin=plugin if name == "generator" else prm_plugin,
-                             extra=(extra or {}).get(name, ()), python=python)
+                             extra=(extra or {}).get(name, ()), python=python, allow_remote_code=allow_remote_code)
         specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
     return specs
+
+
+def remote_code_notice(specs: Sequence[ServerSpec], why: str) -> str | None:
+    """The line ``sgl-tts serve`` says on start when a server in ``specs`` runs code its requests
+    carry (custom logit processors), naming the servers and ``why``; ``None`` when none does."""
+    on = [s for s in specs if any(f in s.command for f in REMOTE_CODE_FLAGS)]
+    if not on:
+        return None
+    where = ", ".join(f"{s.name} ({s.health_url.rsplit('/', 1)[0]})" for s in on)
+    return (f"sgl-tts serve: custom logit processors are ON for {where}, {why}: a request may carry code "
+            f"that the server runs, so only trusted clients may reach it")
 
 
 def print_commands(specs: Sequence[ServerSpec], label: str = "", health: bool = True) -> None:
@@ -384,10 +439,15 @@ def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
     models by default, --kv-memory split by --generator-share, or when it is not given by the memory
     planner on both models' measured CPU profiles (the generator's share split again between its
     replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
-    input."""
+    input; ValueError first of all for custom logit processors on a non-loopback ``--host`` without
+    ``--allow-remote-code-execution`` (:func:`check_remote_code`), before the planner may start a
+    server to measure a profile."""
     from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags, cpu_server_flags
     from sgl_tts.launch.memory import parse_bytes, plan_from_args
 
+    check_remote_code(args.host, [*(DEEPCONF_STOP_FLAGS if args.enable_deepconf_stop else ()), *server_args(args)],
+                      allow_remote_code=args.allow_remote_code_execution,
+                      asked_by="--enable-deepconf-stop" if args.enable_deepconf_stop else "--server-args")
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.device != "cpu":
@@ -416,9 +476,21 @@ def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
     return flags, dict(CPU_ENV)
 
 
+def server_args(args) -> list[str]:
+    """``--server-args`` as a list of flags (ValueError naming it for an unclosed quote)."""
+    import shlex
+
+    try:
+        return shlex.split(args.server_args)
+    except ValueError as exc:   # an unclosed quote
+        raise ValueError(f"--server-args: {exc}") from None
+
+
 def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpec]:
     """The servers to start, in start-up order: the pair, or K generator replicas, the PRM and the
-    router on the generator's port."""
+    router on the generator's port. Custom logit processors only with ``--enable-deepconf-stop`` (or
+    asked for in ``--server-args``), and on a non-loopback ``--host`` only with
+    ``--allow-remote-code-execution`` (ValueError otherwise)."""
     import shlex
 
     # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
@@ -426,14 +498,12 @@ def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpe
     plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu",
                          cpu_attention=attention)
     prm_plugin = TTSSettings(cpu_attention=attention) if attention != "native" else None
-    try:
-        more = shlex.split(args.server_args)
-    except ValueError as exc:   # an unclosed quote
-        raise ValueError(f"--server-args: {exc}") from None
+    more = server_args(args)
     specs = build_specs(args.generator, args.prm, flags, host=args.host,
                         ports={"generator": args.generator_port, "prm": args.prm_port},
                         first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin,
-                        extra={"generator": more, "prm": more})
+                        extra={"generator": more, "prm": more}, deepconf_stop=args.enable_deepconf_stop,
+                        allow_remote_code=args.allow_remote_code_execution)
     if args.replicas == 1:
         return specs
     ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
@@ -444,6 +514,7 @@ def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpe
                      gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
 
 
-__all__ = ["ManagedServer", "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_specs",
-           "pair_flags", "print_commands", "replicate", "serve_specs",
+__all__ = ["CUSTOM_LOGIT_PROCESSOR_FLAG", "DEEPCONF_STOP_FLAGS", "ManagedServer", "REMOTE_CODE_FLAGS",
+           "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_specs", "check_remote_code", "is_loopback",
+           "pair_flags", "print_commands", "remote_code_notice", "replicate", "serve_specs",
            "router_spec", "run_servers", "wait_router_workers", "sigterm_stops_servers"]

@@ -36,8 +36,10 @@ with their confidences as weights.
 3. *consensus*: after the warm-up, and each time a sample finishes, the vote among the finished
    samples whose confidence is at least ``s`` (their confidences as weights) is read; once the leader
    holds at least ``consensus`` of the weight, sampling stops and the samples still running are
-   **dropped**: their requests in flight are aborted on the server (one abort of the round's rid
-   prefix, ``tts/<group>/<round>/``; a backend without aborts lets them run out) and no chunk follows.
+   **dropped**: the samples after the one that settled it (with chunks: of its round) have requests
+   in flight, aborted on the server (one abort of the round's rid prefix, ``tts/<group>/<round>/``; a
+   backend without aborts lets them run out); with chunks, an earlier sample of the round, whose chunk
+   already ended at its token limit, has nothing in flight and is dropped as it is. No chunk follows.
    Samples are read in sample order (with chunks: a round's, round after round), so which samples
    are dropped depends on the samples alone, never on which request ended first (only the dropped
    samples' token counts do). A sample also ends at ``max_tokens`` or when the model ends it.
@@ -48,8 +50,8 @@ weighted vote; online, the vote above), ``confidence_weighted`` (every finished 
 ``majority`` (every finished sample, one vote each: plain self-consistency). ``trajectories`` are the
 finished samples in sample order (``score``: the confidence); ``exit_reason`` is ``consensus`` or
 ``budget`` (online), ``traces_stopped`` counts the stopped and dropped samples, whose tokens count in
-``tokens_generated`` only, and ``requests_aborted`` the dropped samples' chunks the server answered
-as aborted.
+``tokens_generated`` only, and ``requests_aborted`` the dropped samples' requests (chunks, or whole
+samples) the server answered as aborted.
 
 Seeds: a whole sample ``i`` is seeded ``derive_seed("deepconf", seed, question, i)``; chunk ``r`` of
 an online sample ``i`` ``derive_seed("deepconf", seed, question, i, r)``. Request tags: sample ``i`` at
@@ -265,7 +267,11 @@ def _online(warm: list[Sample], rest: list[Sample], threshold: float, consensus:
             elif reason != "length" or x.tokens >= max_tokens:
                 x.status = "finished"
                 x.confidence = trace_confidence(x.confidences, window)
-                if settled():   # the later samples' chunks of this round are still generating: abort them
+                if settled():
+                    for y in running[:i]:   # chunk read, ended at its limit: nothing in flight, nor read again
+                        if y.status == "running":
+                            y.status = "dropped"
+                    # the later samples' chunks of this round are still generating: abort them
                     _drop(running[i + 1:], rid_prefix(common["group"], rnd), name, top_logprobs, t0)
                     return "consensus"
         rnd += 1

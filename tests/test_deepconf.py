@@ -311,6 +311,43 @@ def test_consensus_aborts_the_later_samples(chunk_tokens, most):
     assert [t.answer for t in res.trajectories] == ["1", "2", "2", "1"]
 
 
+def test_consensus_on_a_later_sample_drops_an_earlier_one_whose_chunk_ended_at_its_limit():
+    """Issue 62: in round 1 the vote settles on sample 5, the second sample still running; sample 3,
+    read before it, ended its chunk at the chunk's token limit. It is dropped (nothing in flight, its
+    chunk read once), 6 and 7 (read after) are dropped with their chunks aborted, so every sample is a
+    trajectory, stopped or dropped. Warm-up: s = 2.0; voters 0 (1), 1 (2), 2 (2): 2 leads with 4/6 <
+    0.7. Round 0: 4 stops (confidence 1.5), the others run on. Round 1: 3, 6, 7 (40 tokens) end
+    their second chunk at 8 tokens; 5 (13 tokens, confidence 10, answer 1) ends: 1 holds 12/16."""
+    texts = [sample(0, "1"), sample(1, "2"), sample(2, "2"), sample(3, "2", length=40), sample(4, "1"),
+             sample(5, "1", length=12), sample(6, "2", length=40), sample(7, "2", length=40)]
+    confs = [profile(24, 2.0)] * 3 + [profile(40, 2.5), profile(24, 1.5), profile(12, 10.0)] + [profile(40, 2.5)] * 2
+    world = World(texts, confs)
+    backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
+    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
+                       warmup=3, consensus=0.7, chunk_tokens=8, search_group="dc-late",
+                       backend=backend).ret_value
+    assert res.exit_reason == "consensus" and res.answer == "1"
+    # each sample's requests: (chunk, how it ended, tokens of text); none of round 2
+    chunks = {}
+    for d in sorted(backend.draws, key=lambda d: d.custom_params["tts_depth"]):
+        chunks.setdefault(d.custom_params["tts_beam"], []).append((d.custom_params["tts_depth"],
+                                                                   d.finish_reason["type"], len(d.text)))
+    assert {i: chunks[i] for i in (3, 4, 5)} == {3: [(0, "length", 8), (1, "length", 8)], 4: [(0, "length", 8)],
+                                                 5: [(0, "length", 8), (1, "stop", 4)]}
+    late = [chunks[i][1] for i in (6, 7)]   # answered whole, or aborted before they were sent
+    assert all(chunks[i][0] == (0, "length", 8) and len(chunks[i]) == 2 for i in (6, 7))
+    assert all(c in ((1, "length", 8), (1, "abort", 0)) for c in late)
+    # the states: finished 0, 1, 2, 5; stopped 4 (the only one whose tokens have a window below s);
+    # dropped 3, 6, 7: the accounting holds
+    assert [t.text.split(":")[0] for t in res.trajectories] == ["s0", "s1", "s2", "s5"]
+    below = [i for i in range(3, 8) if lowest_group(world.confs[i][:sum(c[2] for c in chunks[i])], 4) < 2.0]
+    assert below == [4]
+    assert res.traces_stopped == 4 and len(res.trajectories) + res.traces_stopped == 8
+    # only 6's and 7's chunks can have been aborted; 3's was read once: its 16 tokens counted once
+    assert res.requests_aborted == sum(c[1] == "abort" for c in late)
+    assert res.tokens_generated == 3 * 25 + 16 + 8 + 13 + 2 * 8 + sum(c[2] for c in late)
+
+
 def test_the_same_seed_gives_the_same_run():
     world = online_world()
     runs = [deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,

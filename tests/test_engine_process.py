@@ -4,9 +4,12 @@ and the same searches as the engine on a thread, its errors, its death and its c
 
 from __future__ import annotations
 
+import collections
 import os
+import select
 import signal
 import shutil
+import socket
 import subprocess
 import time
 
@@ -295,3 +298,84 @@ def test_without_a_zygote_the_engine_is_started_afresh(tiny_model_path, monkeypa
     finally:
         be.shutdown()
     assert be.engine._process.poll() == 0
+
+
+def _zygote_child(zygote: engine_zygote.Zygote, *, live: bool):
+    """An engine process from the real zygote and our end of its socket: a live one waits there for
+    its engine's settings (no model loaded); one whose socket we close at once ends with code 0."""
+    ours, theirs = socket.socketpair()
+    child = zygote.spawn(theirs.fileno())
+    theirs.close()
+    if not live:
+        ours.close()
+    assert child.pid > 0                         # forked
+    return child, ours
+
+
+def _tables(zygote: engine_zygote.Zygote) -> dict[str, int]:
+    """The size of every table the caller's side of the zygote keeps."""
+    return {name: len(v) for name, v in vars(zygote).items()
+            if isinstance(v, (dict, list, set, collections.deque))}
+
+
+def test_an_engine_given_an_ended_engines_pid_reads_as_running():
+    """Exits are keyed by a serial the zygote assigns, not by the pid, which the kernel hands on once
+    a process is reaped. The collision is made where the caller holds the pid: the running engine's
+    is set to the ended one's, as if the kernel had reused it."""
+    zygote = engine_zygote.start()
+    ended, _ = _zygote_child(zygote, live=False)
+    assert ended.wait(60) == 0 and ended.poll() == 0
+    running, conn = _zygote_child(zygote, live=True)
+    try:
+        running._pid = ended.pid
+        assert running.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            running.wait(0.2)
+        running.kill()
+        assert running.wait(60) == -signal.SIGKILL and running.poll() == -signal.SIGKILL
+        assert ended.poll() == 0
+    finally:
+        conn.close()
+
+
+def test_kill_reaches_its_engine_and_never_a_process_that_took_its_pid():
+    """A kill goes to the engine the handle was forked as: a running engine dies, and one that has
+    ended (its exit not read yet, or read) is left alone, even when the pids the caller holds now
+    name another process (set here as if the kernel had reused them)."""
+    zygote = engine_zygote.start()
+    stranger = subprocess.Popen(["sleep", "300"])
+    running, conn = _zygote_child(zygote, live=True)
+    ended, _ = _zygote_child(zygote, live=False)
+    ended_fd = os.pidfd_open(ended.pid)
+    try:
+        with zygote._cond:                             # holds the reader: no exit is read meanwhile
+            assert select.select([ended_fd], [], [], 60)[0]    # it has ended
+            assert ended.poll() is None                # and the caller does not know yet
+            for child in (running, ended):
+                child._pid = stranger.pid
+                child.kill()
+        assert running.wait(30) == -signal.SIGKILL
+        assert ended.wait(30) == 0
+        ended.kill()                                   # its exit is known now: nothing to do
+        running.kill()
+        assert stranger.poll() is None
+    finally:
+        os.close(ended_fd)
+        stranger.kill()
+        stranger.wait()
+        conn.close()
+
+
+def test_the_zygotes_tables_hold_only_running_engines():
+    """Each table the caller keeps drops an engine once its exit is read (the zygote's own drops it
+    when it reaps it): many engines started and ended leave them as they were."""
+    zygote = engine_zygote.start()
+    before = _tables(zygote)
+    running = [_zygote_child(zygote, live=True) for _ in range(3)]
+    ended = [_zygote_child(zygote, live=False)[0] for _ in range(24)]
+    assert [child.wait(60) for child in ended] == [0] * 24
+    assert sum(_tables(zygote).values()) <= sum(before.values()) + 3   # the running engines at most
+    for child, conn in running:
+        conn.close()
+    assert [child.wait(60) for child, _ in running] == [0] * 3
+    assert _tables(zygote) == before

@@ -1,7 +1,7 @@
 """DeepConf on the live CPU generator server (the plugin, seeded sampling): SGLang's own top
-log-probabilities reach the program, a run repeats itself given its seed, the CPU backend's
-confidences agree with the server's on the same text, and a run leaves nothing running or waiting
-on the server (its dropped samples' chunks aborted). The stop inside generation (``ConfidenceStop``,
+log-probabilities reach the program, a run repeats itself given its seed, the CPU backend's token
+confidences agree with the server's on the same tokens (within 1e-4), and a run leaves nothing running
+or waiting on the server (its dropped samples' chunks aborted). The stop inside generation (``ConfidenceStop``,
 SGLang's custom logit processor, ``--enable-custom-logit-processor``) ends a sample on the server
 exactly where the definition says, and an online run with it repeats itself too."""
 
@@ -13,9 +13,11 @@ import torch
 
 import sgl_tts
 from programs.deepconf import deepconf
-from sgl_tts.backends import SGLangEndpoint
-from sgl_tts.confidence import ConfidenceStop, stop_rule, stop_token
+from sgl_tts.backends import LocalBackend, SGLangEndpoint
+from sgl_tts.backends.semantics import LogprobSpec, SamplingSpec
+from sgl_tts.confidence import TOLERANCE, ConfidenceStop, stop_rule, stop_token
 from sgl_tts.launch.live_servers import settled_loads
+from sgl_tts.models import shipped_model
 from sgl_tts.tiny import task
 
 pytestmark = pytest.mark.server
@@ -81,6 +83,33 @@ def test_the_stop_inside_generation_ends_a_sample_on_the_server_where_the_defini
     assert {v for v, _, _ in last[1:]} == {torch.finfo(torch.float32).min}
     ld = settled_loads(url)
     assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == (0, 0)
+
+
+def test_the_cpu_backend_gives_the_servers_confidences_on_the_same_tokens(live):
+    """A sample drawn on the server as DeepConf asks for it (temperature 0.8, top-5), then its exact
+    tokens fed to the CPU backend on the shipped generator: before each token, one token is generated
+    from the prompt and the tokens so far at the same temperature and k, and that position's top-5 is
+    what DeepConf reads there. Both run the model in float32 (different kernels): the token
+    confidences agree within DeepConf's own TOLERANCE (1e-4, below which it counts confidences as
+    tied), so the two backends stop and vote alike (measured: 8e-6 at most over 80 tokens
+    of confidences 3 to 15)."""
+    gen = SGLangEndpoint(live.url("generator"))
+    question = task.test_split()[31].question
+    state = _one.run(question=question, rule=None, backend=gen)
+    meta, served = state.get_meta_info("x"), _confidences(state)
+    tokens = [t for _, t, _ in meta["output_token_logprobs"]]
+    local = LocalBackend(str(shipped_model("generator")))
+    try:
+        prompt = local.encode(question + "\n\n")
+        assert len(prompt) == meta["prompt_tokens"] and len(tokens) == len(served) >= 20
+        asks = [local.engine.submit(prompt + tokens[:t], SamplingSpec(max_new_tokens=1, temperature=0.8),
+                                    LogprobSpec(return_logprob=True, top_logprobs_num=5)) for t in range(len(tokens))]
+        tops = [a.result(timeout=120).meta_info["output_top_logprobs"][0] for a in asks]
+    finally:
+        local.shutdown()
+    cpu = [-sum(e[0] for e in top) / len(top) for top in tops]
+    assert all(len(top) == 5 for top in tops)
+    assert cpu == pytest.approx(served, abs=TOLERANCE)
 
 
 def test_online_deepconf_with_the_stop_inside_generation_repeats_itself_on_the_live_server(live):

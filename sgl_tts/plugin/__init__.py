@@ -43,7 +43,10 @@ scheduling, metrics when the server runs ``--enable-metrics`` (or ``SGLANG_TTS_M
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
 out of it and none of this loads. SGLang's hook registry only logs a hook it could not apply; with
 any ``--tts-*`` flag on, the launcher and every scheduler process check that every hook is in place
-and refuse to serve otherwise (:func:`check_attached`), rather than run stock SGLang silently.
+and refuse to serve otherwise (:func:`check_attached`), rather than run stock SGLang silently. So it
+goes for the private SGLang internals some features rely on beyond the hooks (overridden backend
+methods, the radix tree's ``evict`` / ``_delete_leaf``, the KV pool's buffers): one table in
+:mod:`sgl_tts.plugin.internals`, checked by the launcher and again where each feature binds to them.
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
     settings = apply(server_args, args)
     if settings.any_on:
         check_attached()
+        from sgl_tts.plugin.internals import check_settings
+
+        check_settings(settings)   # the private SGLang internals the flags' features rely on
     return server_args
 
 

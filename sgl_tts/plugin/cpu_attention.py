@@ -309,11 +309,17 @@ def register_backend() -> None:
 def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
     """AROUND hook on ``ModelRunner._get_attention_backend_from_str``: ``torch_native`` becomes the
     sparse backend (:mod:`sgl_tts.plugin.sparse_attention`) when ``--tts-sparse-attention`` is on, else
-    the ragged backend when ``--tts-cpu-attention ragged`` is; every other choice is SGLang's."""
+    the ragged backend when ``--tts-cpu-attention ragged`` is; every other choice is SGLang's. Either
+    one first checks the ``TorchNativeAttnBackend`` methods it overrides (an SGLang that renamed them
+    would never call the overrides): missing ones refuse the server
+    (:class:`~sgl_tts.plugin.internals.MissingInternals`)."""
+    from sgl_tts.plugin import internals
     from sgl_tts.plugin.settings import TTSSettings
 
     if backend_str == "torch_native":
         settings = TTSSettings.of(runner.server_args)
+        wanted = [f for f in internals.features(settings) if f in (internals.RAGGED, internals.SPARSE)]
+        internals.check(wanted)
         if settings.sparse.mode != "off":
             from sgl_tts.plugin import sparse_attention
 

@@ -45,6 +45,8 @@ import dataclasses
 from array import array
 from typing import Any, Sequence
 
+from sgl_tts.plugin import internals
+
 NEED = "_sgl_tts_need"      # a radix node's (epoch, rank of the first waiting request that needs it)
 PRESSURE_FREE = 0.25        # under pressure: less than this share of the KV pool is free
 
@@ -68,7 +70,10 @@ class QueueAwareEviction:
 
 def install(tree: Any) -> QueueAwareEviction | None:
     """Wrap ``tree``'s eviction strategy (once); ``None`` for a cache without one (chunk caches,
-    a disabled radix cache), where the policy then only reorders."""
+    a disabled radix cache), where the policy then only reorders. A radix tree without its
+    ``eviction_strategy`` (an SGLang that renamed it) is refused
+    (:class:`~sgl_tts.plugin.internals.MissingInternals`), not run without rule 1."""
+    internals.check_object(tree, internals.LOCALITY)
     strategy = getattr(tree, "eviction_strategy", None)
     if strategy is None or getattr(tree, "disable", False) or not hasattr(tree, "match_prefix"):
         return None
@@ -86,9 +91,13 @@ def count_evictions(tree: Any) -> None:
     ``evict``). The instance's methods wrap the class's, hooks included. Between two equal counts
     the cache only gained content (insertions and node splits keep every cached token), so a prefix
     that was wholly cached still is: the deferral check keeps such matches across a cache change
-    instead of matching every family again."""
-    if getattr(tree, EVICTIONS, None) is not None or not callable(getattr(tree, "evict", None)):
+    instead of matching every family again. A tree without them (an SGLang that renamed them: the
+    count would stand still while the cache lets go of KV) is refused
+    (:class:`~sgl_tts.plugin.internals.MissingInternals`); a cache that is no radix tree (a chunk
+    cache) has no ``_delete_leaf`` to count, and needs none."""
+    if getattr(tree, EVICTIONS, None) is not None:
         return
+    internals.check_object(tree, internals.POLICY)
     setattr(tree, EVICTIONS, 0)
 
     def bump() -> None:
@@ -103,7 +112,7 @@ def count_evictions(tree: Any) -> None:
         return result
 
     tree.evict = counting_evict
-    delete_leaf = getattr(tree, "_delete_leaf", None)
+    delete_leaf = getattr(tree, "_delete_leaf", None)   # required on a radix tree (checked above)
     if callable(delete_leaf):
         def counting_delete_leaf(*args: Any, **kwargs: Any) -> Any:
             bump()

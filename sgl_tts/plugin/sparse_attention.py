@@ -546,7 +546,7 @@ _BACKEND_CLASS = None
 
 
 def _make_backend_class():
-    from sgl_tts.plugin import cpu_attention
+    from sgl_tts.plugin import cpu_attention, internals
     from sgl_tts.plugin.settings import TTSSettings
 
     class SparseAttnBackend(cpu_attention.backend_class()):
@@ -554,6 +554,7 @@ def _make_backend_class():
 
         def __init__(self, model_runner):
             super().__init__(model_runner)
+            internals.check_object(self, internals.SPARSE)
             settings = TTSSettings.of(model_runner.server_args)
             stats = f"{settings.metrics_file}.sparse.{os.getpid()}" if settings.metrics_file else None
             self.sparse = SparseDecoder(settings.sparse, stats_path=stats).bind(
@@ -563,7 +564,8 @@ def _make_backend_class():
                 from sgl_tts.plugin.sparse_worker import share_key_pools
 
                 kv_pool = model_runner.token_to_kv_pool
-                first = getattr(kv_pool, "start_layer", 0)
+                internals.check_object(kv_pool, internals.SPARSE_PROCESS)   # before anything moves
+                first = kv_pool.start_layer
                 layers = [i for i in range(first, first + kv_pool.layer_num) if i >= sp.dense_layers]
                 self.sparse.start_cache_rank(share_key_pools(kv_pool, layers), self.req_to_token_pool.req_to_token)
             self._layer_id = 0

@@ -41,20 +41,27 @@ logger = logging.getLogger(__name__)
 
 def share_key_pools(kv_pool: Any, layers: list[int]) -> dict[int, "torch.Tensor"]:  # noqa: F821
     """Move the key buffers of ``layers`` of SGLang's KV pool into shared memory (in place) and return
-    each layer's key tensor as the attention backend reads it (``get_key_buffer``)."""
+    each layer's key tensor as the attention backend reads it (``get_key_buffer``).
+
+    The pool's attributes are SGLang 0.5.15's ``MHATokenToKVPool``'s, by name
+    (:data:`~sgl_tts.plugin.internals.INTERNALS`): a pool that lacks one is refused before anything
+    moves (:class:`~sgl_tts.plugin.internals.MissingInternals`), never moved with its pointer tables
+    left on the freed buffers."""
     import torch
 
+    from sgl_tts.plugin import internals
+
+    internals.check_object(kv_pool, internals.SPARSE_PROCESS)
     moved = False
     for layer in layers:
-        buf = kv_pool.k_buffer[layer - getattr(kv_pool, "start_layer", 0)]
+        buf = kv_pool.k_buffer[layer - kv_pool.start_layer]
         if not buf.is_shared():
             buf.share_memory_()
             moved = True
-    if moved and hasattr(kv_pool, "k_data_ptrs"):   # SGLang's pointer tables (copy kernels) follow the move
+    if moved:   # SGLang's pointer tables (copy kernels) follow the move
         kv_pool.k_data_ptrs = torch.tensor([x.data_ptr() for x in kv_pool.k_buffer], dtype=torch.uint64,
                                            device=kv_pool.k_data_ptrs.device)
-        if hasattr(kv_pool, "data_ptrs") and hasattr(kv_pool, "v_data_ptrs"):
-            kv_pool.data_ptrs = torch.cat([kv_pool.k_data_ptrs, kv_pool.v_data_ptrs], dim=0)
+        kv_pool.data_ptrs = torch.cat([kv_pool.k_data_ptrs, kv_pool.v_data_ptrs], dim=0)
     return {layer: kv_pool.get_key_buffer(layer) for layer in layers}
 
 

@@ -293,7 +293,8 @@ class SearchResult:
             ``budget``, ``exhausted``); ``None`` for the others.
         tree: the search's tree (MCTS: its :class:`sgl_tts.mcts.MCTSTree`, to inspect or draw).
         requests_aborted: requests the search gave up that the server answered as aborted (MCTS:
-            cancelled rollouts' expansions; 0 where a program does not count them).
+            cancelled rollouts' expansions; DeepConf online: its dropped samples' requests; 0 where a
+            program does not count them).
         branches_started, branches_declined, branches_stopped: speculative branches started, not
             started because the cost controller (``speculative="auto"``) judged they would not pay,
             and stopped at a depth's barrier; ``stood_down``: the declined and the stopped ones by

@@ -32,6 +32,9 @@ def test_the_sparse_backend_serves_the_generator_from_asynchronous_selections(sp
     url = sparse.url("generator_sparse")
     log = sparse.log_text("generator_sparse")
     assert "sparse decode attention" in log and "predicting in the rotary frame" in log
+    # the SGLang internals the backend overrides were checked (the cache rank's pool ones too, or no start)
+    assert ("sgl-tts: SGLang internals in place for --tts-cpu-attention ragged (or --tts-sparse-attention, "
+            "built on it), --tts-sparse-attention\n") in log
     questions = [p.question + "\n\n" for p in task.test_split()[:16]]
     # the session's main generator (dense torch_native attention; the one most likely running already)
     got, dense = _greedy(url, questions), _greedy(sparse.url("generator"), questions)

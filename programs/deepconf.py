@@ -28,8 +28,9 @@ with their confidences as weights.
    sample never votes. With ``chunk_tokens = 0`` (default) each sample is one ``gen`` and the stop
    happens inside generation, at that token: :class:`sgl_tts.confidence.ConfidenceStop`, an SGLang
    custom logit processor, ends it with an end-of-sequence token next (one token more than DeepConf's
-   ``t``; a server needs ``--enable-custom-logit-processor``, which ``sgl-tts serve`` and the CPU
-   backend have). With ``chunk_tokens > 0`` (any server) a sample is sampled that many tokens per
+   ``t``; a server needs ``--enable-custom-logit-processor``: ``sgl-tts serve --enable-deepconf-stop``
+   gives its generator that, on a loopback ``--host`` unless ``--allow-remote-code-execution``, since a
+   server that allows them runs code its clients send; the CPU backend has it). With ``chunk_tokens > 0`` (any server) a sample is sampled that many tokens per
    request (each chunk a ``gen`` continuing the sample's state; the server's prefix cache holds what
    came before) and checked after every chunk: a stop then costs at most ``chunk_tokens - 1`` tokens
    more.
@@ -290,8 +291,10 @@ def _online_whole(rest: list[Sample], threshold: float, window: int, max_tokens:
             if "custom logit processor" in str(exc):   # SGLang's refusal, said for DeepConf
                 raise RuntimeError("online DeepConf stops samples inside generation with a custom logit processor, "
                                    "and the server does not allow them: start it with "
-                                   "--enable-custom-logit-processor, or set chunk_tokens (e.g. 32) to stop "
-                                   f"between chunks instead ({exc})") from exc
+                                   "--enable-custom-logit-processor (sgl-tts serve: --enable-deepconf-stop; a "
+                                   "server that allows them runs code its clients send, so keep it on a loopback "
+                                   "host), or set chunk_tokens (e.g. 32) to stop between chunks instead "
+                                   f"({exc})") from exc
             raise
         if reason == "abort" or stop_token(x.confidences, window, threshold) is not None:
             x.status = "stopped"   # a stopped sample's last token is the forced end of sequence

@@ -140,7 +140,7 @@ def live(request, tmp_path_factory, tiny_model_path):
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
     right on the CPU, see sgl_tts.launch.cpu_serving). A server that cannot start fails the test with its log."""
     from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
-    from sgl_tts.launch.serve import GENERATOR_FLAGS
+    from sgl_tts.launch.serve import DEEPCONF_STOP_FLAGS
     from sgl_tts.models import shipped_model
     from sgl_tts.models.reward_head import write_reward_head
 
@@ -149,7 +149,7 @@ def live(request, tmp_path_factory, tiny_model_path):
     head = str(write_reward_head(tiny_model_path, work / "reward-head"))
     specs = {
         "generator": LiveServer(gen, policy="prefix-aware", metrics=True, kv_bytes=LIVE_KV_BYTES,
-                                seeded_sampling=True, extra=GENERATOR_FLAGS),
+                                seeded_sampling=True, extra=DEEPCONF_STOP_FLAGS),  # online DeepConf's stop (loopback)
         "generator_off": LiveServer(gen, policy="off", metrics=True, kv_bytes=LIVE_KV_BYTES,
                                     seeded_sampling=True),
         "generator_stock": LiveServer(gen, policy=NO_PLUGIN, kv_bytes=LIVE_KV_BYTES),

@@ -129,7 +129,8 @@ def test_online_deepconf_with_the_stop_inside_generation_repeats_itself_on_the_l
 
 def test_a_server_without_custom_logit_processors_is_named_with_the_way_out(live):
     gen = SGLangEndpoint(live.url("generator_stock"))
-    with pytest.raises(RuntimeError, match="start it with --enable-custom-logit-processor, or set chunk_tokens"):
+    with pytest.raises(RuntimeError, match=r"start it with --enable-custom-logit-processor \(sgl-tts serve: --enable-deepconf-stop; .*"
+                       r"loopback host\), or set chunk_tokens"):
         # 8 tokens: no warm-up sample has an answer, so the vote is not settled and the rest are sampled
         deepconf.run(question=task.test_split()[0].question, backend=gen,
                      **dict(SETTINGS, chunk_tokens=0, max_tokens=8)).ret_value

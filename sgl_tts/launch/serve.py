@@ -345,8 +345,6 @@ CUSTOM_LOGIT_PROCESSOR_FLAG = "--enable-custom-logit-processor"
 #: The generator's flags for online DeepConf's stop inside generation (``sgl-tts serve
 #: --enable-deepconf-stop``).
 DEEPCONF_STOP_FLAGS = (CUSTOM_LOGIT_PROCESSOR_FLAG,)
-#: Deprecated name of :data:`DEEPCONF_STOP_FLAGS` (no generator gets them by default any more).
-GENERATOR_FLAGS = DEEPCONF_STOP_FLAGS
 #: SGLang flags with which a request's content runs as code in the server.
 REMOTE_CODE_FLAGS = (CUSTOM_LOGIT_PROCESSOR_FLAG,)
 

@@ -30,13 +30,50 @@ def test_a_curve_interpolates_between_its_points_and_extends_its_last_slope():
     assert curve.step(20) == pytest.approx(0.048)                      # the last slope, 0.002 a row
     assert curve.marginal(4) == pytest.approx(0.002) and curve.per_row(16) == pytest.approx(0.0025)
     assert DecodeCurve.of([(8, 0.05)]).step(100) == 0.05               # one point: flat
-    assert DecodeCurve.of([(1, 0.05), (2, 0.01)]).step(10) == 0.0      # a falling fit never goes below 0
+    # a falling pair is noise: pooled to its mean, 0.03 s at batch 1.5, one point, so a flat curve
+    assert DecodeCurve.of([(1, 0.05), (2, 0.01)]).step(10) == pytest.approx(0.03)
     with pytest.raises(ValueError, match="at least one"):
         DecodeCurve.of([])
     with pytest.raises(ValueError, match="must increase"):
         DecodeCurve.of([(4, 0.1), (4, 0.2)])
     with pytest.raises(ValueError, match=r"batches must be >= 1 and its seconds > 0"):
         DecodeCurve.of([(1, 0.0)])
+
+
+def test_a_noisy_curve_whose_batch_16_timed_under_batch_8_reads_no_free_rows():
+    """The true curve: 10 ms a step plus 1 ms a row (step(b) = 0.010 + 0.001 b), timed at 1 to 32 rows
+    with batch 16 coming in 4 ms under batch 8 (noise). Read off the raw points, the rows from 8 to 16
+    cost nothing (the slope there is negative, clipped to 0) and a branch with any chance of being
+    taken over starts. The fit, worked by hand (centred isotonic regression): 8 and 16 are out of
+    order, so they pool into one block, mean batch 12 and mean time (0.020 + 0.016) / 2 = 0.018; the
+    other points already rise. Between batch 4 and that block a row costs (0.018 - 0.014) / (12 - 4)
+    = 0.5 ms, beyond it (0.042 - 0.018) / (32 - 12) = 1.2 ms."""
+    noisy = DecodeCurve.of([(1, 0.011), (2, 0.012), (4, 0.014), (8, 0.020), (16, 0.016), (32, 0.042)])
+    # a branch taken over with chance 0.2 at the next depth's 8 rows: it saves 0.2 * step(8) / 8, with
+    # step(8) = 0.014 + 0.0005 * 4 = 0.016 on the fit, i.e. 0.4 ms a step, and costs 0.5 ms: declined
+    got = SpeculationController(noisy).decide(0.2, 8, 8)
+    assert (got.start, got.reason) == (False, COSTS_MORE)
+    assert got.saving == pytest.approx(0.0004) and got.cost == pytest.approx(0.0005)
+    # as the true curve decides: 0.2 * (0.010 / 8 + 0.001) = 0.45 ms saved against 1 ms
+    assert not SpeculationController(affine(0.010, 0.001)).decide(0.2, 8, 8).start
+    want = [(1, 0.011), (2, 0.012), (4, 0.014), (12, 0.018), (32, 0.042)]
+    assert [b for b, _ in noisy.fitted] == [b for b, _ in want]
+    assert [s for _, s in noisy.fitted] == pytest.approx([s for _, s in want])
+    assert noisy.points[3:5] == ((8, 0.020), (16, 0.016))    # what was measured stays as it was
+    assert all(noisy.marginal(b) == pytest.approx(0.0005) for b in range(4, 12))
+    assert all(noisy.marginal(b) == pytest.approx(0.0012) for b in range(12, 40))   # the last slope goes on
+    assert noisy.step(16) == pytest.approx(0.018 + 4 * 0.0012) and noisy.step(1) == 0.011
+
+
+def test_the_fit_pools_until_the_blocks_rise_and_keeps_a_rising_or_flat_curve_as_it_is():
+    # 2 rises, then 4 and 8 fall under it: 2 and 4 pool to 0.035 (still over 8's 0.02), then with 8
+    # to (0.04 + 0.03 + 0.02) / 3 = 0.03 at batch (2 + 4 + 8) / 3 = 14 / 3; 1 and 16 stand alone
+    pooled = DecodeCurve.of([(1, 0.01), (2, 0.04), (4, 0.03), (8, 0.02), (16, 0.06)])
+    assert [b for b, _ in pooled.fitted] == pytest.approx([1, 14 / 3, 16])
+    assert [s for _, s in pooled.fitted] == pytest.approx([0.01, 0.03, 0.06])
+    for curve in (FLAT, THROUGH_ORIGIN, DecodeCurve.of([(1, 0.02), (4, 0.02), (64, 0.62)])):
+        assert curve.fitted == curve.points        # already non-decreasing: equal neighbours stay apart
+    assert FLAT.marginal(10) == 0.0 and DecodeCurve.of([(1, 0.02), (4, 0.02), (64, 0.62)]).marginal(2) == 0.0
 
 
 def test_a_curve_is_read_off_a_measured_cpu_profile_at_one_context():

@@ -5,7 +5,8 @@ FlashTTS's speculative beam extension assumes that a slot a finished step frees 
 true where a decode step costs the same at any batch (memory-bound decoding on a GPU at small and
 medium batches), false on a CPU or at large batches, where every extra row makes every step of the
 depth slower. So the decision is made from a measured :class:`DecodeCurve`, the time of one decode
-step of the generator against its running batch.
+step of the generator against its running batch, read through its non-decreasing fit (a measured
+batch that timed under a smaller one is noise, not free rows: :func:`centered_isotonic`).
 
 The rule (:meth:`SpeculationController.decide`), per decode step a branch runs:
 
@@ -63,13 +64,35 @@ SLOWS_VERIFIER = "slows the verification more than it saves"   # a branch stoppe
 VERIFIER_SHARES = "the verifier shares the device"            # stopped, no slowdown measured
 
 
+def centered_isotonic(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """The centred isotonic fit of ``(batch, seconds)`` points in batch order (CIR, Oron and Flournoy
+    2017): pool adjacent violators (a point that timed over the next is pooled with it, a block's time
+    the mean of its points', pooled again while a block's mean exceeds the next one's), then place each
+    block's mean time at its mean batch. Non-decreasing points come back as they are (equal neighbours
+    are not pooled: a measured flat stays flat); where a larger batch timed under a smaller one, the
+    line through the block means rises across them, where a fit at the points' own batches would be
+    flat there and read the noise as free rows."""
+    blocks: list[list[float]] = []   # [sum of batches, sum of seconds, points]
+    for b, s in points:
+        blocks.append([float(b), float(s), 1])
+        while len(blocks) > 1 and blocks[-2][1] * blocks[-1][2] > blocks[-1][1] * blocks[-2][2]:
+            b2, s2, n2 = blocks.pop()
+            blocks[-1][0] += b2
+            blocks[-1][1] += s2
+            blocks[-1][2] += n2
+    return tuple((b / n, s / n) for b, s, n in blocks)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeCurve:
     """Seconds per decode step of the generator against its running batch, measured at a few batch
-    sizes; linear between them, and beyond the last with the last two points' slope (below the first,
-    the first point's time)."""
+    sizes (``points``). Every reading is of their non-decreasing fit (:attr:`fitted`,
+    :func:`centered_isotonic`: a decode step never gets cheaper with more rows, so a dip is noise):
+    linear between the fitted points, and beyond the last with the last two's slope (below the first,
+    the first's time)."""
 
     points: tuple[tuple[int, float], ...]
+    fitted: tuple[tuple[float, float], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         pts = tuple((int(b), float(s)) for b, s in self.points)
@@ -80,6 +103,8 @@ class DecodeCurve:
         if any(b1 >= b2 for (b1, _), (b2, _) in zip(pts, pts[1:])):
             raise ValueError(f"a decode curve's batches must increase, got {[b for b, _ in pts]}")
         object.__setattr__(self, "points", pts)
+        object.__setattr__(self, "fitted", centered_isotonic(pts))
+        object.__setattr__(self, "_batches", tuple(b for b, _ in self.fitted))
 
     @classmethod
     def of(cls, points: Sequence[tuple[int, float]]) -> "DecodeCurve":
@@ -100,16 +125,17 @@ class DecodeCurve:
         return _load(os.fspath(path), st.st_mtime_ns, st.st_size)
 
     def step(self, batch: float) -> float:
-        """Seconds of one decode step at ``batch`` running requests."""
-        pts = self.points
+        """Seconds of one decode step at ``batch`` running requests, on the fitted curve."""
+        pts = self.fitted
         if len(pts) == 1 or batch <= pts[0][0]:   # one point: a flat curve
             return pts[0][1]
-        at = bisect.bisect_left([b for b, _ in pts], batch)
+        at = bisect.bisect_left(self._batches, batch)
         (b1, s1), (b2, s2) = (pts[-2], pts[-1]) if at >= len(pts) else (pts[at - 1], pts[at])
-        return max(0.0, s1 + (s2 - s1) * (batch - b1) / (b2 - b1))
+        return s1 + (s2 - s1) * (batch - b1) / (b2 - b1)   # the fit never falls: never below the first time
 
     def marginal(self, batch: int) -> float:
-        """Seconds one more running request adds to a decode step at ``batch`` (never below 0)."""
+        """Seconds one more running request adds to a decode step at ``batch`` (the fitted curve's
+        rise: never below 0, and 0 only where the fit is flat)."""
         return max(0.0, self.step(batch + 1) - self.step(batch))
 
     def per_row(self, batch: int) -> float:
@@ -301,5 +327,5 @@ class SpeculationController:
         return BranchDecision(False, SLOWS_VERIFIER, saving, cost)
 
 
-__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "NO_CURVE", "RowsInFlight", "SLOWS_VERIFIER", "STARTED",
+__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "centered_isotonic", "NO_CURVE", "RowsInFlight", "SLOWS_VERIFIER", "STARTED",
            "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "VerifierSlowdown", "rows_in_flight"]

@@ -3,8 +3,9 @@ its own server and cached, and ``sgl-tts run``'s beam search under the controlle
 exactly the plain search's trajectories. On this CPU a row costs time (the curve rises with the
 batch): auto stood down on nearly every branch when measured (2026-11-27: 216 of 216 declined;
 2026-12-02: 207 of 216). A measured batch that timed under a smaller one no longer reads as free rows
-(the controller decides on the curve's non-decreasing fit). That a controlled search keeps the plain
-search's beams while it does start branches is
+(the controller decides on the curve's non-decreasing fit). ``auto`` from Python on an ``SGLangEndpoint``
+and through ``serve-search`` decides on the same cached measurements (seeded here, so nothing is
+measured). That a controlled search keeps the plain search's beams while it does start branches is
 tests/test_speculation_cost.py's (scripted curves)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +107,71 @@ def test_auto_keeps_the_plain_searchs_trajectories_and_stands_down_where_rows_co
         assert (b["stood_down"].get(COSTS_MORE, 0), b["stood_down"].get(SLOWS_VERIFIER, 0)) == (b["declined"], b["stopped"]), b
     print(f"\nmeasured CPU curve: {sum(b['started'] for b in measured)} branches started, "
           f"{sum(b['declined'] for b in measured)} declined, {sum(b['stopped'] for b in measured)} stopped")
+
+
+# ------------------------------------------- auto from Python and through serve-search (issue 62)
+FLAT = [[1, 0.02], [64, 0.02]]   # every row free: a branch with any chance of a take-over starts
+
+
+def _seed_measurements(generator: str, prm: str | None = None) -> Path:
+    """Hand-written measurements of these live servers where ``sgl-tts run`` caches them (under
+    SGLANG_TTS_CACHE, keyed by what each server reports of itself): the generator's decode curve
+    (:data:`FLAT`) and, given the PRM, a slowdown beside it too small to stop a branch. Nothing is
+    measured on them; returns the curve's file."""
+    from sgl_tts.launch.cpu_profile import machine_identity, write_json_atomically
+    from sgl_tts.launch.decode_curve import (DEFAULT_BATCHES, DEFAULT_CONTEXT, MeasuredCurve, curve_dir, curve_key,
+                                             server_identity)
+    from sgl_tts.launch import verifier_slowdown as vs
+    from sgl_tts.search.speculation_cost import VerifierSlowdown
+
+    gen_id = server_identity(generator)
+    path = curve_dir() / f"{curve_key(gen_id, DEFAULT_BATCHES, DEFAULT_CONTEXT, 16)}.json"
+    write_json_atomically(path, MeasuredCurve(DecodeCurve.of(FLAT), gen_id, machine_identity(), DEFAULT_CONTEXT, 16,
+                                              "2026-11-29").to_json())
+    if prm is not None:
+        prm_id = server_identity(prm)
+        key = vs.slowdown_key(gen_id, prm_id, vs.DEFAULT_ROWS, vs.DEFAULT_PRM_BATCH, vs.DEFAULT_CONTEXT)
+        slow = VerifierSlowdown.of([(0, 1.0), (16, 1.0 + 1e-9)])
+        write_json_atomically(curve_dir() / f"{key}.json", vs.MeasuredSlowdown(
+            slow, gen_id, prm_id, machine_identity(), vs.DEFAULT_PRM_BATCH, vs.DEFAULT_CONTEXT, "2026-11-29").to_json())
+    return path
+
+
+def test_auto_from_python_decides_on_the_endpoints_server_curve_read_once(live, tmp_path, monkeypatch):
+    """``speculative="auto"`` given to a program on an SGLangEndpoint: the search takes its server's
+    decode curve (cached per server as ``sgl-tts run`` caches it; a flat one here) and starts the
+    branches it pays for, where it used to start none for the want of a curve. The process keeps what
+    it read: the file gone, another endpoint onto the server still gets the same curve."""
+    from programs.beam_search import beam_search
+    from sgl_tts.backends import SGLangEndpoint
+    from sgl_tts.prm import StepTagPRM
+    from sgl_tts.tiny import task
+
+    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path))
+    url = live.url("generator")
+    path = _seed_measurements(url)
+    gen = SGLangEndpoint(url)
+    got = beam_search.run(question=task.test_split()[3].question, prm=StepTagPRM(SGLangEndpoint(live.url("prm"))),
+                          backend=gen, speculative="auto", num_beams=8, beam_width=2, max_depth=4, step_tokens=24,
+                          seed=5).ret_value
+    assert got.branches_started > 0 and got.tokens_speculative > 0 and got.stood_down == {}, got.stood_down
+    path.unlink()
+    assert SGLangEndpoint(url).decode_curve() == DecodeCurve.of(FLAT)
+
+
+def test_serve_search_decides_auto_on_its_generators_curve_and_the_prms_slowdown(live, tmp_path, monkeypatch):
+    """A serve-search request with ``speculative: auto``: the service resolves it on its own servers
+    as ``sgl-tts run`` does (the generator's cached curve, and the PRM's slowdown since both share this
+    host), so branches start where the flat curve says they pay and keep running through the
+    verification (the slowdown too small to stop them); it used to start none for the want of a curve."""
+    from sgl_tts.serving.api import parse_request
+    from sgl_tts.serving.service import SearchService
+    from sgl_tts.tiny import task
+
+    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path))
+    _seed_measurements(live.url("generator"), live.url("prm"))
+    service = SearchService(live.url("generator"), live.url("prm"))
+    body = {"model": "beam_search", "messages": [{"role": "user", "content": task.test_split()[3].question}],
+            "seed": 5, "budget": 8, "beam_width": 2, "max_depth": 4, "step_tokens": 24, "speculative": "auto"}
+    got = service.run(parse_request(body)).result
+    assert got.branches_started > 0 and got.stood_down == {}, got.stood_down

@@ -5,8 +5,8 @@ on a live server is tests/test_live_speculation_auto.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
 
 import pytest
@@ -76,11 +76,12 @@ def test_auto_gives_the_programs_the_controller_on_the_files_curve(tmp_path):
     spec = cfg.program_arguments("1+1?", None)["speculative"]
     assert spec == Speculation(controlled=True, curve=DecodeCurve.of([(1, 0.01), (64, 0.2)]),
                                verifier_shares_device=False)
-    # unresolved (measure) or none: the controller with no curve, which starts nothing
-    for unresolved in ("measure", "none"):
+    # none: the controller with no curve, which starts nothing; measure left unresolved: the search
+    # measures its generator server's (and refuses a generator that is none)
+    for unresolved, measure in (("measure", True), ("none", False)):
         got = RunConfig(program="dvts", n=8, beam_width=2, speculative="auto",
                         speculation_curve=unresolved).program_arguments("1+1?", None)["speculative"]
-        assert got.controlled and got.curve is None and got.verifier_shares_device
+        assert got == Speculation(controlled=True, verifier_shares_device=True, measure_curve=measure)
     # the other modes keep their names (the programs' presets)
     assert RunConfig(program="dvts", n=8, beam_width=2, speculative="exact").program_arguments("q", None)[
         "speculative"] == "exact"
@@ -95,19 +96,44 @@ def test_the_curve_settings_leave_the_run_key_alone_and_auto_resumes_an_exact_ru
     assert RunConfig(program="beam_search", n=4, beam_width=2, speculative="truncate").run_key() != base.run_key()
 
 
-def test_measure_is_resolved_only_for_auto_on_a_server(caplog):
+def test_measure_is_resolved_only_for_auto_on_a_server():
     plain = RunConfig(program="beam_search", n=4, beam_width=2, speculative="exact")
     assert with_decode_curve(plain) is plain
     cpu = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto")
-    with caplog.at_level(logging.WARNING, logger="sgl_tts.experiment.driver"):
-        assert with_decode_curve(cpu) is cpu
-    assert "no server to measure a decode curve on (the generator is the CPU backend)" in caplog.text
+    assert with_decode_curve(cpu) is cpu   # no URL: what the generator is decides (run refuses a CPU backend)
     given = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", speculation_curve="none",
                       generator="http://127.0.0.1:1")
     assert with_decode_curve(given) is given   # a given curve (or none) is never measured
     down = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", generator="http://127.0.0.1:1")
     with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info"):
         with_decode_curve(down)
+
+
+def test_auto_on_a_generator_that_is_no_server_is_refused_before_the_first_search(tmp_path):
+    """``sgl-tts run`` with ``speculative: auto`` on a CPU backend (here a scripted one, as a run may be
+    given): no server to measure a curve on, so the run is refused naming the setting that gives one,
+    and nothing is written; given a curve (or none on purpose) the same run goes on."""
+    from sgl_tts.experiment import run
+    from sgl_tts.launch.decode_curve import curve_dir
+    from sgl_tts.testing import ScriptedBackend, ScriptedPRM
+    from test_speculation import PACE, heavy, score
+
+    cfg = RunConfig(program="beam_search", n=8, beam_width=2, max_depth=7, step_tokens=(24,), limit=1,
+                    speculative="auto", progress=False, output=str(tmp_path / "out.jsonl"))
+    backend = ScriptedBackend(heavy, seconds_per_token=PACE)
+    with pytest.raises(RunError) as err:
+        run(cfg, generator=backend, prm=ScriptedPRM(score))
+    assert str(err.value) == (
+        "speculative: auto decides on the generator's decode curve, and the generator (ScriptedBackend) is not a "
+        "server to measure one on: give speculation_curve: FILE (a JSON file with points: [[batch, seconds], ...]; "
+        f"sgl-tts run caches a server's under {curve_dir()}), none (no curve: no branch starts), or a generator "
+        "server's URL")
+    assert err.value.settings == ("speculation_curve",) and backend.draws == []
+    assert not (tmp_path / "out.jsonl").exists()
+    for curve in (_curve_file(tmp_path, [[1, 0.02], [64, 0.02]]), "none"):
+        _, records = run(dataclasses.replace(cfg, speculation_curve=curve, output=str(tmp_path / f"{len(curve)}.jsonl")),
+                         generator=ScriptedBackend(heavy, seconds_per_token=PACE), prm=ScriptedPRM(score))
+        assert len(records) == 1 and records[0]["branches"]["started" if curve != "none" else "declined"] > 0
 
 
 def test_records_and_the_summary_report_the_branches():

@@ -135,7 +135,7 @@ def test_branches_stop_at_the_barrier_only_where_the_verifier_shares_a_device_ro
     assert SpeculationController(THROUGH_ORIGIN, verifier_shares_device=True).stop_at_barrier()
     assert not SpeculationController(FLAT, verifier_shares_device=True).stop_at_barrier()
     assert SpeculationController(None, verifier_shares_device=True).stop_at_barrier()   # unknown: stop
-    assert SPECULATION_PRESETS["auto"] == Speculation(controlled=True)
+    assert SPECULATION_PRESETS["auto"] == Speculation(controlled=True, measure_curve=True)
 
 
 @pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
@@ -152,7 +152,8 @@ def test_a_controlled_search_keeps_the_plain_searchs_beams_whatever_it_decides(p
         assert flat.branches_declined == 0 and flat.stood_down == {}
         assert plain.tokens_generated == flat.tokens_normal + flat.tokens_reused
         started += flat.branches_started
-        for policy, reason in ((Speculation(controlled=True, curve=THROUGH_ORIGIN), COSTS_MORE), ("auto", NO_CURVE)):
+        for policy, reason in ((Speculation(controlled=True, curve=THROUGH_ORIGIN), COSTS_MORE),
+                               (Speculation(controlled=True), NO_CURVE)):
             got, _, backend = run(program, q, speculative=policy, **SETTINGS)
             assert kept(got) == kept(plain) and got.answers == plain.answers and backend.running() == 0
             assert got.tokens_speculative == 0 and got.branches_started == 0
@@ -167,6 +168,28 @@ def test_a_controlled_search_keeps_the_plain_searchs_beams_whatever_it_decides(p
         assert plain.tokens_generated == got.tokens_normal + got.tokens_reused
         stopped += got.branches_stopped
     assert started > 0 and stopped > 0
+
+
+@pytest.mark.parametrize("program", [beam_search, dvts], ids=["beam_search", "dvts"])
+def test_auto_on_a_backend_that_is_no_server_is_refused_before_a_request_naming_how_to_give_a_curve(program):
+    from sgl_tts.testing import ScriptedBackend, ScriptedPRM
+    from test_speculation import PACE, heavy, score
+
+    backend = ScriptedBackend(heavy, seconds_per_token=PACE)
+    with pytest.raises(ValueError) as err:
+        program.run(question=QUESTIONS[0], prm=ScriptedPRM(score), backend=backend, speculative="auto", **SETTINGS)
+    assert str(err.value) == (
+        "speculative='auto' decides on the generator's measured decode curve, and its backend (ScriptedBackend) "
+        "is not an SGLang server to measure one on: give the curve, speculative=Speculation(controlled=True, "
+        "curve=DecodeCurve.of([(batch, seconds), ...])) or DecodeCurve.load(path) of a JSON file with points: "
+        "[[batch, seconds], ...] (sgl-tts run: speculation_curve: FILE), or generate on a server "
+        "(sgl_tts.connect(url))")
+    assert backend.draws == [] and backend.running() == 0      # refused before the first request
+    # a curve given, or none on purpose (Speculation(controlled=True): the searches say why), runs
+    got, _, _ = run(program, QUESTIONS[0], speculative=Speculation(controlled=True, curve=FLAT), **SETTINGS)
+    assert got.branches_started > 0
+    with pytest.raises(ValueError, match="measure_curve is a setting of the cost controller: give controlled=True"):
+        Speculation(measure_curve=True)
 
 
 # ------------------------------------------------------------- the verifier's measured slowdown

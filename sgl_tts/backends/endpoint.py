@@ -202,6 +202,15 @@ class SGLangEndpoint(RuntimeEndpoint):
         """:meth:`ServerControl.set_class`: re-class a search group's requests (sgl-tts plugin)."""
         return self.control.set_class(group, cls, beams=beams, depth=depth, priority=priority)
 
+    def decode_curve(self):
+        """This server's decode curve (a :class:`~sgl_tts.search.speculation_cost.DecodeCurve`: seconds
+        per decode step against the running batch), what ``speculative="auto"`` decides on: measured
+        the first time this process asks and cached on disk per server, as ``sgl-tts run`` caches it
+        (:func:`sgl_tts.launch.decode_curve.server_curve`)."""
+        from sgl_tts.launch.decode_curve import server_curve
+
+        return server_curve(self.base_url).curve
+
     def workers(self) -> list[str]:
         """The SGLang servers behind this URL (:meth:`ServerConnection.workers`)."""
         return self.connection.workers()

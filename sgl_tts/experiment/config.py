@@ -67,8 +67,8 @@ class RunConfig:
             measured decode curve says it pays (:mod:`sgl_tts.search.speculation_cost`).
         speculation_curve: ``auto``'s decode curve: ``measure`` (the generator server's, measured when
             the run starts and cached per server: :mod:`sgl_tts.launch.decode_curve`; a CPU backend
-            has none, so no branch starts), ``none``, or a JSON file with ``points: [[batch, seconds],
-            ...]``.
+            is no server to measure, so the run is refused), ``none`` (no curve: no branch starts), or
+            a JSON file with ``points: [[batch, seconds], ...]``.
         verifier_shares_device: ``auto`` stops running branches at a depth's barrier when the PRM
             shares the generator's device: ``yes``, ``no`` or ``auto`` (both on one host).
         verifier_slowdown: where the PRM shares the device, ``auto``'s measure of what a branch
@@ -335,14 +335,16 @@ class RunConfig:
 
     def auto_speculation(self):
         """``speculative: auto`` as the programs' policy: exact speculation under the cost controller,
-        on the curve of ``speculation_curve`` (``measure`` left unresolved, or ``none``: no curve, so
-        nothing starts and the searches say why)."""
+        on the curve of ``speculation_curve`` (``none``: no curve, so nothing starts and the searches
+        say why; ``measure`` left unresolved: the search measures its generator server's, and refuses
+        a generator that is no server)."""
         from sgl_tts.search.pipeline import Speculation
         from sgl_tts.search.speculation_cost import DecodeCurve, VerifierSlowdown
 
         curve = None if self.speculation_curve in ("measure", "none") else DecodeCurve.load(self.speculation_curve)
         slowdown = None if self.verifier_slowdown in ("measure", "none") else VerifierSlowdown.load(self.verifier_slowdown)
-        return Speculation(controlled=True, curve=curve, verifier_shares_device=self.shares_device, slowdown=slowdown)
+        return Speculation(controlled=True, curve=curve, verifier_shares_device=self.shares_device, slowdown=slowdown,
+                           measure_curve=self.speculation_curve == "measure")
 
     def program_arguments(self, question: str, prm) -> dict[str, Any]:
         """The keyword arguments of the chosen program for one question (its registry record's)."""

@@ -61,15 +61,29 @@ def check_prm(prm, question: str, where: str) -> None:
                        f"--prm-kind and that its server is up") from exc
 
 
+def check_backends(cfg: RunConfig, generator, prm, question: str) -> None:
+    """Before the first search: the PRM scores a step (:func:`check_prm`), and ``speculative: auto``
+    with its curve left to measure has a generator that can measure one (a server: an in-process
+    CUDA runtime's is measured by its first search). A generator that is no server (the CPU backend, a
+    scripted one) is refused, naming how to give a curve: ``auto`` never quietly runs as the plain
+    search."""
+    if cfg.speculative == "auto" and cfg.speculation_curve == "measure" and not hasattr(generator, "decode_curve"):
+        from sgl_tts.launch.decode_curve import curve_dir
+
+        raise RunError(f"speculative: auto decides on the generator's decode curve, and the generator "
+                       f"({cfg.generator or type(generator).__name__}) is not a server to measure one on: give "
+                       f"speculation_curve: FILE (a JSON file with points: [[batch, seconds], ...]; sgl-tts run "
+                       f"caches a server's under {curve_dir()}), none (no curve: no branch starts), "
+                       f"or a generator server's URL", ("speculation_curve",))
+    if cfg.uses_prm:
+        check_prm(prm, question, cfg.prm or "the shipped PRM")
+
+
 def with_decode_curve(cfg: RunConfig, stream=sys.stdout) -> RunConfig:
-    """``cfg`` with ``speculation_curve: measure`` resolved: the generator server's decode curve
-    (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server), by its file. A
-    generator that is not a server (the CPU backend) has none: ``auto`` then starts no branch."""
-    if cfg.speculative != "auto" or cfg.speculation_curve != "measure":
-        return cfg
-    if not (cfg.generator and "://" in cfg.generator):
-        logger.warning("speculative: auto has no server to measure a decode curve on (the generator is %s): "
-                       "no speculative branch will start", cfg.generator or "the CPU backend")
+    """``cfg`` with ``speculation_curve: measure`` resolved for a generator server: its decode curve
+    (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server), by its file. Any other
+    generator is left to :func:`check_backends` (refused unless it is a server of its own)."""
+    if cfg.speculative != "auto" or cfg.speculation_curve != "measure" or not (cfg.generator and "://" in cfg.generator):
         return cfg
     from sgl_tts.launch.cpu_profile import ProfileError
     from sgl_tts.launch.decode_curve import curve_for_server
@@ -130,8 +144,8 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
         if todo and prm is None and cfg.uses_prm:
             prm, prm_backend = open_prm(cfg)
             owned.append(prm_backend)
-        if todo and cfg.uses_prm:
-            check_prm(prm, todo[0].question, cfg.prm or "the shipped PRM")
+        if todo:
+            check_backends(cfg, generator, prm, todo[0].question)
         program = program_function(cfg.program)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         failure = None

@@ -13,6 +13,8 @@ is never flushed (a shared server keeps its cache).
 :func:`curve_for_server` caches curves as JSON under :func:`curve_dir`, keyed by what the
 server reports of itself (``/get_server_info``: model, dtype, attention backend, pool, batch limits,
 device, SGLang's version) and this machine: a search on the same server measures once.
+:func:`server_curve` keeps what it read per server for the process (``SGLangEndpoint.decode_curve``:
+``speculative="auto"`` from Python and ``sgl-tts serve-search``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Sequence
@@ -169,3 +172,18 @@ def curve_for_server(url: str, *, batches: Sequence[int] = DEFAULT_BATCHES, cont
     log.info("decode curve of %s saved to %s: %s", url, path,
              ", ".join(f"{b}: {1e3 * s:.1f} ms" for b, s in curve.points))
     return got
+
+
+_SERVER_CURVES: dict[tuple[str, str], MeasuredCurve] = {}
+_SERVER_CURVES_LOCK = threading.Lock()
+
+
+def server_curve(url: str) -> MeasuredCurve:
+    """:func:`curve_for_server` at its defaults, once per server (its URL) and cache folder in this
+    process: a search asks each time it starts, and only the first asks the server (a second that asks
+    meanwhile waits for the first's curve rather than measure beside it)."""
+    key = (url.rstrip("/"), os.fspath(curve_dir()))
+    with _SERVER_CURVES_LOCK:
+        if key not in _SERVER_CURVES:
+            _SERVER_CURVES[key] = curve_for_server(url)
+        return _SERVER_CURVES[key]

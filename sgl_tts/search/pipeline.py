@@ -83,6 +83,9 @@ class Speculation:
             (:class:`~sgl_tts.search.speculation_cost.SpeculationController`, issue 33), judged on
             ``curve``; without a curve nothing is started.
         curve: the generator's measured decode curve (seconds per step against the running batch).
+        measure_curve: with ``controlled`` and no ``curve`` (``"auto"``): the generator server's curve,
+            measured when the search starts (once per server, cached); a generator that is no server
+            (the CPU backend, a scripted one) is refused with how to give a curve.
         verifier_shares_device: the PRM runs on the generator's device: a controlled search stops the
             branches still running when a depth's last step ends, so they do not slow the verification
             (each one that would cost the verifier more than it saves, judged on ``slowdown``).
@@ -99,8 +102,11 @@ class Speculation:
     curve: DecodeCurve | None = None
     verifier_shares_device: bool = False
     slowdown: VerifierSlowdown | None = None
+    measure_curve: bool = False
 
     def __post_init__(self):
+        if self.measure_curve and not self.controlled:
+            raise ValueError("measure_curve is a setting of the cost controller: give controlled=True with it")
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; choose one of {list(SPECULATION_MODES)}")
         if not 0.0 <= self.ratio <= 1.0:
@@ -133,8 +139,8 @@ class Speculation:
 #: branch started only where it pays: :mod:`sgl_tts.search.speculation_cost`)
 SPECULATION_PRESETS: dict[str, Speculation] = {
     "exact": Speculation(), "exact-no-lookahead": Speculation(lookahead=False), "truncate": Speculation(mode="truncate"),
-    # exact speculation under the cost controller; with no measured curve it starts nothing
-    "auto": Speculation(controlled=True)}
+    # exact speculation under the cost controller, on the generator server's measured curve
+    "auto": Speculation(controlled=True, measure_curve=True)}
 
 
 def speculative_potential(score: float | None, bins: int) -> int:
@@ -315,7 +321,7 @@ class StepPipeline:
         self.speculation, self.overlap, self.by_family = speculation, overlap, by_family
         self.bins = (speculation.bins if speculation and speculation.bins else bins)
         self.controller = (SpeculationController(speculation.curve, verifier_shares_device=speculation.verifier_shares_device,
-                                                 slowdown=speculation.slowdown)
+                                                 slowdown=speculation.slowdown, measure=speculation.measure_curve)
                            if speculation and speculation.controlled else None)
         self._take_over = TakeOverChance(self.bins)             # learned from this search's selections
         self.seed = seed
@@ -341,6 +347,9 @@ class StepPipeline:
         spec_limit = self.limit_of(depth + 1) if self.speculation and depth + 1 < self.max_depth else None
         name = f"step{depth}"
         cands: list[Candidate | None] = [None] * len(beams)
+        if self.controller is not None and self._rows is None and beams:   # the first depth, before a request
+            self.controller.find_curve(beams[0].state.stream_executor.backend)
+            self._rows = rows_in_flight(_generator_key(beams[0].state))
         waiting: dict[int, tuple[str, Any, str]] = {}   # beam -> (what it waits on, its state, variable)
         for i, b in enumerate(beams):
             if b.branch is not None:
@@ -351,8 +360,6 @@ class StepPipeline:
         verifying: list[tuple[list[Candidate], Any]] = []   # (candidates, future of their scores)
         sent: set[int] = set()
         families = Families(beams) if self.by_family else None
-        if self.controller is not None and self._rows is None and beams:
-            self._rows = rows_in_flight(_generator_key(beams[0].state))
         others = 0   # the rows the process's other controlled searches have on the generator
         while waiting:
             seen = self._waiter.seen()   # before looking: an end after this wakes the wait below

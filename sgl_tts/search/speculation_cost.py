@@ -39,11 +39,13 @@ n`` as above. So **a branch keeps running iff ``p * step(n) / n > s * step(b)``*
 yes/no it was: every branch stops where extra rows cost anything.
 
 The curve is measured on the generator's own server (:mod:`sgl_tts.launch.decode_curve`; ``sgl-tts
-run --speculative auto`` does it when the run starts, and the slowdown where the PRM shares the
-host). ``b`` and ``n`` are the generator's batch as this process sees it: the search's own rows plus
-those of every other controlled search of the process on the same generator (:class:`RowsInFlight`:
-``sgl-tts run`` with several problems in flight, ``sgl-tts serve-search``); another client's
-requests on the same server are not seen.
+run --speculative auto`` and ``sgl-tts serve-search`` do it when the run starts or at the first
+``auto`` request, and the slowdown where the PRM shares the host; a program given ``"auto"`` asks its
+``SGLangEndpoint`` once per server, :meth:`SpeculationController.find_curve`; a generator that is no
+server is refused). ``b`` and ``n`` are the generator's batch as this process sees it: the search's
+own rows plus those of every other controlled search of the process on the same generator
+(:class:`RowsInFlight`: ``sgl-tts run`` with several problems in flight, ``sgl-tts serve-search``);
+another client's requests on the same server are not seen.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import functools
 import json
 import os
 import threading
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 #: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started or stopped)
 COSTS_MORE = "costs more than it saves"
@@ -272,7 +274,10 @@ class SpeculationController:
 
     Args:
         curve: the generator's measured decode curve; ``None``: nothing is measured, so nothing is
-            started (``speculative="auto"`` never guesses).
+            started (``speculative="auto"`` never guesses), unless ``measure`` finds one.
+        measure: without a ``curve``, take the generator server's when the search starts
+            (:meth:`find_curve`: measured once per server, cached); a generator that is no server
+            is refused there.
         verifier_shares_device: the PRM runs on the same device (always on a CPU): a branch still
             running when the depth's last step ends slows the verification the search waits for
             (:meth:`keep_at_barrier`).
@@ -281,10 +286,29 @@ class SpeculationController:
     """
 
     def __init__(self, curve: DecodeCurve | None, *, verifier_shares_device: bool = False,
-                 slowdown: VerifierSlowdown | None = None):
+                 slowdown: VerifierSlowdown | None = None, measure: bool = False):
         self.curve = curve
+        self.measure = measure
         self.verifier_shares_device = verifier_shares_device
         self.slowdown = slowdown
+
+    def find_curve(self, backend: Any) -> None:
+        """With ``measure`` and no curve: the generator's, ``backend.decode_curve()`` (an
+        :class:`~sgl_tts.backends.SGLangEndpoint`'s: its server's, measured once per server and process
+        and cached on disk as ``sgl-tts run`` caches it). Called once, when the search starts; a
+        backend that is no server to measure on raises :class:`ValueError` naming how to give a
+        curve (``speculative="auto"`` never quietly runs as the plain search)."""
+        if not self.measure or self.curve is not None:
+            return
+        measure = getattr(backend, "decode_curve", None)
+        if measure is None:
+            raise ValueError(
+                f"speculative='auto' decides on the generator's measured decode curve, and its backend "
+                f"({type(backend).__name__}) is not an SGLang server to measure one on: give the curve, "
+                f"speculative=Speculation(controlled=True, curve=DecodeCurve.of([(batch, seconds), ...])) "
+                f"or DecodeCurve.load(path) of a JSON file with points: [[batch, seconds], ...] "
+                f"(sgl-tts run: speculation_curve: FILE), or generate on a server (sgl_tts.connect(url))")
+        self.curve = measure()
 
     def decide(self, take_chance: float, running: int, next_batch: int) -> BranchDecision:
         """One branch whose child takes it over with chance ``take_chance``, with ``running``

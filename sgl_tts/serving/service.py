@@ -27,16 +27,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import logging
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.search import SearchResult, Trajectory
 from sgl_tts.serving.api import SearchRequest
 from sgl_tts.protocol import new_group, rid_depth
+
+if TYPE_CHECKING:
+    from sgl_tts.experiment import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +252,9 @@ class SearchService:
         self.generator = SGLangEndpoint(self.generator_url)   # checks it answers; tokenizer; group aborts
         self.max_concurrent = max_concurrent
         self.prm = None
+        self.prm_url = prm_url.rstrip("/") if prm_url is not None else None
+        self._auto_lock = threading.Lock()
+        self._auto_settings: dict[str, Any] | None = None   # speculative: auto on these servers, once resolved
         if prm_url is not None:
             cfg = RunConfig(prm=prm_url.rstrip("/"), prm_kind=prm_kind, prm_tokenizer=prm_tokenizer,
                             prm_good=prm_good, prm_bad=prm_bad, **({"prm_tag": prm_tag} if prm_tag else {}))
@@ -300,6 +307,8 @@ class SearchService:
                 self.running[group] = endpoint
             if on_start is not None:
                 on_start(group)
+            if cfg.speculative == "auto":
+                cfg = self._on_these_servers(cfg)
             args = cfg.program_arguments(req.question, self.prm)
             args["search_group"] = group
             result = self._run_program(program_function(cfg.program), args, group, endpoint, cancel)
@@ -314,6 +323,24 @@ class SearchService:
                 self.running.pop(group, None)
                 self._free += 1
                 self._lock.notify_all()
+
+    def _on_these_servers(self, cfg: "RunConfig") -> "RunConfig":
+        """``speculative: auto`` on this service's servers, resolved as ``sgl-tts run`` resolves it: the
+        generator's decode curve and, where the PRM shares its host, the PRM's slowdown beside it, each
+        read from the disk cache or measured (:mod:`sgl_tts.launch.decode_curve`), once: at the first
+        such request (a second waits for it); a failure is the request's error and the next one tries
+        again."""
+        with self._auto_lock:
+            if self._auto_settings is None:
+                from sgl_tts.experiment.driver import with_decode_curve, with_verifier_slowdown
+
+                said = io.StringIO()
+                on = dataclasses.replace(cfg, generator=self.generator_url, prm=self.prm_url)
+                on = with_verifier_slowdown(with_decode_curve(on, said), said)
+                logger.info("speculative: auto: %s", said.getvalue().strip().replace("\n", "; "))
+                self._auto_settings = {k: getattr(on, k) for k in
+                                       ("generator", "prm", "speculation_curve", "verifier_slowdown")}
+        return dataclasses.replace(cfg, **self._auto_settings)
 
     def _run_program(self, program, args: dict[str, Any], group: str, endpoint: "SearchEndpoint",
                      cancel: CancelEvent) -> Any:

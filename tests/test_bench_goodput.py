@@ -71,6 +71,14 @@ class WordPRM(ModelServer):
 
 
 @pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One ``--models-dir`` for the module's commands: the first to need the two 1.5B folders writes
+    them (their 152k-word tokenizer costs seconds), the others only read them.
+    test_dry_run_prints_a_stock_and_an_sgl_tts_pair checks the writing itself in a folder of its own."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
 def words(tmp_path_factory):
     folder = tmp_path_factory.mktemp("words")
     write_word_tokenizer(folder, VOCAB)
@@ -528,8 +536,8 @@ def test_the_gpu_device_still_needs_its_models(capsys):
     (["--stock-split", "1.5"], "the generator's share must be in (0, 1), got 1.5"),
     (["--n", "2", "--beam-width", "4"], "DVTS needs n >= beam_width (4); got n = 2"),
 ])
-def test_bad_arguments_fail_with_one_line(tmp_path, capsys, extra, message):
-    code, out = _dry(capsys, "--models-dir", str(tmp_path), *extra)
+def test_bad_arguments_fail_with_one_line(models, capsys, extra, message):
+    code, out = _dry(capsys, "--models-dir", str(models), *extra)
     assert code == 1 and out.err == f"sgl-tts bench: error: {message}\n"
 
 
@@ -565,9 +573,9 @@ def test_the_reports_header_is_the_runs_that_measured():
     assert measured_header(cpu, [{"kind": "search"}]) is cpu
 
 
-def test_report_only_needs_records(tmp_path, capsys):
+def test_report_only_needs_records(tmp_path, models, capsys):
     code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--n", "8",
-                       "--models-dir", str(tmp_path), "--output", str(tmp_path / "none.jsonl"), "--report-only"])
+                       "--models-dir", str(models), "--output", str(tmp_path / "none.jsonl"), "--report-only"])
     assert code == 1
     assert capsys.readouterr().err == f"sgl-tts bench: error: {tmp_path / 'none.jsonl'} holds no records to report\n"
 
@@ -689,9 +697,12 @@ def fake_sglang(tmp_path, monkeypatch):
     real = Path(sglang.__file__).parent
     pkg = tmp_path / "fake" / "sglang"
     pkg.mkdir(parents=True)
-    # the real package behind the stand-in's launch_server (a client started with this path needs it)
-    (pkg / "__init__.py").write_text(f"__path__.append({str(real)!r})\n"
-                                     f"exec(compile(open({str(real / '__init__.py')!r}).read(), "
+    # the real package behind the stand-in's launch_server: a client started with this path needs its
+    # names; the stand-in server itself needs none of them, and importing them (torch, transformers)
+    # cost each of the module's 14 server starts seconds
+    (pkg / "__init__.py").write_text(f"import sys as _sys\n__path__.append({str(real)!r})\n"
+                                     f"if _sys.orig_argv[1:3] != ['-m', 'sglang.launch_server']:\n"
+                                     f"    exec(compile(open({str(real / '__init__.py')!r}).read(), "
                                      f"{str(real / '__init__.py')!r}, 'exec'))\n")
     (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
     log = tmp_path / "launches.jsonl"
@@ -703,18 +714,18 @@ def fake_sglang(tmp_path, monkeypatch):
     return log
 
 
-def _bench_args(tmp_path, *extra):
+def _bench_args(tmp_path, models, *extra):
     return (["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
                        "0.4*24GiB", "--n", "4", "8", "--problems", "1", "--beam-width", "2", "--prompt-tokens", "10",
                        "--trace-median", "6", "--trace-sigma", "0.5", "--trace-max-tokens", "20",
                        "--trace-max-depth", "6", "--limit-tokens", "4", "--server-args", "",
                        "--generator-port", str(free_port()), "--prm-port", str(free_port()),
-                       "--models-dir", str(tmp_path / "models"), "--output", str(tmp_path / "run.jsonl"),
+                       "--models-dir", str(models), "--output", str(tmp_path / "run.jsonl"),
                        "--health-timeout", "60", "--no-progress", *extra])
 
 
-def _bench(tmp_path, *extra):
-    return bench_main(_bench_args(tmp_path, *extra))
+def _bench(tmp_path, models, *extra):
+    return bench_main(_bench_args(tmp_path, models, *extra))
 
 
 def _launches(log):
@@ -733,10 +744,10 @@ def _wait_until_held(proc, log, timeout: float = 120.0) -> None:
     assert held.exists(), proc.communicate(timeout=60)[1][-3000:] if proc.poll() is not None else "never held"
 
 
-def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path, fake_sglang, monkeypatch, capsys):
+def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path, models, fake_sglang, monkeypatch, capsys):
     # the sgl-tts side's generator dies after 40 requests: the stock side's searches are kept
     monkeypatch.setenv("FAKE_DIE_AFTER", "40")
-    assert _bench(tmp_path) == 1
+    assert _bench(tmp_path, models) == 1
     err = capsys.readouterr().err
     assert "sgl-tts bench: error: sgl-tts: the generator server exited with code 3 during the searches" in err
     assert "CUDA error: an illegal memory access" in err and "run again to resume" in err
@@ -754,7 +765,7 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
         ("stock", a, n) for a in ("beam_search", "dvts") for n in (4, 8)}
     # again without the crash: only the sgl-tts side starts, and finishes
     monkeypatch.delenv("FAKE_DIE_AFTER")
-    assert _bench(tmp_path) == 0, capsys.readouterr().err
+    assert _bench(tmp_path, models) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     again = _launches(fake_sglang)[len(launches):]
     assert [("--tts-policy" in x["argv"], x["plugins"]) for x in again] == [(True, None), (False, None)]
@@ -787,7 +798,7 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert "- machine: " in md and "- date: " in md and "- command: `sgl-tts bench --generator qwen2.5-math-1.5b" in md
     assert (tmp_path / "run.png").stat().st_size > 10_000
     # a third run has nothing to do: no server starts, the same report
-    assert _bench(tmp_path) == 0
+    assert _bench(tmp_path, models) == 0
     assert len(_launches(fake_sglang)) == len(launches) + 2
     # each run wrote where, when and how it ran; a report rebuilt on another machine still names the
     # machine that measured, and says where it was rebuilt
@@ -796,7 +807,7 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert len(runs) == 3 and {r["machine"] for r in runs} == {describe()}
     capsys.readouterr()
     monkeypatch.setattr("sgl_tts.machine.describe", lambda: "a laptop")
-    assert _bench(tmp_path, "--report-only") == 0
+    assert _bench(tmp_path, models, "--report-only") == 0
     md = (tmp_path / "run.md").read_text()
     assert f"- machine: {runs[0]['machine']}\n" in md
     assert "- command: " + "; then ".join(f"`{r['command']}`" for r in runs) + "\n" in md
@@ -806,20 +817,20 @@ def test_the_command_runs_both_sides_resumes_after_a_crash_and_reports(tmp_path,
     assert json.loads((tmp_path / "run.summary.json").read_text())["header"]["machine"] == runs[0]["machine"]
 
 
-def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, fake_sglang, capsys):
-    assert _bench(tmp_path, "--stop-after", "0") == 3
+def test_stop_after_leaves_the_rest_for_the_next_run(tmp_path, models, fake_sglang, capsys):
+    assert _bench(tmp_path, models, "--stop-after", "0") == 3
     assert "--stop-after reached with work left (9 searches or measurements)" in capsys.readouterr().err
     assert _launches(fake_sglang) == []   # no server was started for nothing
 
 
-def test_a_server_that_refuses_the_flush_between_two_sides_stops_the_run_naming_them(tmp_path, fake_sglang,
+def test_a_server_that_refuses_the_flush_between_two_sides_stops_the_run_naming_them(tmp_path, models, fake_sglang,
                                                                                     monkeypatch, capsys):
     """Two sides on one start of the servers: the first side's searches are kept, and a server that
     does not empty its cache before the second (SGLang answers 400 when it stays busy) stops the run
     with the side and the server's reason, rather than measuring the second side on a warm cache."""
     monkeypatch.setenv("FAKE_FLUSH_FAILS", "1")
     one = ("--n", "4", "--algorithms", "beam_search", "--sides", "sgl-tts", "sgl-tts+overlap")
-    assert _bench(tmp_path, *one) == 1
+    assert _bench(tmp_path, models, *one) == 1
     err = capsys.readouterr().err
     assert ("sgl-tts+overlap: the generator server did not flush its cache between two sides: Timed out "
             "waiting for idle state.") in err
@@ -828,52 +839,32 @@ def test_a_server_that_refuses_the_flush_between_two_sides_stops_the_run_naming_
     assert [(r["side"], r["algorithm"]) for r in records if r["kind"] == "search"] == [("sgl-tts", "beam_search")]
 
 
-def test_sigterm_stops_both_servers_and_keeps_what_finished(tmp_path, fake_sglang, monkeypatch):
+def test_sigterm_mid_search_stops_both_sides_servers_ends_the_forks_and_keeps_what_finished(tmp_path, models,
+                                                                                           fake_sglang, monkeypatch):
     """``timeout`` or a job runner ends the command with SIGTERM: the servers (own process groups)
-    must not outlive it."""
+    must not outlive it, and a search caught mid-flight has its forks' workers (SGLang's non-daemon
+    executor threads) ended too, so the command exits with 130 instead of waiting on them forever.
+    (One command for both: each check once had a test and a command of its own.)"""
     import os
     import signal
     import subprocess
     import sys
-    import time
 
     # the stock side runs to its end; the plugin side's generator then holds its requests after the
     # fifth, so the signal finds the command mid-run (a fixed wait once lost the race: the whole
-    # command had finished before the signal came, and exited 0)
-    monkeypatch.setenv("FAKE_HOLD_AFTER", "5")
-    proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "bench", *_bench_args(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_until_held(proc, fake_sglang)
-    assert len(_launches(fake_sglang)) == 4   # both sides' generator and PRM
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
-    time.sleep(0.5)
-    for launch in _launches(fake_sglang):
-        with pytest.raises(ProcessLookupError):
-            os.kill(launch["pid"], 0)
-
-
-def test_sigterm_during_a_search_ends_its_forks_and_exits(tmp_path, fake_sglang, monkeypatch):
-    """A search caught mid-flight by SIGTERM: its forks' workers (SGLang's non-daemon executor threads)
-    are ended too, so the command exits with 130 instead of waiting on them forever."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    # the first search (n=4) has its 4 first steps and one second step answered, then the rest is held:
-    # one fork waits idle for work while the others wait on the server
+    # command had finished before the signal came, and exited 0): that side's first search (n=4) has
+    # its 4 first steps and one second step answered, then the rest is held: one fork waits idle for
+    # work while the others wait on the server
     monkeypatch.setenv("FAKE_HOLD_AFTER", "5")
     # A signal that lands inside ``ProgramState.__del__`` (or between a fork's executor and its state)
     # is swallowed there, and that executor's worker is never ended; make every state's end go missing
     # so the command cannot rely on it
     code = ("import sys; from sglang.lang.interpreter import ProgramState; ProgramState.__del__ = lambda self: None; "
             "from sgl_tts.cli import main; sys.exit(main())")
-    proc = subprocess.Popen([sys.executable, "-c", code, "bench", *_bench_args(tmp_path, "--sides", "sgl-tts")],
+    proc = subprocess.Popen([sys.executable, "-c", code, "bench", *_bench_args(tmp_path, models, "--n", "4")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_until_held(proc, fake_sglang)
+    assert len(_launches(fake_sglang)) == 4   # both sides' generator and PRM
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=60)
@@ -881,13 +872,17 @@ def test_sigterm_during_a_search_ends_its_forks_and_exits(tmp_path, fake_sglang,
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "stopped; finished searches are kept in" in err, err[-3000:]
-    time.sleep(0.5)
+    # (the command reaps each server it stops, so a server still there outlived it)
     for launch in _launches(fake_sglang):
         with pytest.raises(ProcessLookupError):
             os.kill(launch["pid"], 0)
+    # what finished is kept: the stock side's searches, and none of the side the signal stopped
+    records = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert sorted((r["side"], r["algorithm"]) for r in records if r.get("kind") == "search") == [
+        ("stock", "beam_search"), ("stock", "dvts")]
 
 
-def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
+def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path, models):
     """tools/gpu/bench-call.sh as a device call runs it (python3 on PATH, $OUT set), with no time
     left: it plans, starts nothing, exits 3 and still hands back its log, report and records."""
     import os
@@ -904,7 +899,7 @@ def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
            "SGLANG_TTS_SITE": str(tmp_path / "site"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-           "SGLANG_TTS_BENCH_EXTRA": f"--models-dir {tmp_path / 'models'}"}
+           "SGLANG_TTS_BENCH_EXTRA": f"--models-dir {models}"}
     run = subprocess.run(["bash", str(root / "tools" / "gpu" / "bench-call.sh"), "1.5b+1.5b", "0"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 3, run.stdout + run.stderr
@@ -986,14 +981,15 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():
     """The counter names are SGLang 0.5.15's: its own radix-cache metrics collector (evicting twice
-    under one cache type, once under another) writes the eviction counter's text, in a fresh
-    interpreter (Prometheus registers a collector once per process); the retraction counters, whose
-    collector needs a whole server's arguments, are written as SGLang's exposition writes them, by
-    the names its collector registers. The bench sums label sets."""
+    under one cache type, once under another) writes the eviction counter's text, into a registry of
+    its own (through SGLang's own hook for other metric classes: Prometheus' default registry takes a
+    name once per process); the retraction counters, whose collector needs a whole server's
+    arguments, are written as SGLang's exposition writes them, by the names its collector registers.
+    The bench sums label sets."""
+    import functools
     import inspect
-    import subprocess
-    import sys
 
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
     from sglang.srt.observability import metrics_collector
 
     from sgl_tts.bench.server_counters import (COUNTERS, OBSERVER_COUNTERS, delta, format_counters, parse_counters,
@@ -1001,13 +997,17 @@ def test_sglang_s_own_counters_are_read_from_its_exposition():
 
     source = inspect.getsource(metrics_collector)
     assert all(f'name="{metric}"' in source for metric in COUNTERS.values())
-    code = ("from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector as R\n"
-            "from prometheus_client import generate_latest\n"
-            "a = R(labels={'cache_type': 'RadixCache'})\n"
-            "a.increment_eviction_num_tokens(5); a.increment_eviction_num_tokens(7)\n"
-            "a.eviction_num_tokens.labels(cache_type='HiRadixCache').inc(1)\n"
-            "print(generate_latest().decode())\n")
-    text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    registry = CollectorRegistry()
+
+    class Collector(metrics_collector.RadixCacheMetricsCollector):
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    a = Collector(labels={"cache_type": "RadixCache"})
+    a.increment_eviction_num_tokens(5)
+    a.increment_eviction_num_tokens(7)
+    a.eviction_num_tokens.labels(cache_type="HiRadixCache").inc(1)
+    text = generate_latest(registry).decode()
     text += ('# HELP sglang:num_retracted_requests_total x\n# TYPE sglang:num_retracted_requests_total counter\n'
              'sglang:num_retracted_requests_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",'
              'tp_rank="0"} 3.0\nsglang:num_retracted_input_tokens_total{model_name="m"} 400.0\n'

@@ -7,6 +7,8 @@ logprobs equal to 1e-3; stop strings, ``max_new_tokens`` and EOS end a completio
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import pytest
 import sglang as sgl
 
@@ -48,15 +50,26 @@ def _run(backend, question, max_tokens=200, stop=(), ignore_eos=False):
     return state["out"], meta
 
 
+def _run_all(backend, questions, max_tokens=200):
+    """:func:`_run` of every question at once (the backend batches them), in order."""
+    states = complete.run_batch([{"question": q, "limit": max_tokens, "stop_at": [], "past_eos": False}
+                                 for q in questions], backend=backend, num_threads=len(questions))
+    for st in states:
+        assert st.error() is None, st.error()
+    return [(st["out"], st.get_meta_info("out")) for st in states]
+
+
 def _logprobs(meta):
     return [(float(lp), int(tok)) for lp, tok, *_ in meta["output_token_logprobs"]]
 
 
 def test_greedy_text_logprobs_and_eos_match_local(local, remote):
     problems = task.test_split()[:12]
-    for p in problems:
-        text_l, meta_l = _run(local, p.question)
-        text_r, meta_r = _run(remote, p.question)
+    # all twelve at once on each side: a batch computes each row as it would alone (to 1e-3)
+    questions = [p.question for p in problems]
+    right = 0
+    answers = zip(problems, _run_all(local, questions), _run_all(remote, questions))
+    for p, (text_l, meta_l), (text_r, meta_r) in answers:
         assert text_r == text_l, p.question
         # a whole solution ends at the end-of-sequence token, on both
         assert meta_r["finish_reason"] == meta_l["finish_reason"] == {"type": "stop", "matched": EOS_ID}
@@ -64,7 +77,8 @@ def test_greedy_text_logprobs_and_eos_match_local(local, remote):
         assert [t for _, t in lp_r] == [t for _, t in lp_l]
         assert max(abs(a - b) for (a, _), (b, _) in zip(lp_l, lp_r)) < 1e-3
         assert meta_r["completion_tokens"] == meta_l["completion_tokens"] == len(lp_l)
-    assert sum(task.grade(p, _run(remote, p.question)[0]).answer_ok for p in problems) >= 8
+        right += task.grade(p, text_r).answer_ok
+    assert right >= 8
 
 
 def test_stop_string_and_max_new_tokens_match_local(local, remote):
@@ -99,11 +113,13 @@ def test_sampling_seed_reproduces_a_sample_with_seeded_sampling(live):
     remote = SGLangEndpoint(live.url("generator"))      # --tts-seeded-sampling
     seeds = list(range(100, 112))
     first = _samples(remote, seeds)
-    assert _samples(remote, seeds) == first             # same seeds, same samples (in a batch of 12)
-    assert len(set(first)) >= 3                         # ... and the seeds do draw different samples
-    assert _samples(remote, [seeds[5]]) == [first[5]]   # a seed's sample does not depend on its batch
-    # the same seeds on another server with the flag: the same samples
-    assert _samples(SGLangEndpoint(live.url("generator_off")), seeds) == first
+    with cf.ThreadPoolExecutor(1) as pool:
+        # the same seeds on another server with the flag (started meanwhile if it is not running)
+        other = pool.submit(lambda: _samples(SGLangEndpoint(live.url("generator_off")), seeds))
+        assert _samples(remote, seeds) == first             # same seeds, same samples (in a batch of 12)
+        assert len(set(first)) >= 3                         # ... and the seeds do draw different samples
+        assert _samples(remote, [seeds[5]]) == [first[5]]   # a seed's sample does not depend on its batch
+        assert other.result() == first                      # ... nor on its server
 
 
 def test_stock_sglang_ignores_sampling_seed_on_the_cpu(remote):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -130,15 +131,21 @@ def test_readme_main_command_compares_the_methods(tmp_path):
     assert d["samples"] == 4
     assert d["pass@4"] >= max(r["accuracy"] for r in rows[1:4])
     assert 0.0 <= d["prm_step_auc"] <= 1.0 and d["prm_steps_graded"] > 12
-    # The table form prints the same comparison and saves the plot.
+
+
+def test_demo_prints_the_comparison_as_a_table_and_saves_the_plot(tmp_path, monkeypatch, capsys):
+    """The table form of the command above: its ``main`` in this process (the console script and
+    the JSON form are the test above's), on one problem."""
+    from sgl_tts.cli import main
+
+    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path))
     plot = tmp_path / "demo.png"
-    table = subprocess.run([exe, "demo", "--problems", "2", "--ns", "1,4", "--plot", str(plot)],
-                           capture_output=True, text=True, env=env, timeout=600)
-    assert table.returncode == 0, table.stderr
-    assert "| method | N | accuracy | vs single | tokens/problem | seconds |" in table.stdout
-    assert "| PRM beam search | 4 |" in table.stdout and "| PRM particle filtering | 4 |" in table.stdout
-    assert "| DeepConf online | 4 |" in table.stdout and "DeepConf offline" not in table.stdout
-    assert f"plot: {plot}" in table.stdout
+    assert main(["demo", "--problems", "1", "--ns", "1,4", "--plot", str(plot)]) == 0
+    table = capsys.readouterr().out
+    assert "| method | N | accuracy | vs single | tokens/problem | seconds |" in table
+    assert "| PRM beam search | 4 |" in table and "| PRM particle filtering | 4 |" in table
+    assert "| DeepConf online | 4 |" in table and "DeepConf offline" not in table
+    assert f"plot: {plot}" in table
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -151,12 +158,14 @@ def test_readme_main_command_compares_the_methods(tmp_path):
     (["--cpu-engine", "thread", "--cpu-replicas", "2"],
      "sgl-tts: error: 2 cpu replicas need engines in processes, and this layout has threads (cpu engine 'thread')"),
 ])
-def test_demo_reports_bad_input_in_one_line(tmp_path, args, message):
+def test_demo_reports_bad_input_in_one_line(tmp_path, args, message, capsys):
+    """The command's ``main`` in this process (what ``sgl-tts demo`` runs: its exit status is what
+    main returns)."""
+    from sgl_tts.cli import main
+
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    out = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "demo", *args], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1].startswith(message.replace("{tmp}", str(tmp_path)))
+    assert main(["demo", *args]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(message.replace("{tmp}", str(tmp_path)))
 
 
 def test_cli_dispatches_training_and_quality_commands(capsys):
@@ -199,14 +208,18 @@ def test_failures_at_once_prints_a_failures_traceback_before_the_next_test_runs(
     (tmp_path / "test_two.py").write_text(
         "def test_fails():\n    assert 2 + 2 == 5, 'the reason'\n\n\n"
         "def test_next():\n    print('NEXT RUNS', flush=True)\n")
-    env = {**os.environ, "SGLANG_TTS_FAILURES_AT_ONCE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-v", str(tmp_path)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300).stdout
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop("SGLANG_TTS_FAILURES_AT_ONCE", None)
+
+    def pytest_run(extra: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-v", str(tmp_path)],
+                              capture_output=True, text=True, env={**env, **extra}, cwd=tmp_path, timeout=300).stdout
+
+    # with the variable and without it, both runs at once (each imports the conftest's torch)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        out, plain = pool.map(pytest_run, [{"SGLANG_TTS_FAILURES_AT_ONCE": "1"}, {}])
     early = out.index("---- test_two.py::test_fails failed (call) ----")
     assert early < out.index("the reason") < out.index("---- end of test_two.py::test_fails ----") \
         < out.index("NEXT RUNS") < out.index("= FAILURES =")
     # without the variable, the reason waits for the summary, as pytest has it
-    del env["SGLANG_TTS_FAILURES_AT_ONCE"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-v", str(tmp_path)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300).stdout
-    assert "---- test_two.py::test_fails" not in out and out.index("NEXT RUNS") < out.index("the reason")
+    assert "---- test_two.py::test_fails" not in plain and plain.index("NEXT RUNS") < plain.index("the reason")

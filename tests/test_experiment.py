@@ -10,6 +10,7 @@ import argparse
 import collections
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import signal
@@ -413,17 +414,41 @@ def test_summary_numbers_from_records():
 
 
 # --------------------------------------------------------------------------- tiny models, CPU
+class TinyRuns:
+    """``sgl-tts run`` (its ``main``, in this process) on the first three test problems with the
+    shipped tiny models, N=4, M=2: each program's plain run is made once per module, checked by the
+    end-to-end test and compared with by the exact speculation test."""
+
+    def __init__(self, work: Path):
+        from sgl_tts.tiny import task
+
+        self.work = work
+        self.problems = work / "problems.jsonl"
+        task.write_jsonl(task.test_split()[:3], self.problems)
+        self._plain: dict[str, tuple[list[str], dict, Path, Path]] = {}
+
+    def argv(self, program: str, out: Path, *extra: str) -> list[str]:
+        return ["--problems", str(self.problems), "--output", str(out), "--program", program, "--n", "4",
+                "--beam-width", "2", "--no-progress", "--json", *extra]
+
+    def plain(self, program: str, capsys) -> tuple[list[str], dict, Path, Path]:
+        """The plain run of ``program`` with a plot: its argv, its ``--json`` report, output and plot."""
+        if program not in self._plain:
+            out, plot = self.work / f"{program}.jsonl", self.work / f"{program}.png"
+            argv = self.argv(program, out, "--plot", str(plot))
+            assert run_command.main(argv) == 0
+            self._plain[program] = (argv, json.loads(capsys.readouterr().out), out, plot)
+        return self._plain[program]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> TinyRuns:
+    return TinyRuns(tmp_path_factory.mktemp("tiny-runs"))
+
+
 @pytest.mark.parametrize("program", ["best_of_n", "self_consistency", "beam_search", "dvts"])
-def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, capsys):
-    problems = tmp_path / "problems.jsonl"
-    from sgl_tts.tiny import task
-    task.write_jsonl(task.test_split()[:3], problems)
-    out = tmp_path / "out.jsonl"
-    plot = tmp_path / "plot.png"
-    argv = ["--problems", str(problems), "--output", str(out), "--program", program, "--n", "4",
-            "--beam-width", "2", "--plot", str(plot), "--no-progress", "--json"]
-    assert run_command.main(argv) == 0
-    info = json.loads(capsys.readouterr().out)
+def test_every_program_runs_end_to_end_on_the_tiny_models(tiny_runs, program, capsys):
+    argv, info, out, plot = tiny_runs.plain(program, capsys)
     recs = lines(out)
     assert sorted(r["index"] for r in recs) == [0, 1, 2]
     assert all(r["trajectories"] and r["tokens_generated"] > 0 for r in recs)
@@ -442,20 +467,17 @@ def test_every_program_runs_end_to_end_on_the_tiny_models(tmp_path, program, cap
 
 
 @pytest.mark.parametrize("program", ["beam_search", "dvts"])
-def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectories(tmp_path, program, capsys):
+def test_exact_speculation_on_the_tiny_models_returns_the_plain_runs_trajectories(tiny_runs, program, capsys):
     """LocalBackend (priority admission: speculative requests after normal ones), the real tiny
     generator and PRM: the same seeds give the same samples, so exact speculation with LookAhead and
-    overlapped verification returns every trajectory of the plain run, and reports its tokens."""
-    problems = tmp_path / "problems.jsonl"
-    from sgl_tts.tiny import task
-    task.write_jsonl(task.test_split()[:2], problems)
-    runs = {}
-    for name, extra in (("plain", []), ("spec", ["--speculative", "exact", "--overlap-verification"])):
-        out = tmp_path / f"{name}.jsonl"
-        assert run_command.main(["--problems", str(problems), "--output", str(out), "--program", program,
-                                "--n", "4", "--beam-width", "2", "--no-progress", "--json", *extra]) == 0
-        runs[name] = (json.loads(capsys.readouterr().out)["summary"], lines(out))
-    (plain_s, plain), (spec_s, spec) = runs["plain"], runs["spec"]
+    overlapped verification returns every trajectory of the plain run (the end-to-end test's), and
+    reports its tokens."""
+    _, plain_info, plain_out, _ = tiny_runs.plain(program, capsys)
+    out = tiny_runs.work / f"{program}-spec.jsonl"
+    assert run_command.main(tiny_runs.argv(program, out, "--speculative", "exact", "--overlap-verification")) == 0
+    plain_s, plain = plain_info["summary"], lines(plain_out)
+    spec_s, spec = json.loads(capsys.readouterr().out)["summary"], lines(out)
+    assert sorted(r["index"] for r in spec) == sorted(r["index"] for r in plain) == [0, 1, 2]
     for a, b in zip(sorted(plain, key=lambda r: r["index"]), sorted(spec, key=lambda r: r["index"])):
         assert [(t["steps"], t["step_scores"], t["tokens"]) for t in a["trajectories"]] == \
                [(t["steps"], t["step_scores"], t["tokens"]) for t in b["trajectories"]]
@@ -497,34 +519,38 @@ def test_a_bad_dataset_is_one_line_on_stderr_of_the_command(tmp_path, content, m
 
 def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     """A real `sgl-tts run` process on the tiny models is killed (SIGKILL) once some problems are
-    written; the same command then finishes the rest: every problem exactly once, each line the
-    same as an uninterrupted run's."""
+    written; the same command line (its config and driver, in this process) then finishes the rest:
+    every problem exactly once, each line the same as an uninterrupted run's."""
     from sgl_tts.tiny import task
     problems = tmp_path / "problems.jsonl"
-    task.write_jsonl(task.test_split()[:10], problems)
+    total = 4
+    task.write_jsonl(task.test_split()[:total], problems)
     out = tmp_path / "out.jsonl"
 
-    def command(output):
-        return sgl_tts_run_command("--problems", problems, "--output", output, "--program", "best_of_n",
-                                   "--n", "4", "--in-flight", "1", "--no-progress")
+    def arguments(output):
+        return ["--problems", str(problems), "--output", str(output), "--program", "best_of_n", "--n", "4",
+                "--in-flight", "1", "--no-progress"]
 
-    cmd = command(out)
-    env = cli_env()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def run_here(output) -> str:
+        """The command line's run in this process; what it printed."""
+        printed = io.StringIO()
+        run(run_command.config_from_args(run_command.build_parser().parse_args(arguments(output))), stream=printed)
+        return printed.getvalue()
+
+    proc = subprocess.Popen(sgl_tts_run_command(*arguments(out)), env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 2):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = len(lines(out))
-    assert 3 <= before < 10, before
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert f"resuming {out}: {before} of 10 problems already done" in done.stdout
+    assert 2 <= before < total, before
+    assert f"resuming {out}: {before} of {total} problems already done" in run_here(out)
     resumed = lines(out)
-    assert sorted(r["index"] for r in resumed) == list(range(10))
+    assert sorted(r["index"] for r in resumed) == list(range(total))
     straight = tmp_path / "straight.jsonl"
-    subprocess.run(command(straight), env=env, check=True, capture_output=True, timeout=600)
+    run_here(straight)
     key = lambda r: (r["index"], r["answers"], [t["steps"] for t in r["trajectories"]])  # noqa: E731
     assert sorted(map(key, resumed)) == sorted(map(key, lines(straight)))
 
@@ -532,16 +558,21 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tmp_path):
 def test_mcts_runs_on_the_tiny_models_deterministically_and_reports_its_exits(tmp_path, capsys):
     """`sgl-tts run --program mcts` on the embedded tiny models (LocalBackend): serial MCTS with both
     early exits; every problem records why its search stopped, the summary counts them, and a second
-    run of the same settings writes the same trees' trajectories (position-keyed seeds)."""
+    run of the same settings writes the same trees' trajectories (position-keyed seeds). The first
+    run lays its engines out as the default 8 in flight do (processes: a generator engine per core,
+    the PRM's); the second keeps 3 in flight, on engines in threads of this process (what is in
+    flight and where the engines run are not in the run key: neither may change a tree)."""
     from sgl_tts.tiny import task
+    assert RunConfig(program="mcts").engine_layout.engine_in == "process"
+    assert RunConfig(program="mcts", in_flight=3).engine_layout.engine_in == "thread"
     problems = tmp_path / "problems.jsonl"
     task.write_jsonl(task.test_split()[:3], problems)
     runs = []
-    for name in ("a", "b"):
+    for name, in_flight in (("a", []), ("b", ["--in-flight", "3"])):
         out = tmp_path / f"{name}.jsonl"
         assert run_command.main(["--problems", str(problems), "--output", str(out), "--program", "mcts",
                                 "--n", "6", "--beam-width", "3", "--max-depth", "8", "--aggregation", "min",
-                                "--negative-exit", "--threshold", "0.8", "--no-progress", "--json"]) == 0
+                                "--negative-exit", "--threshold", "0.8", "--no-progress", "--json", *in_flight]) == 0
         summary = json.loads(capsys.readouterr().out)["summary"]
         runs.append((summary, sorted(lines(out), key=lambda r: r["index"])))
     (summary, first), (_, second) = runs

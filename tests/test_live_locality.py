@@ -7,15 +7,17 @@ Two servers of the shipped tiny generator, each with a 768-token pool and at mos
 requests (a family at a time, so that families wait while others run and fill the pool): ``fcfs``
 (the plugin loaded with ``--tts-policy off``: SGLang's default scheduling, measured by the same
 observer) and ``locality``. Both sample seeded (``--tts-seeded-sampling``), so a search draws the same
-samples on both. Two starts (~30-60 s each on 2 busy cores) and about a minute of requests."""
+samples on both. Two starts at once (~30-60 s on 2 busy cores) and about a minute of requests."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import time
 
 import pytest
 
+from live_groups import ServerGroups
 from live_http import family_paths, flush_cache, greedy_body, post_all
 from sgl_tts.protocol import SearchTag
 
@@ -29,18 +31,20 @@ PATH = SHARED + OWN        # a parent's cached path: the shared prompt and its o
 
 @pytest.fixture(scope="module")
 def pressed(tmp_path_factory, live):
-    from sgl_tts.launch.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer
     from sgl_tts.models import shipped_model
 
     gen = str(shipped_model("generator"))
     flags = ("--max-running-requests", str(RUNNING))
-    specs = {name: LiveServer(gen, policy=policy, metrics=True, seeded_sampling=True, kv_bytes=POOL_TOKENS * 4096,
-                              extra=flags)
-             for name, policy in (("fcfs", "off"), ("locality", "locality"))}
+    groups = {name: {name: LiveServer(gen, policy=policy, metrics=True, seeded_sampling=True,
+                                      kv_bytes=POOL_TOKENS * 4096, extra=flags)}
+              for name, policy in (("fcfs", "off"), ("locality", "locality"))}
     live.stop(*live.running())
-    servers = LiveServers(specs, tmp_path_factory.mktemp("live-locality"))
-    yield servers
-    servers.stop_all()
+    servers = ServerGroups(groups, tmp_path_factory.mktemp("live-locality"))   # the two start together
+    try:
+        yield servers.start()
+    finally:
+        servers.stop_all()
 
 
 def _evicted(servers, name: str, since: float) -> int:
@@ -63,17 +67,22 @@ def test_under_pressure_a_waiting_family_keeps_its_parents_path_where_fcfs_evict
     refresh is most of what either rule does. What this test guards is the policy against SGLang's
     own scheduling.)"""
     parents, children = family_paths(0, SHARED, OWN, FAMILIES, CHILDREN)
-    got, evicted = {}, {}
-    for name in ("fcfs", "locality"):
+    bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
+              for f, family in enumerate(children) for c, ids in enumerate(family)]
+
+    def side(name: str) -> tuple[list[dict], int]:
         url = pressed.url(name)
         flush_cache(url)
         since = time.time()
         for f, path in enumerate(parents):   # one at a time: each path is cached before the next
             asyncio.run(post_all(url, [greedy_body(SearchTag("fam", 0, -1, f), path, 1)]))
-        bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
-                  for f, family in enumerate(children) for c, ids in enumerate(family)]
-        got[name] = asyncio.run(post_all(url, bodies))
-        evicted[name] = _evicted(pressed, name, since)
+        return asyncio.run(post_all(url, bodies)), _evicted(pressed, name, since)
+
+    # the two servers run the same workload at once: each is its own pool and scheduler (one core each)
+    with cf.ThreadPoolExecutor(2) as pool:
+        sides = dict(zip(("fcfs", "locality"), pool.map(side, ("fcfs", "locality"))))
+    got = {name: answers for name, (answers, _) in sides.items()}
+    evicted = {name: tokens for name, (_, tokens) in sides.items()}
     for name, answers in got.items():
         assert [len(a["output_ids"]) for a in answers] == [NEW] * len(answers), name
         assert [a["meta_info"]["prompt_tokens"] for a in answers] == [PATH + 1] * len(answers), name
@@ -89,9 +98,11 @@ def test_under_pressure_a_waiting_family_keeps_its_parents_path_where_fcfs_evict
 
 @pytest.mark.timeout(600)
 def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(pressed, local_prm):
-    """Beam search (16 beams, width 4, eight problems at once) on the pressed pools: both servers evict,
+    """Beam search (8 beams, width 4, eight problems at once) on the pressed pools: both servers evict,
     and the locality policy keeps exactly the beams SGLang's own scheduling keeps (seeded sampling:
-    the same samples whatever the order and whatever was kept)."""
+    the same samples whatever the order and whatever was kept). (Measured on a busy 2-core machine,
+    2026-12-02: 8 beams evict ~450 tokens a side in ~55 s, 16 beams ~590 in ~85 s; four problems of
+    either size evict nothing.)"""
     from programs.beam_search import beam_search
     from sgl_tts.backends import SGLangEndpoint
     from sgl_tts.tiny import task
@@ -103,7 +114,7 @@ def test_a_beam_search_under_pressure_keeps_the_same_beams_under_locality(presse
         flush_cache(url)
         since = time.time()
         states = beam_search.run_batch(
-            [{"question": p.question, "prm": local_prm, "num_beams": 16, "beam_width": 4, "max_depth": 10,
+            [{"question": p.question, "prm": local_prm, "num_beams": 8, "beam_width": 4, "max_depth": 10,
               "search_group": f"pressed-{i}"} for i, p in enumerate(problems)],
             backend=SGLangEndpoint(url), num_threads=len(problems))
         for st in states:

@@ -7,16 +7,18 @@ be had without those paths, and every child finds its parent's whole path cached
 
 Two servers of the shipped tiny generator, each with a 768-token pool and at most nine running
 requests (three families): ``locality`` (its two rules) and ``locality`` with ``families``. Greedy
-requests: the same tokens on both. Two starts (~30-60 s each on 2 busy cores) and about half a
-minute of requests."""
+requests: the same tokens on both. Two starts at once (~30-60 s on 2 busy cores) and about half a
+minute of requests, the two servers' at once."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import time
 
 import pytest
 
+from live_groups import ServerGroups
 from live_http import family_paths, flush_cache, greedy_body, post_all
 from sgl_tts.protocol import SearchTag
 
@@ -30,17 +32,19 @@ PATH = SHARED + OWN        # a parent's cached path: the shared prompt and its o
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, live):
-    from sgl_tts.launch.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer
     from sgl_tts.models import shipped_model
 
     gen = str(shipped_model("generator"))
-    specs = {name: LiveServer(gen, policy="locality", metrics=True, kv_bytes=POOL_TOKENS * 4096,
-                              extra=("--max-running-requests", str(RUNNING), *rules))
-             for name, rules in (("both", ()), ("families", ("--tts-locality-rules", "families")))}
+    groups = {name: {name: LiveServer(gen, policy="locality", metrics=True, kv_bytes=POOL_TOKENS * 4096,
+                                      extra=("--max-running-requests", str(RUNNING), *rules))}
+              for name, rules in (("both", ()), ("families", ("--tts-locality-rules", "families")))}
     live.stop(*live.running())
-    started = LiveServers(specs, tmp_path_factory.mktemp("live-families"))
-    yield started
-    started.stop_all()
+    started = ServerGroups(groups, tmp_path_factory.mktemp("live-families"))   # the two start together
+    try:
+        yield started.start()
+    finally:
+        started.stop_all()
 
 
 @pytest.mark.timeout(600)
@@ -53,18 +57,22 @@ def test_a_family_waits_rather_than_evict_the_path_of_a_family_after_it(servers)
     beside the paths marked for the families after it: every child finds its parent's path cached.
     Both servers generate the same tokens."""
     parents, children = family_paths(1, SHARED, OWN, FAMILIES, CHILDREN)
-    got = {}
-    for name in ("both", "families"):
+    bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
+              for f, family in enumerate(children) for c, ids in enumerate(family)]
+    # one batch request: the 30 reach the scheduler together (sent one by one, the first
+    # families run before the last arrive, and no rule can keep a path for a family it has not seen)
+    batch = {key: [b[key] for b in bodies] for key in ("input_ids", "rid", "sampling_params")}
+
+    def side(name: str) -> list[dict]:
         url = servers.url(name)
         flush_cache(url)
         for f, path in enumerate(parents):   # one at a time: each path is cached before the next
             asyncio.run(post_all(url, [greedy_body(SearchTag("fam", 0, -1, f), path, 1)]))
-        bodies = [greedy_body(SearchTag("fam", 1, f, CHILDREN * f + c), ids, NEW)
-                  for f, family in enumerate(children) for c, ids in enumerate(family)]
-        # one batch request: the 30 reach the scheduler together (sent one by one, the first
-        # families run before the last arrive, and no rule can keep a path for a family it has not seen)
-        batch = {key: [b[key] for b in bodies] for key in ("input_ids", "rid", "sampling_params")}
-        got[name] = asyncio.run(post_all(url, [batch]))[0]
+        return asyncio.run(post_all(url, [batch]))[0]
+
+    # the two servers run the same workload at once: each is its own pool and scheduler (one core each)
+    with cf.ThreadPoolExecutor(2) as pool:
+        got = dict(zip(("both", "families"), pool.map(side, ("both", "families"))))
     time.sleep(1.5)   # the plugin's metrics flush about every second
     for name, answers in got.items():
         assert [len(a["output_ids"]) for a in answers] == [NEW] * len(answers), name

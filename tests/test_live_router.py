@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from live_groups import ServerGroups
 from programs.beam_search import beam_search
 from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
@@ -31,9 +32,10 @@ LONG = {"model": "beam_search:32x4", "messages": [{"role": "user", "content": ta
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, live):
-    """Two generator replicas (plugin, metrics, seeded sampling) and a router in front of them;
-    the PRM is the session's, whose other servers are stopped to make room (about 2 GB each)."""
-    from sgl_tts.launch.live_servers import LiveServer, LiveServers
+    """Two generator replicas (plugin, metrics, seeded sampling) and a router in front of them, and
+    two one-slot generators; the PRM is the session's, whose other servers are stopped to make room
+    (about 2 GB each). The replicas and the one-slot pair start at the same time (two at once)."""
+    from sgl_tts.launch.live_servers import LiveServer
     from sgl_tts.models import shipped_model
 
     gen = str(shipped_model("generator"))
@@ -41,16 +43,21 @@ def fleet(tmp_path_factory, live):
     # one request slot each: requests wait in the queue, where a class change always finds them
     one_slot = LiveServer(gen, policy="prefix-aware", kv_bytes=64 << 20, extra=("--max-running-requests", "1"))
     live.stop(*(set(live.running()) - {"prm"}))
-    servers = LiveServers({**{name: spec for name in REPLICAS}, "slot0": one_slot, "slot1": one_slot},
-                          tmp_path_factory.mktemp("fleet"))
-    servers.prm_url = live.url("prm")
-    yield servers
-    servers.stop_all()
+    servers = ServerGroups({"replicas": {name: spec for name in REPLICAS},
+                            "slots": {"slot0": one_slot, "slot1": one_slot}}, tmp_path_factory.mktemp("fleet"))
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:   # the session's PRM too, if it is not running
+            prm = pool.submit(live.url, "prm")
+            servers.start()
+            servers.prm_url = prm.result()
+        yield servers
+    finally:
+        servers.stop_all()
 
 
 def placement(servers) -> dict[str, collections.Counter]:
     """search group -> replica -> how many of its requests (rid ``tts/<group>/...``) it prefilled."""
-    time.sleep(2.5)   # the plugin flushes its metrics at least every second
+    time.sleep(1.5)   # the plugin flushes its metrics at least every second
     where: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for name in REPLICAS:
         for rec in servers.metrics_records(name):
@@ -125,10 +132,11 @@ def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(flee
     # measured in docs/BENCHMARKS.md, "Scale-out"; on this short-prompt task it is small)
     router = fleet.start_router("router", REPLICAS, "round_robin")
     flush_cache(router)
-    rr = run_searches(router, fleet.prm_url, "rr", list(range(6)))
+    # (four: one round of run_searches's four at a time)
+    rr = run_searches(router, fleet.prm_url, "rr", list(range(4)))
     where = placement(fleet)
     assert all(len(where[g]) == 2 for g in rr), where
-    assert [rr[f"rr{i}"].answer for i in range(6)] == [aware[f"aware{i}"].answer for i in range(6)]   # routing changes no sample
+    assert [rr[f"rr{i}"].answer for i in range(4)] == [aware[f"aware{i}"].answer for i in range(4)]   # routing changes no sample
 
 
 def test_group_abort_and_class_change_through_the_router_reach_every_replica(fleet):

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from live_groups import ServerGroups
 from sgl_tts.bench.server_counters import BLOCK_TOKENS, delta, parse_counters, recomputed_prompt_tokens
 
 pytestmark = pytest.mark.live_servers("own")   # stops the session's servers (observed)
@@ -24,14 +25,14 @@ LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 409
 def observed(tmp_path_factory, live):
     """A real CPU server, the plugin loaded observe-only, with --enable-metrics and the observer's
     JSONL file; the session's idle servers stopped to make room."""
-    from sgl_tts.launch.live_servers import OBSERVE_ONLY, LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import OBSERVE_ONLY, LiveServer
     from sgl_tts.models import shipped_model
 
     spec = LiveServer(str(shipped_model("generator")), policy=OBSERVE_ONLY, metrics=True,
                       kv_bytes=LIVE_KV_TOKENS * 4096, extra=("--enable-metrics",))
     live.stop(*live.running())
-    servers = LiveServers({"observed": spec}, tmp_path_factory.mktemp("live-observer"))
-    yield servers
+    servers = ServerGroups({"observed": {"observed": spec}}, tmp_path_factory.mktemp("live-observer"))
+    yield servers   # started on first use, stopped without SGLang's 5 s of crash diagnostics
     servers.stop_all()
 
 

@@ -42,6 +42,7 @@ from sgl_tts.plugin.metrics import SchedulerMetrics  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.protocol import SearchTag  # noqa: E402
 from test_scheduler_plugin import build_decode_state, extend_batch, make_req  # noqa: E402
+from live_groups import ServerGroups  # noqa: E402
 
 pytestmark = pytest.mark.live_servers("own")   # its live tests (below) stop the session's servers (mixed)
 
@@ -313,14 +314,14 @@ LIVE_KV_TOKENS = 1024   # the generator's context is 512 tokens; float32 KV: 409
 def mixed(tmp_path_factory, live):
     """A real CPU server with --enable-mixed-chunk --enable-streaming-session and a 1024-token pool
     (plugin loaded, --tts-policy off, metrics on); the session's idle servers stopped to make room."""
-    from sgl_tts.launch.live_servers import LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import LiveServer
     from sgl_tts.models import shipped_model
 
     spec = LiveServer(str(shipped_model("generator")), policy="off", metrics=True, kv_bytes=LIVE_KV_TOKENS * 4096,
                       extra=("--enable-mixed-chunk", "--enable-streaming-session"))
     live.stop(*live.running())
-    servers = LiveServers({"mixed": spec}, tmp_path_factory.mktemp("live-modes"))
-    yield servers
+    servers = ServerGroups({"mixed": {"mixed": spec}}, tmp_path_factory.mktemp("live-modes"))
+    yield servers   # started on first use, stopped without SGLang's 5 s of crash diagnostics
     servers.stop_all()
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from live_groups import QUICK_STOP_ENV   # the servers skip SGLang's 5 s of crash diagnostics on SIGTERM
 from sgl_tts.launch.cpu_serving import CPUServerFlags, cpu_pair_flags, cpu_server_flags, needs_transformers_impl
 from sgl_tts.launch.live_servers import free_port
 from sgl_tts.models import shipped_model
@@ -96,7 +97,8 @@ def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path, live_stoppe
     proc = subprocess.Popen([sys.executable, "-m", "sgl_tts.cli", "serve", "--device", "cpu", "--kv-memory", "128MiB",
                              "--generator-share", "0.5",
                              "--generator-port", str(gport), "--prm-port", str(pport)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **QUICK_STOP_ENV})
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 600
@@ -150,8 +152,8 @@ def test_serve_cpu_serves_both_models_and_stops_on_sigterm(tmp_path, live_stoppe
 def test_smoke_cpu_runs_a_search_through_both_servers(live_stopped):
     gport, pport = free_port(), free_port()
     done = subprocess.run([sys.executable, "-m", "sgl_tts.cli", "smoke", "--device", "cpu", "--port", str(gport),
-                           "--prm-port", str(pport), "--problems", "2", "--beams", "4"],
-                          capture_output=True, text=True, timeout=900)
+                           "--prm-port", str(pport), "--problems", "1", "--beams", "4"],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **QUICK_STOP_ENV})
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout.splitlines()
     assert out[-1] == "OK"

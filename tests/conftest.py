@@ -68,7 +68,7 @@ def pytest_terminal_summary(terminalreporter, config):
     counts = collections.Counter(name for name, _ in servers.starts)
     waited = sum(seconds for _, seconds in servers.starts)
     terminalreporter.write_line(
-        f"live servers: {len(servers.starts)} starts in {waited:.0f} s "
+        f"live servers: {len(servers.starts)} starts, {waited:.0f} s of start-up (starts at once each counted) "
         f"({', '.join(f'{name} {k}' for name, k in counts.items())})")
 
 

@@ -4,31 +4,18 @@ A CPU SGLang server's start is mostly imports, one process and one core at a tim
 overlap on the 2-core machine: ``sgl-tts serve --device cpu`` starts its two servers together for that
 reason (:func:`sgl_tts.launch.serve.start_waves`). :class:`~sgl_tts.launch.live_servers.LiveServers`
 starts one server at a time, so each group here is a ``LiveServers`` of its own, the groups start in
-threads, and each group starts its servers in the order given. Each server stops in a thread of its
-own, without SGLang's crash diagnostics (:data:`QUICK_STOP_ENV`)."""
+threads, and each group starts its servers in the order given (:meth:`LiveServers.warm` starts any
+set at once; groups keep an order within each). Each server stops in a thread of its own; the fleet
+gives each its own torch.distributed port and skips SGLang's crash diagnostics on a stop
+(:data:`sgl_tts.launch.cpu_serving.QUICK_STOP_ENV`)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sgl_tts.launch.live_servers import LiveServer, LiveServers, free_port
-from sgl_tts.launch.serve import ServerSpec
-
-
-# SGLang 0.5.15 answers SIGTERM with crash diagnostics that first sleep 5 s "to let GPU activity
-# settle" (tokenizer_manager.py, on by default): nothing to settle on the CPU, and 5 s of every stop
-QUICK_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
-
-
-class _QuickStop(LiveServers):
-    """:class:`LiveServers` whose servers skip SGLang's crash diagnostics on SIGTERM."""
-
-    def command(self, name: str) -> ServerSpec:
-        spec = super().command(name)
-        return dataclasses.replace(spec, env={**(spec.env or {}), **QUICK_STOP_ENV})
+from sgl_tts.launch.live_servers import LiveServer, LiveServers
 
 
 class ServerGroups:
@@ -36,15 +23,7 @@ class ServerGroups:
     and a router's workers (:meth:`start_router`) must be in one group."""
 
     def __init__(self, groups: Mapping[str, Mapping[str, LiveServer]], workdir: Path):
-        # SGLang takes its torch.distributed port from the kernel's ephemeral range when the server
-        # starts and binds it after the scheduler's imports, a minute later on a busy CPU, by which time
-        # another socket may hold it (EADDRINUSE, seen with two starts at once): each server gets one
-        # below that range instead, as its HTTP port (free_port)
-        def own_port(spec: LiveServer) -> LiveServer:
-            return dataclasses.replace(spec, extra=(*spec.extra, "--nccl-port", str(free_port())))
-
-        self.groups = {g: _QuickStop({name: own_port(spec) for name, spec in specs.items()}, Path(workdir) / g)
-                       for g, specs in groups.items()}
+        self.groups = {g: LiveServers(specs, Path(workdir) / g) for g, specs in groups.items()}
         self._group_of = {name: self.groups[g] for g, specs in groups.items() for name in specs}
         if len(self._group_of) != sum(len(specs) for specs in groups.values()):
             raise ValueError("a server name is in two groups")
@@ -83,10 +62,6 @@ class ServerGroups:
         return group.start_router(name, workers, policy)
 
     def stop_all(self) -> None:
-        """Stop every server, each in a thread of its own (:meth:`LiveServers.stop` holds its set's
-        lock only to take the server out), then close the groups."""
-        running = [(servers, name) for servers in self.groups.values() for name in servers.running()]
-        with cf.ThreadPoolExecutor(max(1, len(running))) as pool:
-            list(pool.map(lambda job: job[0].stop(job[1]), running))
-        for servers in self.groups.values():
-            servers.stop_all()
+        """Stop every server, all at once (each group stops its own at once)."""
+        with cf.ThreadPoolExecutor(len(self.groups)) as pool:
+            list(pool.map(LiveServers.stop_all, self.groups.values()))

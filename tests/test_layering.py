@@ -168,7 +168,7 @@ def test_the_plugin_settings_render_their_own_flags(settings, monkeypatch):
 
 
 def test_every_server_command_comes_from_one_builder(tmp_path):
-    from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
+    from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers, ephemeral_port_floor
     from sgl_tts.models import shipped_model
     from sgl_tts.plugin.settings import TTSSettings
     from sgl_tts.launch.serve import launch_command
@@ -190,6 +190,11 @@ def test_every_server_command_comes_from_one_builder(tmp_path):
     assert a.command[-6:] == ["--tts-policy", "prefix-aware", "--tts-seeded-sampling", "--tts-metrics-file",
                               str(servers.metrics_prefix("a")), "--z"]
     assert not any(x.startswith("--tts-") for x in b.command) and b.env["SGLANG_PLUGINS"] == "none"
+    # each server its own torch.distributed port below the ephemeral range (two may start at once), and
+    # no 5 s of crash diagnostics when the fleet stops it
+    ports = [c.command[c.command.index("--nccl-port") + 1] for c in (a, b)]
+    assert ports[0] != ports[1] and all(int(p) < ephemeral_port_floor() for p in ports)
+    assert a.env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == b.env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     with pytest.raises(ValueError, match="seeded sampling comes from the sgl-tts plugin: give a policy"):
         LiveServer(gen, policy=NO_PLUGIN, seeded_sampling=True)
     ragged = LiveServers({"c": LiveServer(gen, policy="off", cpu_attention="ragged")}, tmp_path).command("c")

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from live_groups import QUICK_STOP_ENV   # the servers skip SGLang's 5 s of crash diagnostics on SIGTERM
+from sgl_tts.launch.cpu_serving import QUICK_STOP_ENV   # the servers skip SGLang's 5 s of crash diagnostics on SIGTERM
 from sgl_tts.launch.cpu_serving import CPUServerFlags, cpu_pair_flags, cpu_server_flags, needs_transformers_impl
 from sgl_tts.launch.live_servers import free_port
 from sgl_tts.models import shipped_model

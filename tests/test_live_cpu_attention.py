@@ -32,6 +32,8 @@ def _same_answers(a: list[dict], b: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def ragged(live):
+    # the four this module asks for start at once (the first live module: none is running yet)
+    live.warm("generator_ragged", "prm_ragged", "generator_stock", "prm")
     yield live
     live.stop("generator_ragged", "prm_ragged")   # two more CPU servers: free their memory
 

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.server, pytest.mark.live_servers("extra")]
 
 @pytest.fixture(scope="module")
 def sparse(live):
+    live.warm("generator_sparse", "generator")   # the two this module asks for start at once
     yield live
     live.stop("generator_sparse")   # one more CPU server: free its memory
 

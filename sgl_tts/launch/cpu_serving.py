@@ -50,6 +50,11 @@ def _threads_per_server() -> str:
 
 
 CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": _threads_per_server()}
+#: SGLang 0.5.15 answers SIGTERM with crash diagnostics (a py-spy dump, a CUDA core dump) that first
+#: sleep 5 s "to let GPU activity settle" (``TokenizerManager.dump_requests_before_crash``, on by
+#: default). The servers sgl-tts stops as a matter of course (the live-server fleet: the test bed,
+#: profiles, serve-search's own) skip them: 5 s of every stop, for nothing on a CPU.
+QUICK_STOP_ENV: dict[str, str] = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 DEFAULT_KV_MEMORY = "1GiB"
 _NATIVE_QWEN2 = ("qwen2",)   # model types served by sglang/srt/models/qwen2.py's decoder layer
 

@@ -3,7 +3,8 @@
 The test bed of every server-side claim (``tests/conftest.py``'s ``live`` fixture) and usable from a
 notebook: a :class:`LiveServers` set knows how to start each named server (a :class:`LiveServer`
 spec: model, plugin policy or no plugin, metrics file, extra flags), starts one the first time its
-URL is asked for, waits until it is healthy, and stops them all at the end. Each runs
+URL is asked for (or, several at once, when :meth:`LiveServers.warm` names them), waits until it is
+healthy, and stops them all at the end. Each runs
 ``python -m sglang.launch_server`` with :mod:`sgl_tts.launch.cpu_serving`'s flags in its own process group
 (:class:`sgl_tts.launch.serve.ManagedServer`), on a free loopback port, its log written to a file. A server
 that exits or never becomes healthy raises :class:`sgl_tts.launch.serve.ServerFailed` with its last log lines.
@@ -12,6 +13,7 @@ that exits or never becomes healthy raises :class:`sgl_tts.launch.serve.ServerFa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_server_flags
+from sgl_tts.launch.cpu_serving import CPU_ENV, QUICK_STOP_ENV, cpu_server_flags
 from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
@@ -131,7 +133,8 @@ class LiveServers:
         self._ports: dict[str, int] = {}
         self._running: dict[str, ManagedServer] = {}
         self._logs: dict[str, object] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # the tables above
+        self._starting: dict[str, threading.Lock] = {}   # one per server: two servers start at once
         self.starts: list[tuple[str, float]] = []   # (name, seconds until it answered), in start order
 
     # ------------------------------------------------------------------ paths and commands
@@ -145,7 +148,11 @@ class LiveServers:
     def command(self, name: str) -> ServerSpec:
         spec = self._spec(name)
         port = self._ports.setdefault(name, free_port(self.host))
-        env = dict(CPU_ENV)
+        # SGLang otherwise takes its torch.distributed port from the kernel's ephemeral range when it
+        # starts and binds it a minute later on a busy CPU: two servers starting at once (warm) once
+        # met there (EADDRINUSE). One below that range, as the HTTP port, cannot be taken meanwhile.
+        nccl = self._ports.setdefault(f"{name}/nccl", free_port(self.host))
+        env = {**CPU_ENV, **QUICK_STOP_ENV}
         plugin = None
         if spec.policy is NO_PLUGIN:
             env["SGLANG_PLUGINS"] = "none"
@@ -158,7 +165,8 @@ class LiveServers:
                                  metrics_file=str(self.metrics_prefix(name)) if spec.metrics else None,
                                  cpu_attention=spec.cpu_attention)
         cmd = launch_command(spec.model, host=self.host, port=port, python=self.python,
-                             flags=cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args(),
+                             flags=[*cpu_server_flags(spec.model, spec.kv_bytes, dtype=spec.dtype).args(),
+                                    "--nccl-port", str(nccl)],
                              plugin=plugin, extra=spec.extra)
         return ServerSpec(name, cmd, f"http://{self.host}:{port}/health", env)
 
@@ -171,18 +179,39 @@ class LiveServers:
     # ------------------------------------------------------------------ life cycle
     def url(self, name: str) -> str:
         """The base URL of ``name``, started (and waited for) if it is not running."""
-        with self._lock:
-            server = self._running.get(name)
+        with self._start_lock(name):
+            with self._lock:
+                server = self._running.get(name)
             if server is None or not server.alive():
                 if server is not None:   # died since: report it rather than silently restarting
                     raise server.failure(f"exited with code {server.proc.returncode}")
                 self._start(name)
             return f"http://{self.host}:{self._ports[name]}"
 
+    def warm(self, *names: str) -> list[str]:
+        """The URLs of ``names``, those not running started at the same time (each in a thread) and
+        waited for. A CPU server's start is mostly one process importing on one core, so on the
+        2-core machine two starts overlap: two test servers took 105 s together against 203 s one
+        after the other (2026-12-02, under load). A server that fails to start raises (the others
+        are still waited for, and stay up)."""
+        import concurrent.futures as cf
+
+        if len(names) < 2:
+            return [self.url(n) for n in names]
+        with cf.ThreadPoolExecutor(len(names), thread_name_prefix="live-start") as pool:
+            futures = [pool.submit(self.url, n) for n in names]
+            cf.wait(futures)
+        return [f.result() for f in futures]
+
+    def _start_lock(self, name: str) -> threading.Lock:
+        with self._lock:
+            return self._starting.setdefault(name, threading.Lock())
+
     def start(self, name: str) -> str:
         """(Re)start ``name`` on its port (after :meth:`kill`), wait until healthy, return its URL."""
-        with self._lock:
-            old = self._running.pop(name, None)
+        with self._start_lock(name):
+            with self._lock:
+                old = self._running.pop(name, None)
             if old is not None:
                 old.stop(grace=5)
             self._start(name)
@@ -192,9 +221,10 @@ class LiveServers:
         """Start ``name`` (its :meth:`command`, or ``spec``) and wait until it answers its health URL."""
         spec = spec or self.command(name)
         log = open(self.log_path(name), "a", buffering=1)
-        self._logs[name] = log
         server = ManagedServer(spec, out=log, tail_lines=40, env=spec.env)
-        self._running[name] = server
+        with self._lock:
+            self._logs[name] = log
+            self._running[name] = server
         began = time.monotonic()
         deadline = began + self.health_timeout
         while not server.healthy():
@@ -213,13 +243,14 @@ class LiveServers:
         with ``policy``; return its URL."""
         from sgl_tts.launch.serve import router_spec, wait_router_workers
 
-        urls = [self.url(w) for w in workers]
-        with self._lock:
-            old = self._running.pop(name, None)
+        urls = self.warm(*workers)
+        with self._start_lock(name):
+            with self._lock:
+                old = self._running.pop(name, None)
+                port = self._ports.setdefault(name, free_port(self.host))
+                metrics_port = self._ports.setdefault(f"{name}/prometheus", free_port(self.host))
             if old is not None:
                 old.stop(grace=5)
-            port = self._ports.setdefault(name, free_port(self.host))
-            metrics_port = self._ports.setdefault(f"{name}/prometheus", free_port(self.host))
             # healthy = /readiness: once the router has registered its workers. Each router gets
             # its own Prometheus port: two on the default one and the second exits at start-up
             self._start(name, router_spec(urls, host=self.host, port=port, policy=policy, python=self.python,
@@ -252,11 +283,18 @@ class LiveServers:
         """Stop the named servers cleanly; each starts again on its next :meth:`url`. A test that
         starts servers of its own stops the idle ones first: a CPU server takes about 2 GB, and the
         machine has 24 GiB."""
+        import concurrent.futures as cf
+
         with self._lock:
             stopped = [(n, self._running.pop(n)) for n in names if n in self._running]
-        for name, server in stopped:
-            server.stop(grace=10)
-            self._retire_metrics(name)
+
+        def stop_one(job: tuple[str, ManagedServer]) -> None:
+            job[1].stop(grace=10)
+            self._retire_metrics(job[0])
+
+        if stopped:   # all at once: each waits for its own processes to end
+            with cf.ThreadPoolExecutor(len(stopped), thread_name_prefix="live-stop") as pool:
+                list(pool.map(stop_one, stopped))
 
     def _retire_metrics(self, name: str) -> None:
         """Move a stopped server's metrics files to ``<workdir>/stopped-<k>/``: what
@@ -267,11 +305,13 @@ class LiveServers:
         files = scheduler_files(self.metrics_prefix(name))
         if not files:
             return
-        k = 0
-        while (self.workdir / f"stopped-{k}").exists():
-            k += 1
-        target = self.workdir / f"stopped-{k}"
-        target.mkdir()
+        for k in itertools.count():   # servers stopped at once each take a folder of their own
+            target = self.workdir / f"stopped-{k}"
+            try:
+                target.mkdir()
+                break
+            except FileExistsError:
+                continue
         for f in files:
             f.rename(target / f.name)
 
@@ -279,10 +319,14 @@ class LiveServers:
         return [name for name, server in self._running.items() if server.alive()]
 
     def stop_all(self) -> None:
+        """Stop every server, all at once (each stop waits for its server's processes to end)."""
+        import concurrent.futures as cf
+
         with self._lock:
             servers, self._running = self._running, {}
-        for server in servers.values():
-            server.stop(grace=10)
+        if servers:
+            with cf.ThreadPoolExecutor(len(servers), thread_name_prefix="live-stop") as pool:
+                list(pool.map(lambda server: server.stop(grace=10), servers.values()))
         for log in self._logs.values():
             log.close()
         self._logs.clear()

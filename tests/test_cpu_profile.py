@@ -195,3 +195,16 @@ def test_plan_on_the_cpu_prints_the_same_split(tmp_path, capsys):
     assert (out["plan"]["prm_room"], out["plan"]["gen_room"]) == (1, 14)
     assert out["flags"]["generator"][:4] == ["--device", "cpu", "--max-total-tokens", "8704"]
     assert out["flags"]["prm"][:4] == ["--device", "cpu", "--max-total-tokens", "2048"]
+
+
+def test_a_point_reads_each_timing_from_its_quietest_sample():
+    """Prefill, the 1-token and the (1 + D)-token times each take their own minimum over the samples
+    (the repeats that took turns over the grid): a burst of load on one sample's 1-token time does not
+    shorten the decode step, and a step that noise makes negative is kept at 1 us."""
+    from sgl_tts.launch.cpu_profile import _point_from_samples
+
+    grid = ProfileGrid(batches=(1,), contexts=(64,), decode_tokens=8, repeats=3)
+    samples = [(0.50, 0.90, 0.98), (0.20, 0.10, 0.20), (0.30, 0.12, 0.17)]   # the first under a burst
+    prefill, step = _point_from_samples(samples, 1, 64, grid)
+    assert prefill == 0.20 and step == pytest.approx((0.17 - 0.10) / 8)
+    assert _point_from_samples([(0.2, 0.3, 0.1)], 1, 64, grid) == (0.2, 1e-6)

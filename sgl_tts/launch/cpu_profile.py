@@ -16,8 +16,9 @@ at once (client wall time until the last answer):
 3. the same prompts, ``max_new_tokens`` 1 + D (``ignore_eos``): the fixed part and D decode steps whose
    context runs from C - D/2 to C + D/2 -> ``decode_step(B, C) = (t3 - t2) / D``.
 
-The radix cache is flushed before each repeat (``/flush_cache``), and each time is the minimum over
-the repeats (other load on the cores only adds time). :class:`CpuProfile` holds the two tables and
+The radix cache is flushed before each timing of a point (``/flush_cache``); the repeats take turns
+over the whole grid, and each time is the minimum over the repeats (other load on the cores only adds
+time, and a burst of it falls on one repeat of several points, not on every repeat of one). :class:`CpuProfile` holds the two tables and
 interpolates them with the interface of :class:`~sgl_tts.launch.memory.Roofline` (``prefill(batch,
 tokens)``, ``decode_step(batch, cached)``), so :func:`sgl_tts.launch.memory.solve` takes either.
 Profiles are cached as JSON under ``~/.cache/sgl-tts/profiles/`` keyed by the model's config, the
@@ -297,21 +298,22 @@ class _Timer:
         self.pool.shutdown()
 
 
-def _measure_point(timer: _Timer, batch: int, context: int, grid: ProfileGrid) -> tuple[float, float]:
-    """(prefill seconds, decode step seconds) at one grid point, each the minimum over the repeats."""
-    d = grid.decode_tokens
-    prompts = timer.prompts(batch, context - d // 2, "grid")
-    prefill, base, long = [], [], []
-    for _ in range(grid.repeats):
-        timer.flush()
-        prefill.append(timer.wall(prompts, 1))
-        base.append(timer.wall(prompts, 1))
-        long.append(timer.wall(prompts, 1 + d))
-    step = (min(long) - min(base)) / d
+def _sample_point(timer: _Timer, batch: int, context: int, grid: ProfileGrid) -> tuple[float, float, float]:
+    """One timing of one grid point: (prefill, 1 decode token, 1 + decode_tokens) seconds."""
+    prompts = timer.prompts(batch, context - grid.decode_tokens // 2, "grid")
+    timer.flush()
+    return (timer.wall(prompts, 1), timer.wall(prompts, 1), timer.wall(prompts, 1 + grid.decode_tokens))
+
+
+def _point_from_samples(samples: Sequence[tuple[float, float, float]], batch: int, context: int,
+                        grid: ProfileGrid) -> tuple[float, float]:
+    """(prefill seconds, decode step seconds) at one grid point, each from the minimum over its samples."""
+    prefill, base, long = (min(column) for column in zip(*samples))
+    step = (long - base) / grid.decode_tokens
     if step <= 0:
         log.warning("decode step at batch %d, context %d measured %.2g s (noise): kept at 1 us", batch, context, step)
         step = 1e-6
-    return min(prefill), step
+    return prefill, step
 
 
 def measure_profile(model: str | os.PathLike, *, dtype: str | None = None, attention: str = "native",
@@ -343,13 +345,19 @@ def measure_profile(model: str | os.PathLike, *, dtype: str | None = None, atten
         timer = _Timer(servers.url("profile"), int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"]))
         try:
             timer.wall(timer.prompts(2, 32, "warm-up"), 4)
-            prefill = [[0.0] * len(grid.contexts) for _ in grid.batches]
-            decode = [[0.0] * len(grid.contexts) for _ in grid.batches]
-            with tqdm(total=grid.points, desc=f"profile {shape.name}", disable=not progress) as bar:
-                for i, b in enumerate(grid.batches):
-                    for j, c in enumerate(grid.contexts):
-                        prefill[i][j], decode[i][j] = _measure_point(timer, b, c, grid)
-                        bar.update(1)
+            # The repeats take turns over the whole grid (not one point's repeats in a row): a burst of
+            # other load on the cores then inflates one sample of several points, and each point's
+            # minimum still reads a quiet sample (batch 1 timed at twice batch 8 beside a test run).
+            samples: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+            with tqdm(total=grid.points * grid.repeats, desc=f"profile {shape.name}", disable=not progress) as bar:
+                for _ in range(grid.repeats):
+                    for b in grid.batches:
+                        for c in grid.contexts:
+                            samples.setdefault((b, c), []).append(_sample_point(timer, b, c, grid))
+                            bar.update(1)
+            points = [[_point_from_samples(samples[b, c], b, c, grid) for c in grid.contexts] for b in grid.batches]
+            prefill = [[p for p, _ in row] for row in points]
+            decode = [[d for _, d in row] for row in points]
         finally:
             timer.close()
     return CpuProfile(shape.name, profile_key(model, settings, grid), describe(), ident["cpu"], ident["cores"],

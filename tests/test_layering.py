@@ -57,47 +57,6 @@ def test_the_package_names_load_on_first_use():
         backends.Engine  # noqa: B018
 
 
-def test_the_old_module_name_still_imports_with_a_warning():
-    code = ("import warnings\nwarnings.simplefilter('error')\n"
-            "try:\n    import sgl_tts.tts_request\nexcept DeprecationWarning as w:\n    print('warned:', w)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "warned: sgl_tts.tts_request is deprecated; import sgl_tts.protocol"
-    with pytest.warns(DeprecationWarning):
-        sys.modules.pop("sgl_tts.tts_request", None)
-        import sgl_tts.tts_request as old
-    assert old.SearchTag is SearchTag and old.new_group is not None
-
-
-MOVED = {"sgl_tts.serve": "sgl_tts.launch.serve", "sgl_tts.cpu_serving": "sgl_tts.launch.cpu_serving",
-         "sgl_tts.memory": "sgl_tts.launch.memory", "sgl_tts.live_servers": "sgl_tts.launch.live_servers",
-         "sgl_tts.search_api": "sgl_tts.serving.api", "sgl_tts.search_service": "sgl_tts.serving.service",
-         "sgl_tts.search_server": "sgl_tts.serving.server", "sgl_tts.mcts_jobs": "sgl_tts.mcts.jobs",
-         "sgl_tts.mcts_plot": "sgl_tts.mcts.plot", "sgl_tts.pipeline": "sgl_tts.search.pipeline",
-         "sgl_tts.runner": "sgl_tts.search.runner", "sgl_tts.task": "sgl_tts.tiny.task",
-         "sgl_tts.training": "sgl_tts.tiny.training"}
-
-
-def test_the_moved_modules_old_names_are_the_modules_themselves_with_a_warning():
-    code = ("import importlib, warnings\nwarnings.simplefilter('error')\n"
-            f"for old in {sorted(MOVED)!r}:\n"
-            "    try:\n        importlib.import_module(old)\n    except DeprecationWarning as w:\n"
-            "        print('warned:', w)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.splitlines() == [f"warned: {old} is deprecated; import {MOVED[old]}" for old in sorted(MOVED)]
-    import importlib
-
-    for old, new in MOVED.items():
-        with pytest.warns(DeprecationWarning):
-            sys.modules.pop(old, None)
-            module = importlib.import_module(old)
-        # the same module object: private names and monkeypatches reach the code that runs
-        assert module is importlib.import_module(new), old
-    from sgl_tts.launch.serve import launch_command
-    from sgl_tts.serve import launch_command as old_name
-
-    assert old_name is launch_command
-
-
 def test_launching_loads_none_of_the_client_nor_the_applications():
     loaded = _loaded_after("import sgl_tts.launch.serve, sgl_tts.launch.cpu_serving, sgl_tts.launch.memory, "
                            "sgl_tts.launch.live_servers")

@@ -38,8 +38,7 @@ from sgl_tts import LocalBackend
 from sgl_tts.tiny import task
 from sgl_tts.machine import describe
 from sgl_tts.models import shipped_model
-from sgl_tts.prm import StepTagPRM, tag_positions
-from sgl_tts.quality import auc
+from sgl_tts.prm import StepTagPRM, auc, tag_positions
 from sgl_tts.search import aggregate, vote
 from sgl_tts.tiny.training import sample_solutions
 

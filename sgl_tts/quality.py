@@ -22,26 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from sgl_tts.tiny import task
+from sgl_tts.prm import auc
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
-
-
-def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
-    """Area under the ROC curve (Mann-Whitney U with tied ranks averaged)."""
-    pairs = sorted(zip(scores, labels))
-    n_pos = sum(labels)
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    rank_sum, i = 0.0, 0
-    while i < len(pairs):
-        j = i
-        while j < len(pairs) and pairs[j][0] == pairs[i][0]:
-            j += 1
-        avg_rank = (i + j + 1) / 2.0
-        rank_sum += avg_rank * sum(lab for _, lab in pairs[i:j])
-        i = j
-    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+from sgl_tts.tiny import task
 
 
 @dataclasses.dataclass
@@ -257,9 +240,3 @@ def measure(generator: str | Path | None = None, prm: str | Path | None = None, 
     finally:
         gen.shutdown()
         prm_backend.shutdown()
-
-
-if __name__ == "__main__":   # python -m sgl_tts.quality: sgl-tts quality
-    from sgl_tts.cli.quality import main
-
-    raise SystemExit(main())

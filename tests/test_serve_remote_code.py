@@ -55,8 +55,8 @@ def test_no_server_gets_custom_logit_processors_unless_asked_and_then_the_genera
 
 
 def test_replicas_get_them_only_when_asked_and_the_notice_names_each():
-    from sgl_tts.cli.serve import build_parser
-    from sgl_tts.launch.serve import pair_flags, remote_code_notice, serve_specs
+    from sgl_tts.cli.serve import build_parser, pair_flags, serve_specs
+    from sgl_tts.launch.serve import remote_code_notice
 
     def specs(*argv):
         args = build_parser().parse_args([*CPU[1:], "--replicas", "2", *argv])

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sgl_tts.tiny import task
-from sgl_tts.quality import auc
+from sgl_tts.prm import auc
 from sgl_tts.tiny.training import (
     corrupt,
     readout_examples,

@@ -8,7 +8,5 @@
 - :mod:`sgl_tts.launch.live_servers`: named CPU servers started on first use (the test bed's fleet).
 
 These import the plugin's settings type (to render its flags) and the shipped models' paths, never
-the client backends, the programs or the experiments. The old flat names (``sgl_tts.serve``,
-``sgl_tts.cpu_serving``, ``sgl_tts.memory``, ``sgl_tts.live_servers``) are deprecated aliases of
-these modules.
+the client backends, the programs or the experiments.
 """

@@ -9,6 +9,14 @@ prefix. Ctrl-C, or either server dying, stops both: every child runs in its own 
 gets SIGTERM, then SIGKILL after a grace period, so nothing is left running. A server that dies or
 never becomes healthy ends ``serve`` with a non-zero exit and that server's last log lines.
 
+This module is the library under the command: the one builder of SGLang's command line
+(:func:`launch_command`), the pair's and the replicas' server specs (:func:`build_specs`,
+:func:`replicate`, :func:`router_spec`) and their supervision (:func:`run_servers`). Reading
+``sgl-tts serve``'s flags into those specs (the memory plan, the CPU's split) is the command's own
+(:mod:`sgl_tts.cli.serve`), so the launch layer's modules look at one another one way:
+:mod:`~sgl_tts.launch.cpu_profile` starts servers through :mod:`~sgl_tts.launch.live_servers`, which
+starts them through this module.
+
 Nothing it starts runs code a request sends unless asked: SGLang's custom logit processors (serialized
 code the server loads) are on only for ``--enable-deepconf-stop`` (online DeepConf's stop inside
 generation) or when ``--server-args`` names them, ``serve`` says so when it starts, and on a
@@ -432,87 +440,7 @@ def print_commands(specs: Sequence[ServerSpec], label: str = "", health: bool = 
         print((prefix + " " if prefix else "") + shlex.join(spec.command))
 
 
-def pair_flags(args) -> tuple[dict, dict[str, str] | None]:
-    """The generator's and the PRM's server flags and their environment: on the CPU the shipped tiny
-    models by default, --kv-memory split by --generator-share, or when it is not given by the memory
-    planner on both models' measured CPU profiles (the generator's share split again between its
-    replicas); on CUDA the memory plan's split. ValueError / FileNotFoundError for bad
-    input; ValueError first of all for custom logit processors on a non-loopback ``--host`` without
-    ``--allow-remote-code-execution`` (:func:`check_remote_code`), before the planner may start a
-    server to measure a profile."""
-    from sgl_tts.launch.cpu_serving import CPU_ENV, cpu_pair_flags, cpu_server_flags
-    from sgl_tts.launch.memory import parse_bytes, plan_from_args
-
-    check_remote_code(args.host, [*(DEEPCONF_STOP_FLAGS if args.enable_deepconf_stop else ()), *server_args(args)],
-                      allow_remote_code=args.allow_remote_code_execution,
-                      asked_by="--enable-deepconf-stop" if args.enable_deepconf_stop else "--server-args")
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.device != "cpu":
-        if not (args.generator and args.prm):
-            raise ValueError("--generator and --prm are required with --device cuda")
-        return plan_from_args(args).flags, None
-    from sgl_tts.models import shipped_model
-
-    args.generator = args.generator or str(shipped_model("generator") or "")
-    args.prm = args.prm or str(shipped_model("prm") or "")
-    if not (args.generator and args.prm):
-        raise ValueError("this install ships no tiny models: pass --generator and --prm")
-    share = args.generator_share
-    if share is None:   # the planner's split, on both models' measured CPU profiles
-        from sgl_tts.launch.cpu_profile import cpu_plan_from_args
-
-        plan = cpu_plan_from_args(args, attention=args.cpu_attention)
-        share, flags = plan.generator_share, dict(plan.flags)
-        say(f"sgl-tts serve: planned generator share {share:.3f} of {args.kv_memory} "
-            f"(rooms: generator {plan.plan.gen_room}, PRM {plan.plan.prm_room} requests)")
-    else:
-        flags = cpu_pair_flags(args.generator, args.prm, args.kv_memory, share, args.dtype)
-    if args.replicas > 1:
-        share = parse_bytes(args.kv_memory) * share / args.replicas
-        flags["generator"] = cpu_server_flags(args.generator, int(share), dtype=args.dtype)
-    return flags, dict(CPU_ENV)
-
-
-def server_args(args) -> list[str]:
-    """``--server-args`` as a list of flags (ValueError naming it for an unclosed quote)."""
-    import shlex
-
-    try:
-        return shlex.split(args.server_args)
-    except ValueError as exc:   # an unclosed quote
-        raise ValueError(f"--server-args: {exc}") from None
-
-
-def serve_specs(args, flags: dict, env: dict[str, str] | None) -> list[ServerSpec]:
-    """The servers to start, in start-up order: the pair, or K generator replicas, the PRM and the
-    router on the generator's port. Custom logit processors only with ``--enable-deepconf-stop`` (or
-    asked for in ``--server-args``), and on a non-loopback ``--host`` only with
-    ``--allow-remote-code-execution`` (ValueError otherwise)."""
-    import shlex
-
-    # on the CPU the pytorch sampler runs: with seeded sampling the programs' seeds take effect
-    attention = args.cpu_attention if args.device == "cpu" else "native"
-    plugin = TTSSettings(args.tts_policy, metrics_file=args.tts_metrics_file, seeded_sampling=args.device == "cpu",
-                         cpu_attention=attention)
-    prm_plugin = TTSSettings(cpu_attention=attention) if attention != "native" else None
-    more = server_args(args)
-    specs = build_specs(args.generator, args.prm, flags, host=args.host,
-                        ports={"generator": args.generator_port, "prm": args.prm_port},
-                        first=args.first, plugin=plugin, env=env, prm_plugin=prm_plugin,
-                        extra={"generator": more, "prm": more}, deepconf_stop=args.enable_deepconf_stop,
-                        allow_remote_code=args.allow_remote_code_execution)
-    if args.replicas == 1:
-        return specs
-    ports = ([int(p) for p in args.replica_ports.split(",")] if args.replica_ports
-             else [args.generator_port + 100 + i for i in range(args.replicas)])
-    return replicate(specs, args.replicas, host=args.host, router_port=args.generator_port,
-                     replica_ports=ports, router_policy=args.router_policy,
-                     router_args=shlex.split(args.router_args),
-                     gpu_ids=list(range(args.replicas)) if args.device == "cuda" else None)
-
-
 __all__ = ["CUSTOM_LOGIT_PROCESSOR_FLAG", "DEEPCONF_STOP_FLAGS", "ManagedServer", "REMOTE_CODE_FLAGS",
            "ROUTER_POLICIES", "ServerFailed", "ServerSpec", "build_specs", "check_remote_code", "is_loopback",
-           "pair_flags", "print_commands", "remote_code_notice", "replicate", "serve_specs",
+           "print_commands", "remote_code_notice", "replicate",
            "router_spec", "run_servers", "wait_router_workers", "sigterm_stops_servers"]

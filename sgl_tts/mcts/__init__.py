@@ -5,8 +5,7 @@
 - :mod:`sgl_tts.mcts.jobs`: many MCTS searches at once (Algorithm 1: parallelism degrees, boosting);
 - :mod:`sgl_tts.mcts.plot`: ``draw_tree`` (matplotlib, loaded when called).
 
-The runtime that drives a tree on SGLang is the program, ``programs/mcts.py``. The old flat names
-``sgl_tts.mcts_jobs`` and ``sgl_tts.mcts_plot`` are deprecated aliases of the two modules.
+The runtime that drives a tree on SGLang is the program, ``programs/mcts.py``.
 """
 
 from sgl_tts.mcts.tree import *  # noqa: F401,F403

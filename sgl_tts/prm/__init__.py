@@ -19,14 +19,16 @@ Both read the same input text (:func:`prm_input`) and work through an SGLang ser
 for step tags, :class:`~sgl_tts.backends.classifier.LocalClassifier` for heads).
 
 Modules: :mod:`~sgl_tts.prm.input` (the text a PRM reads and its tag positions),
-:mod:`~sgl_tts.prm.scorers` (the protocol, the shared score cache and the two scorers). Every name
-is re-exported here.
+:mod:`~sgl_tts.prm.scorers` (the protocol, the shared score cache and the two scorers),
+:mod:`~sgl_tts.prm.evaluation` (``auc``: how well step scores separate good steps from bad). Every
+name is re-exported here.
 """
 
 from __future__ import annotations
 
+from sgl_tts.prm.evaluation import auc
 from sgl_tts.prm.input import STEP_TAG, default_prompt, prm_input, tag_positions, tag_work
 from sgl_tts.prm.scorers import CachedStepScorer, PRMScorer, RewardHeadPRM, StepTagPRM, head_score, sigmoid
 
-__all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "default_prompt",
+__all__ = ["CachedStepScorer", "PRMScorer", "RewardHeadPRM", "STEP_TAG", "StepTagPRM", "auc", "default_prompt",
            "head_score", "prm_input", "sigmoid", "tag_positions", "tag_work"]

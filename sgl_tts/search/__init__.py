@@ -7,8 +7,7 @@
   the policies that never change a kept beam (speculative extension, LookAhead, overlap);
 - :mod:`sgl_tts.search.runner`: ``run_continuously``, K problems in flight.
 
-The old flat names ``sgl_tts.pipeline`` and ``sgl_tts.runner`` are deprecated aliases of the two
-modules. (``sgl_tts.frontend``, what sgl-tts adds to SGLang's interpreter, stays at the top: the
+(``sgl_tts.frontend``, what sgl-tts adds to SGLang's interpreter, stays at the top: the
 package's ``__init__`` needs it, and the plugin must not load this layer.)
 """
 

@@ -4,7 +4,5 @@
 - :mod:`sgl_tts.serving.service`: ``SearchService``, which runs one search per request on a backend;
 - :mod:`sgl_tts.serving.server`: the HTTP server and the command.
 
-An application of the programs and their registry, like ``sgl-tts run``. The old flat names
-(``sgl_tts.search_api``, ``sgl_tts.search_service``, ``sgl_tts.search_server``) are deprecated
-aliases of these modules.
+An application of the programs and their registry, like ``sgl-tts run``.
 """

@@ -5,6 +5,5 @@
 - :mod:`sgl_tts.tiny.training`: ``sgl-tts train-tiny`` (tokenizer, generator, slip fine-tuning, PRM).
 
 The shipped model folders and the code that builds them stay in :mod:`sgl_tts.models` (their paths
-are the package's data). The old names ``sgl_tts.task`` and ``sgl_tts.training`` are deprecated
-aliases of these modules.
+are the package's data).
 """

@@ -95,7 +95,7 @@ def solve_and_score(generator, prm, problems: Sequence[task.Problem], *, samples
 def measure_hardness(solutions: Sequence[Solution], temperature: float) -> Hardness:
     """Accuracies and step AUCs of :func:`solve_and_score`'s output (solutions without scores count for
     accuracy, not for the AUC)."""
-    from sgl_tts.quality import auc
+    from sgl_tts.prm import auc
 
     def step_pairs(sols):
         scores, labels = [], []

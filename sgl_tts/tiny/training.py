@@ -318,7 +318,7 @@ def fit_prm_readout(prm: str | Path, pool: Sequence[tuple[task.Problem, str]], c
     tag is read back from the PRM's own step scores through :class:`~sgl_tts.prm.StepTagPRM`.
     Returns the readout and fit statistics (examples, graded steps, step AUC on them)."""
     from sgl_tts import LocalBackend
-    from sgl_tts.quality import auc
+    from sgl_tts.prm import auc
 
     backend = LocalBackend(prm, seed=seed)
     scorer = StepTagPRM(backend, cache=False)
@@ -451,12 +451,6 @@ def train_tiny(out: str | Path, recipe: TinyRecipe = TinyRecipe(), progress: boo
         (prm / ".done").write_text(json.dumps(marker))
     timings["prm_s"] = time.perf_counter() - t
     return timings
-
-
-if __name__ == "__main__":   # python -m sgl_tts.tiny.training (docs/TINY_MODELS.md): sgl-tts train-tiny
-    from sgl_tts.cli.train_tiny import main
-
-    raise SystemExit(main())
 
 
 __all__ = ["EXPERT_LEVELS", "GENERATOR_SPEC", "TASK_WORDS", "TinyRecipe", "TrainConfig", "corrupt",

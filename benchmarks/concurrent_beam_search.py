@@ -10,7 +10,7 @@ samples are seeded). Run it from two checkouts to compare them side by side, e.g
     ./dev.sh run python benchmarks/concurrent_beam_search.py 50 8      # eight at a time
 
 (`PYTHONPATH=<other checkout> <venv>/bin/python benchmarks/concurrent_beam_search.py 50 auto` for the
-other side; docs/BENCHMARKS.md, "Waiting without polling", has the figures.)
+other side; docs/benchmarks/LOG.md, "Waiting without polling", has the figures.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The demo's DeepConf online row alone, timed, with the garbage collector's share (docs/BENCHMARKS.md).
+"""The demo's DeepConf online row alone, timed, with the garbage collector's share (docs/benchmarks/LOG.md).
 
 Runs ``deepconf`` (online, N = 16, the embedded default's settings) on the first ``--problems`` test
 problems through SGLang's ``run_batch`` on :class:`sgl_tts.LocalBackend`, as ``sgl-tts demo`` does, and

@@ -18,7 +18,7 @@ and ``async-all`` / ``sync-all`` / ``quest-all`` with every layer sparse (the ti
 4 layers, so two dense ones are half its attention; ``--layers`` deepens the architecture, as the
 seed's 36-64-layer models, to see two dense layers at a small share). The ``-all`` sides time what
 sparse attention costs, not a setting to serve with: with its first layers sparse the tiny generator
-answers 0-1% of the tiny task against dense's 97% (``docs/BENCHMARKS.md``, "Sparse decoding"). Each cell's late share is the async worker's late selections over the cell's sparse
+answers 0-1% of the tiny task against dense's 97% (``docs/benchmarks/LOG.md``, "Sparse decoding"). Each cell's late share is the async worker's late selections over the cell's sparse
 rows, and ``dense_layer_ms`` / ``sparse_layer_ms`` a dense and a sparse layer's attention per row as
 the sparse server timed its own steps (its counters read before and after the cell; the dense layers
 are the first ones of the sparse sides, so both come from the same steps of the same server).

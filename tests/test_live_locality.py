@@ -63,7 +63,7 @@ def test_under_pressure_a_waiting_family_keeps_its_parents_path_where_fcfs_evict
 
     (``prefix-aware`` alone keeps these paths too: its deferral check matches the waiting siblings'
     paths each round, which refreshes them for SGLang's LRU; measured with the locality server run
-    as ``prefix-aware``, 2026-11-29. The locality ablation in docs/BENCHMARKS.md found the same: that
+    as ``prefix-aware``, 2026-11-29. The locality ablation in docs/benchmarks/LOG.md found the same: that
     refresh is most of what either rule does. What this test guards is the policy against SGLang's
     own scheduling.)"""
     parents, children = family_paths(0, SHARED, OWN, FAMILIES, CHILDREN)

@@ -129,7 +129,7 @@ def test_cache_aware_routing_keeps_each_search_on_one_replica_and_uses_both(flee
     assert [t.text for t in direct.trajectories] == [t.text for t in aware["aware5"].trajectories]
 
     # round robin: the same searches spread over both replicas (what that costs in prefix-cache hits is
-    # measured in docs/BENCHMARKS.md, "Scale-out"; on this short-prompt task it is small)
+    # measured in docs/benchmarks/LOG.md, "Scale-out"; on this short-prompt task it is small)
     router = fleet.start_router("router", REPLICAS, "round_robin")
     flush_cache(router)
     # (four: one round of run_searches's four at a time)

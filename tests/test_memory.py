@@ -112,7 +112,7 @@ def test_under_pressure_decode_wants_the_memory_prefill_saturates():
 
 
 def test_the_h200_run_plan_batches_the_verifier_and_keeps_both_caches():
-    """The failure measured on an H200 (issue 37, docs/BENCHMARKS.md "GPU results"): the seed's model
+    """The failure measured on an H200 (issue 37, docs/benchmarks/LOG.md "GPU results"): the seed's model
     (no cost per forward pass, every request's whole context counted) gives the PRM room for one
     request, and the server then ran every PRM request alone. With the fixed cost per forward pass
     and the shared question / sibling paths, both models batch all 64 and the rest of the budget is

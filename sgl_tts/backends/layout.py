@@ -16,7 +16,7 @@ EngineIn = Literal["thread", "process"]
 #: In-flight searches from which ``auto`` lays the CPU engines out for many searches: each in a
 #: process of its own, a tree search's with room for up to :data:`TREE_SEARCH_RUNNING_CAP` requests.
 #: Measured with ``sgl-tts bench-frontend --backends cpu`` (2-core CPU, 2026-11-26,
-#: docs/BENCHMARKS.md): in one process each, beam search and MCTS gained 4-22% at every K (most at
+#: docs/benchmarks/LOG.md): in one process each, beam search and MCTS gained 4-22% at every K (most at
 #: K = 128, where hundreds of fork threads share the interpreter with an in-process engine) while
 #: best-of-N, whose client is nearly idle, lost 1-12% (with a generator engine per core it gains, see
 #: below). 1,024 running rows instead of 256 took MCTS at K = 128 from 2.65 to 3.04 searches/s and
@@ -26,7 +26,7 @@ EngineIn = Literal["thread", "process"]
 #: From this many in flight, ``auto`` also gives the generator one engine per core
 #: (:mod:`sgl_tts.backends.replicas`), except to a tree search with
 #: :data:`TREE_SEARCH_REPLICAS_MAX_IN_FLIGHT` or more in flight. Measured with ``sgl-tts bench-frontend
-#: --backends cpu`` one engine against two (2-core AMD EPYC, 2026-11-28, docs/BENCHMARKS.md), searches/s:
+#: --backends cpu`` one engine against two (2-core AMD EPYC, 2026-11-28, docs/benchmarks/LOG.md), searches/s:
 #: beam search +18% / +7% / -1% / -7% at K = 8 / 32 / 64 / 128, MCTS +8% / +13% / -6% / -7%; best-of-16
 #: against its thread engine +5% / +3% / +16% at K = 8 / 32 / 128. Two engines spend more CPU per token
 #: than one with twice the batch; with many tree searches the client's fork threads need that CPU.

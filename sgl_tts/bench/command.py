@@ -49,7 +49,7 @@ CPU_TRACE = {"median_tokens": 32.0, "sigma": 1.0, "max_tokens": 512}
 CPU_PROMPT_TOKENS = 64
 CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
-# --pressure (issue 32; docs/BENCHMARKS.md "CPU under memory pressure"): the CPU workload under which the
+# --pressure (issue 32; docs/benchmarks/LOG.md "CPU under memory pressure"): the CPU workload under which the
 # scheduler plugin must win. Every beam shares a 512-token prompt (a few-shot prefix worth keeping), and
 # each n gets a KV budget (both pools of a side) whose stock generator pool the search's live generator
 # KV overflows 1.5-2.5x. Live peaks, measured on stock fcfs with 1 GiB (nothing evicted; SGLang's #token

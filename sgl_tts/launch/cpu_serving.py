@@ -12,7 +12,7 @@ it the scheduler dies importing vLLM's rotary kernel). What else the CPU needs, 
   it. Each scheduler's torch otherwise takes every core, and a generator and a PRM busy at once (what
   several searches in flight make them) oversubscribe the cores with spinning OpenMP workers: 8 beam
   searches at once on the 2-core CPU ran at 0.25-0.41 searches/s against 0.72 for one at a time; with
-  one thread per server 0.99-1.12 (docs/BENCHMARKS.md, "Many searches at once").
+  one thread per server 0.99-1.12 (docs/benchmarks/LOG.md, "Many searches at once").
 - ``--model-impl transformers`` for a Qwen2 model whose ``head_dim`` is not ``hidden_size /
   num_attention_heads`` (the tiny PRM: hidden 288 = 256 + 32 side dimensions, 4 heads of 64).
   On the CPU, ``adjust_config_with_unaligned_cpu_tp`` (``sglang/srt/configs/update_config.py``)

@@ -147,7 +147,7 @@ class Hardware:
     ``forward_seconds`` is what every forward pass costs on top of the roofline (kernel launches, the
     scheduler's round, sampling): without it a batch of one looks as cheap per token as a batch of 64
     whenever the roofline is compute bound, and the planner starved the PRM on an H200 (issue 37,
-    docs/BENCHMARKS.md "GPU results")."""
+    docs/benchmarks/LOG.md "GPU results")."""
 
     name: str
     tflops: float

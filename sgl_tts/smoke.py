@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+from sgl_tts.bench.goodput_settings import DEFAULT_SERVER_ARGS
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import launch_command
 

@@ -125,7 +125,7 @@ def test_serve_starts_the_tiny_pair_and_both_answer(tmp_path):
     import time
     import urllib.request
 
-    from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+    from sgl_tts.bench.goodput_settings import DEFAULT_SERVER_ARGS
     from sgl_tts.models import shipped_model
 
     # the lent machines' SGLang comes from the wheelhouse, without FA3's kernels, flashinfer's cubins

@@ -34,7 +34,8 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged;
 - ``ModelRunner._get_attention_backend_from_str`` (around), with ``--tts-cpu-attention ragged``:
   ``torch_native`` attention becomes :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend
-  (registered in SGLang's attention registry); every other backend is SGLang's.
+  (registered in SGLang's attention registry), or with ``--tts-sparse-attention`` the sparse one
+  (:mod:`sgl_tts.plugin.backend_choice` chooses); every other backend is SGLang's.
 
 With ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment the plugin registers only the observation hooks
 and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.observer`): no flags, stock
@@ -118,7 +119,7 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
 def scheduling_hooks() -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of the hooks that act: flags, policy, preemption, the loads
     inquirer, class changes, group abort, seeded sampling, CPU attention (full mode only)."""
-    from sgl_tts.plugin import abort, cpu_attention, policy, preemption, reclass, seeding
+    from sgl_tts.plugin import abort, backend_choice, policy, preemption, reclass, seeding
 
     return [
         (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
@@ -136,7 +137,7 @@ def scheduling_hooks() -> list[tuple[str, object, str]]:
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
-        (TARGETS["attention_backend"], cpu_attention.attention_backend_from_str, "AROUND"),
+        (TARGETS["attention_backend"], backend_choice.attention_backend_from_str, "AROUND"),
     ]
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from sgl_tts.plugin import backend_choice, cpu_attention
-from sgl_tts.plugin.cpu_attention import backend_class, decode_rows, extend, gather
+from sgl_tts.plugin.attention import backend_choice, cpu_attention
+from sgl_tts.plugin.attention.cpu_attention import backend_class, decode_rows, extend, gather
 from sgl_tts.plugin.settings import TTSSettings, add_arguments, apply
 
 HEADS, KV_HEADS, DIM = 4, 2, 16

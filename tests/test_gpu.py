@@ -70,7 +70,7 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
     from programs.beam_search import beam_search
     from sgl_tts import LocalBackend
     from sgl_tts.models import shipped_model
-    from sgl_tts.plugin.metrics import read_records, summarize
+    from sgl_tts.plugin.scheduling.metrics import read_records, summarize
     from sgl_tts.prm import StepTagPRM
     from sgl_tts.protocol import SearchTag
 

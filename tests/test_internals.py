@@ -18,10 +18,12 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.server_args import prepare_server_args
 
-from sgl_tts.plugin import backend_choice, cpu_attention, internals, residency, sparse_attention
+from sgl_tts.plugin import internals
+from sgl_tts.plugin.attention import backend_choice, cpu_attention, sparse_attention
+from sgl_tts.plugin.scheduling import residency
 from sgl_tts.plugin.internals import INTERNALS, MissingInternals
 from sgl_tts.plugin.settings import SparseSettings, TTSSettings
-from sgl_tts.plugin.sparse_worker import share_key_pools
+from sgl_tts.plugin.attention.sparse_worker import share_key_pools
 from test_scheduler_plugin import Cache, policy_for   # (applies the plugin's hooks, as a server does)
 
 NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"

@@ -18,8 +18,8 @@ from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_tts.plugin import EVICT_TARGETS, TARGETS, hook_table, scheduling_hooks
-from sgl_tts.plugin import observer
-from sgl_tts.plugin.metrics import SchedulerMetrics, summarize
+from sgl_tts.plugin.scheduling import observer
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics, summarize
 
 OBSERVED = {TARGETS["scheduler_init"], TARGETS["prefill"], TARGETS["next_batch"], TARGETS["flush"], *EVICT_TARGETS}
 
@@ -79,7 +79,7 @@ def test_observe_only_registers_the_observation_hooks_and_nothing_else():
                          env={**env, **observer.SERVER_ENV})
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    name = "sgl_tts.plugin.observer."
+    name = "sgl_tts.plugin.scheduling.observer."
     assert got["hooked"] == {TARGETS["scheduler_init"]: [name + "scheduler_init"],
                              TARGETS["prefill"]: [name + "after_prefill"],
                              TARGETS["next_batch"]: [name + "time_round"],

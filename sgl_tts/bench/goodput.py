@@ -3,7 +3,7 @@
 Each *side* is a generator + PRM server pair started by :mod:`sgl_tts.launch.serve` on one GPU:
 
 - ``stock``: SGLang's own scheduling (scheduling plugin-free, observed by the same observer as the
-  sgl-tts side: the plugin loaded observe-only, :mod:`sgl_tts.plugin.observer`), a static split of the memory
+  sgl-tts side: the plugin loaded observe-only, :mod:`sgl_tts.plugin.scheduling.observer`), a static split of the memory
   budget (``--stock-split``, the generator's share; 0.5 by default), SGLang's own batch limits;
 - ``stock-lpm``, ``stock-dfs-weight``: the same stock servers under SGLang's own prefix-aware
   scheduling policies (``--schedule-policy lpm`` / ``dfs-weight``), what a user would try first;

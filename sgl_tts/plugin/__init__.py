@@ -8,7 +8,7 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``Scheduler.__init__`` (after): the prefix-aware policy attached to the scheduler's policy;
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
-- the observation hooks (:func:`sgl_tts.plugin.observer.observation_hooks`):
+- the observation hooks (:func:`sgl_tts.plugin.scheduling.observer.observation_hooks`):
   ``Scheduler.get_new_batch_prefill`` and ``RadixCache.evict`` with every tree cache's own ``evict``
   (:data:`EVICT_TARGETS`) (after), and the round timer on ``Scheduler.get_next_batch_to_run``
   (around): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
@@ -17,7 +17,7 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``Scheduler.get_new_batch_prefill`` (after), ``Req.update_finish_state`` and
   ``ScheduleBatch.retract_decode`` (around), with the policy on: speculative requests are stopped
   when normal work was refused room, a stop never hides a natural finish, and retraction takes
-  speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.preemption`);
+  speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.scheduling.preemption`);
 - ``Req.reset_for_retract`` (after): a retracted request's cached order information goes (it comes
   back to the waiting queue with more output; the order does not re-read requests that stayed);
 - ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` (around), with the policy on: waiting
@@ -27,18 +27,18 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   ``TokenizerManager.set_internal_state`` (around) answers such a command with each scheduler's
   reply (how many requests it re-classed) instead of SGLang's bare ``updated`` flags;
 - ``SamplingBatchInfo.from_schedule_batch`` (after), with ``--tts-seeded-sampling``: every
-  request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.seeding`), and
+  request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.scheduling.seeding`), and
   ``multinomial_with_seed`` (around) draws seeded samples on the CPU, where SGLang's Triton hash
   cannot run;
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
-  live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged;
+  live request of that search group (:mod:`sgl_tts.plugin.scheduling.abort`); other aborts are unchanged;
 - ``ModelRunner._get_attention_backend_from_str`` (around), with ``--tts-cpu-attention ragged``:
-  ``torch_native`` attention becomes :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend
+  ``torch_native`` attention becomes :mod:`sgl_tts.plugin.attention.cpu_attention`'s ragged backend
   (registered in SGLang's attention registry), or with ``--tts-sparse-attention`` the sparse one
-  (:mod:`sgl_tts.plugin.backend_choice` chooses); every other backend is SGLang's.
+  (:mod:`sgl_tts.plugin.attention.backend_choice` chooses); every other backend is SGLang's.
 
 With ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment the plugin registers only the observation hooks
-and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.observer`): no flags, stock
+and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.scheduling.observer`): no flags, stock
 scheduling, metrics when the server runs ``--enable-metrics`` (or ``SGLANG_TTS_METRICS_FILE`` is set).
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
@@ -119,7 +119,8 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
 def scheduling_hooks() -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of the hooks that act: flags, policy, preemption, the loads
     inquirer, class changes, group abort, seeded sampling, CPU attention (full mode only)."""
-    from sgl_tts.plugin import abort, backend_choice, policy, preemption, reclass, seeding
+    from sgl_tts.plugin.attention import backend_choice
+    from sgl_tts.plugin.scheduling import abort, policy, preemption, reclass, seeding
 
     return [
         (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
@@ -143,10 +144,10 @@ def scheduling_hooks() -> list[tuple[str, object, str]]:
 
 def hook_table(observe_only: bool | None = None) -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of every hook the plugin registers: in full mode its
-    scheduling hooks and :func:`sgl_tts.plugin.observer.observation_hooks`; observe-only
+    scheduling hooks and :func:`sgl_tts.plugin.scheduling.observer.observation_hooks`; observe-only
     (``observe_only``, by default ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment) the observer's
     scheduler-init hook and the same observation hooks, nothing else."""
-    from sgl_tts.plugin import observer
+    from sgl_tts.plugin.scheduling import observer
 
     if observe_only is None:
         observe_only = observer.observe_only()
@@ -205,10 +206,10 @@ def check_attached(reason: str | None = None) -> None:
 
 
 def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
-    from sgl_tts.plugin.policy import enable
+    from sgl_tts.plugin.scheduling.policy import enable
     from sgl_tts.plugin.settings import TTSSettings
 
-    from sgl_tts.plugin import seeding
+    from sgl_tts.plugin.scheduling import seeding
 
     settings = TTSSettings.of(server_args)
     if settings.any_on:
@@ -216,7 +217,7 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     seeding.ENABLED = settings.seeded_sampling
     state = enable(scheduler.policy, settings)
     if state is not None and getattr(scheduler, "load_inquirer", None) is not None:
-        from sgl_tts.plugin.policy import LOAD_INQUIRERS
+        from sgl_tts.plugin.scheduling.policy import LOAD_INQUIRERS
 
         LOAD_INQUIRERS[id(scheduler.load_inquirer)] = scheduler
     if state is not None:
@@ -227,7 +228,7 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     if settings.metrics_file or (settings.active and getattr(server_args, "enable_metrics", False)):
         import os
 
-        from sgl_tts.plugin.observer import attach_metrics
+        from sgl_tts.plugin.scheduling.observer import attach_metrics
 
         # what this scheduler process runs with, read back from the process itself
         attach_metrics(scheduler, path=f"{settings.metrics_file}.{os.getpid()}" if settings.metrics_file else None,
@@ -239,10 +240,10 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
 
 def register() -> None:
     """Register the hooks (SGLang applies them after every plugin has registered): all of them, or
-    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.observer`)."""
+    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.scheduling.observer`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_tts.plugin.observer import OBSERVE_ONLY_ENV, observe_only
+    from sgl_tts.plugin.scheduling.observer import OBSERVE_ONLY_ENV, observe_only
 
     if observe_only():
         logger.info("sgl-tts: observe-only (%s=1): observation hooks only, stock scheduling", OBSERVE_ONLY_ENV)

@@ -22,7 +22,7 @@ exactly what stock SGLang samples (``sgl-tts bench``'s equivalence check) leave 
 attention, encoder lengths and sliding windows go to ``torch_native``'s own code unchanged.
 
 The backend is registered in SGLang's attention registry as :data:`BACKEND_NAME`; the plugin's hook on
-``ModelRunner._get_attention_backend_from_str`` (:mod:`sgl_tts.plugin.backend_choice`) builds it where
+``ModelRunner._get_attention_backend_from_str`` (:mod:`sgl_tts.plugin.attention.backend_choice`) builds it where
 the server asked for ``torch_native`` and the flag is on (``--attention-backend`` only accepts SGLang's
 own names).
 """
@@ -256,7 +256,7 @@ def _make_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     class RaggedAttnBackend(TorchNativeAttnBackend):
-        """``torch_native`` with its per-sequence loops batched (:mod:`sgl_tts.plugin.cpu_attention`)."""
+        """``torch_native`` with its per-sequence loops batched (:mod:`sgl_tts.plugin.attention.cpu_attention`)."""
 
         def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                                      seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,

@@ -36,7 +36,7 @@ from time import perf_counter
 from typing import Any, Mapping
 
 from sgl_tts.plugin import EVICT_TARGETS, TARGETS, check_attached
-from sgl_tts.plugin.metrics import SchedulerMetrics
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 ``ModelRunner._get_attention_backend_from_str``.
 
 Where the server asked for ``torch_native`` (SGLang's CPU attention), the sparse backend
-(:mod:`sgl_tts.plugin.sparse_attention`, ``--tts-sparse-attention``) or the ragged one
-(:mod:`sgl_tts.plugin.cpu_attention`, ``--tts-cpu-attention ragged``) takes its place; every other
+(:mod:`sgl_tts.plugin.attention.sparse_attention`, ``--tts-sparse-attention``) or the ragged one
+(:mod:`sgl_tts.plugin.attention.cpu_attention`, ``--tts-cpu-attention ragged``) takes its place; every other
 choice is SGLang's. The choice sits above both backends (the sparse one is the ragged one with its
 decode path replaced), so neither imports the other for it. Neither backend module imports torch
 or SGLang on import, so the plugin package still loads neither in the launcher; the sparse modules
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from sgl_tts.plugin import cpu_attention, internals
+from sgl_tts.plugin import internals
+from sgl_tts.plugin.attention import cpu_attention
 from sgl_tts.plugin.settings import TTSSettings
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
     """AROUND hook on ``ModelRunner._get_attention_backend_from_str``: ``torch_native`` becomes the
-    sparse backend (:mod:`sgl_tts.plugin.sparse_attention`) when ``--tts-sparse-attention`` is on, else
+    sparse backend (:mod:`sgl_tts.plugin.attention.sparse_attention`) when ``--tts-sparse-attention`` is on, else
     the ragged backend when ``--tts-cpu-attention ragged`` is; every other choice is SGLang's. Either
     one first checks the ``TorchNativeAttnBackend`` methods it overrides (an SGLang that renamed them
     would never call the overrides): missing ones refuse the server
@@ -32,7 +33,7 @@ def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
         wanted = [f for f in internals.features(settings) if f in (internals.RAGGED, internals.SPARSE)]
         internals.check(wanted)
         if settings.sparse.mode != "off":
-            from sgl_tts.plugin import sparse_attention   # loaded where it is asked for, as before
+            from sgl_tts.plugin.attention import sparse_attention   # loaded where it is asked for, as before
 
             sparse_attention.register_backend()
             logger.info("sgl-tts: sparse decode attention (%s) in place of torch_native (--tts-sparse-attention)",

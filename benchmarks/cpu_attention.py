@@ -2,7 +2,7 @@
 
 The shapes of the tiny generator under a tree search (4 query heads, 2 KV heads, head dim 64, float32;
 ``--rows`` sequences with contexts drawn from [60, 160) at scattered pool slots), timed in this
-process on SGLang's real ``TorchNativeAttnBackend`` and on ``sgl_tts.plugin.cpu_attention``:
+process on SGLang's real ``TorchNativeAttnBackend`` and on ``sgl_tts.plugin.attention.cpu_attention``:
 
 - the key gather: 2-D advanced indexing (``k_cache[index]``) against ``cpu_attention.gather``;
 - a decode step (one query per row);
@@ -27,7 +27,7 @@ import time
 import torch
 
 from sgl_tts.machine import describe
-from sgl_tts.plugin.cpu_attention import backend_class, gather
+from sgl_tts.plugin.attention.cpu_attention import backend_class, gather
 
 HEADS, KV_HEADS, DIM, POOL = 4, 2, 64, 80_000
 

@@ -42,9 +42,9 @@ HEADS, KV, DIM = 4, 2, 64
 def run_side(side: str, context: int, rows: int, budget: float, steps: int, seed: int = 0) -> dict:
     import torch
 
-    from sgl_tts.plugin import cpu_attention
+    from sgl_tts.plugin.attention import cpu_attention
     from sgl_tts.plugin.settings import SparseSettings
-    from sgl_tts.plugin.sparse_attention import SparseDecoder
+    from sgl_tts.plugin.attention.sparse_attention import SparseDecoder
 
     torch.manual_seed(seed)
     width = context + steps + 4
@@ -75,7 +75,7 @@ def run_side(side: str, context: int, rows: int, budget: float, steps: int, seed
 
             t0 = time.perf_counter()
             if side == "dense-heads":
-                from sgl_tts.plugin.sparse_decoding import gather_heads
+                from sgl_tts.plugin.attention.sparse_decoding import gather_heads
 
                 index = req_to_token[slots, :int(lengths.max())]     # every row as long: no mask
                 out = torch.nn.functional.scaled_dot_product_attention(

@@ -176,7 +176,7 @@ def main() -> None:
 
 def settled_counters(folder: Path, sides: list[str]) -> dict[str, dict]:
     """Every side's counters once its server has written its last steps' (at most every 0.2 s:
-    :class:`sgl_tts.plugin.sparse_counters.StatsFile`)."""
+    :class:`sgl_tts.plugin.attention.sparse_counters.StatsFile`)."""
     time.sleep(0.5)
     return {side: counters(folder, side) for side in sides}
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+from sgl_tts.bench.goodput_settings import DEFAULT_SERVER_ARGS
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import launch_command
 
@@ -98,7 +98,7 @@ def run_searches(s: SmokeSettings, prm_path: Path, timings: dict[str, float]) ->
 def plugin_requests(metrics: str) -> int:
     """How many of the smoke searches' requests the plugin logged as admitted (its prefill records,
     with the searches' request ids; each scheduler process writes <metrics>.<pid>)."""
-    from sgl_tts.plugin.metrics import read_records, scheduler_files
+    from sgl_tts.plugin.scheduling.metrics import read_records, scheduler_files
     from sgl_tts.protocol import GROUP_PREFIX
 
     return sum(str(r["rid"]).startswith(GROUP_PREFIX + "smoke-")

@@ -13,8 +13,12 @@ import pytest
 
 from sgl_tts.cli.bench import main as bench_main
 from sgl_tts.bench.dummy_models import write_word_tokenizer
-from sgl_tts.bench.goodput import (BenchError, BenchSettings, RecordWriter, StepRegistry, format_report,
-                                   measure_limit, read_records, run_side, summarize)
+from sgl_tts.bench.errors import BenchError
+from sgl_tts.bench.goodput import measure_limit, run_side
+from sgl_tts.bench.goodput_report import format_report, summarize
+from sgl_tts.bench.goodput_settings import BenchSettings
+from sgl_tts.bench.goodput_store import RecordWriter, read_records
+from sgl_tts.bench.goodput_trace import StepRegistry
 from sgl_tts.launch.cpu_serving import CPU_ENV
 from sgl_tts.launch.live_servers import free_port
 from sgl_tts.search import SearchTag
@@ -916,7 +920,7 @@ def test_the_device_call_script_resumes_and_copies_its_files_out(tmp_path, model
 def test_speculative_sides_keep_the_stock_sides_beams_and_report_their_tokens(words):
     """The ablation's sides (speculation exact, + LookAhead, + overlapped verification) run the same
     trace: every kept beam is the stock side's, and the records carry the speculative tokens."""
-    from sgl_tts.bench.goodput import ALL_SIDES
+    from sgl_tts.bench.sides import ALL_SIDES
 
     cfg = settings(algorithms=("beam_search", "dvts"), n=(4,), problems=2)
     sides = [s for s in ALL_SIDES if s == "stock" or "+spec" in s]
@@ -947,7 +951,7 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
     other argument at the program's own default (what the hand-written mapping ran before)."""
     import inspect
 
-    from sgl_tts.bench.goodput import ALL_SIDES, run_config
+    from sgl_tts.bench.sides import ALL_SIDES, run_config
     from sgl_tts.experiment import program_function
     from sgl_tts.search.pipeline import Speculation
 
@@ -1098,7 +1102,8 @@ def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
     and overlap sides among them, out of the goodput panel)."""
     import matplotlib.figure
 
-    from sgl_tts.bench.goodput import ALL_SIDES, ReportRow, SideRow, plot_report
+    from sgl_tts.bench.goodput_report import ReportRow, SideRow, plot_report
+    from sgl_tts.bench.sides import ALL_SIDES
 
     drawn = {}
     save = matplotlib.figure.Figure.savefig

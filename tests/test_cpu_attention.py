@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from sgl_tts.plugin import cpu_attention
-from sgl_tts.plugin.cpu_attention import backend_class, decode_rows, extend, gather
+from sgl_tts.plugin.attention import backend_choice, cpu_attention
+from sgl_tts.plugin.attention.cpu_attention import backend_class, decode_rows, extend, gather
 from sgl_tts.plugin.settings import TTSSettings, add_arguments, apply
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -206,9 +206,9 @@ def test_the_hook_swaps_torch_native_only_when_asked():
                                                      tts_cpu_attention="ragged"))
     off = SimpleNamespace(server_args=SimpleNamespace(tts_policy="off", tts_dedup_tokens=32,
                                                       tts_cpu_attention="native"))
-    assert cpu_attention.attention_backend_from_str(original, on, "torch_native") == cpu_attention.BACKEND_NAME
-    assert cpu_attention.attention_backend_from_str(original, on, "triton") == "triton"
-    assert cpu_attention.attention_backend_from_str(original, off, "torch_native") == "torch_native"
+    assert backend_choice.attention_backend_from_str(original, on, "torch_native") == cpu_attention.BACKEND_NAME
+    assert backend_choice.attention_backend_from_str(original, on, "triton") == "triton"
+    assert backend_choice.attention_backend_from_str(original, off, "torch_native") == "torch_native"
     assert seen == [cpu_attention.BACKEND_NAME, "triton", "torch_native"]
     assert isinstance(ATTENTION_BACKENDS[cpu_attention.BACKEND_NAME](
         SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=None)), backend_class())

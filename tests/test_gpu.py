@@ -70,7 +70,7 @@ def test_scheduler_plugin_runs_in_a_real_server(tmp_path, monkeypatch):
     from programs.beam_search import beam_search
     from sgl_tts import LocalBackend
     from sgl_tts.models import shipped_model
-    from sgl_tts.plugin.metrics import read_records, summarize
+    from sgl_tts.plugin.scheduling.metrics import read_records, summarize
     from sgl_tts.prm import StepTagPRM
     from sgl_tts.protocol import SearchTag
 
@@ -125,7 +125,7 @@ def test_serve_starts_the_tiny_pair_and_both_answer(tmp_path):
     import time
     import urllib.request
 
-    from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+    from sgl_tts.bench.goodput_settings import DEFAULT_SERVER_ARGS
     from sgl_tts.models import shipped_model
 
     # the lent machines' SGLang comes from the wheelhouse, without FA3's kernels, flashinfer's cubins

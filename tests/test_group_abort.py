@@ -13,7 +13,7 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()  # as launch_server does: the plugin's hook on TokenizerManager.abort_request is applied
 
-from sgl_tts.plugin.abort import MODE_ENV, group_prefix, is_group_prefix  # noqa: E402
+from sgl_tts.plugin.scheduling.abort import MODE_ENV, group_prefix, is_group_prefix  # noqa: E402
 
 
 def test_group_prefixes():

@@ -18,10 +18,12 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.server_args import prepare_server_args
 
-from sgl_tts.plugin import cpu_attention, internals, residency, sparse_attention
+from sgl_tts.plugin import internals
+from sgl_tts.plugin.attention import backend_choice, cpu_attention, sparse_attention
+from sgl_tts.plugin.scheduling import residency
 from sgl_tts.plugin.internals import INTERNALS, MissingInternals
 from sgl_tts.plugin.settings import SparseSettings, TTSSettings
-from sgl_tts.plugin.sparse_worker import share_key_pools
+from sgl_tts.plugin.attention.sparse_worker import share_key_pools
 from test_scheduler_plugin import Cache, policy_for   # (applies the plugin's hooks, as a server does)
 
 NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
@@ -94,7 +96,7 @@ def test_a_renamed_attention_method_refuses_the_backend_naming_it(monkeypatch, s
     called = []
     monkeypatch.delattr(cls, attribute)
     with pytest.raises(MissingInternals) as refused:
-        cpu_attention.attention_backend_from_str(lambda *a: called.append(a), server, "torch_native")
+        backend_choice.attention_backend_from_str(lambda *a: called.append(a), server, "torch_native")
     want = entry(owner, attribute)
     assert refused.value.missing == [want] and called == []
     assert f"(feature: class.attribute): {want.feature}: {owner}.{attribute}. Is this SGLang 0.5.15? " \
@@ -103,11 +105,11 @@ def test_a_renamed_attention_method_refuses_the_backend_naming_it(monkeypatch, s
 
 def test_a_method_only_sparse_attention_needs_does_not_stop_the_ragged_backend(monkeypatch):
     monkeypatch.delattr(AttentionBackend, "forward_extend")
-    chosen = cpu_attention.attention_backend_from_str(lambda runner, name, *a: name, RAGGED, "torch_native")
+    chosen = backend_choice.attention_backend_from_str(lambda runner, name, *a: name, RAGGED, "torch_native")
     assert chosen == cpu_attention.BACKEND_NAME
     # and nothing is checked where the server does not run torch_native (the flags do nothing there)
     monkeypatch.delattr(TorchNativeAttnBackend, "_run_sdpa_forward_extend")
-    assert cpu_attention.attention_backend_from_str(lambda runner, name, *a: name, RAGGED, "triton") == "triton"
+    assert backend_choice.attention_backend_from_str(lambda runner, name, *a: name, RAGGED, "triton") == "triton"
 
 
 # ---------------------------------------------------------------------------------- the launcher

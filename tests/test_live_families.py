@@ -1,5 +1,5 @@
 """The locality policy's whole-family rule (``--tts-locality-rules families``, issue 32,
-:class:`sgl_tts.plugin.residency.Admission`) on live CPU servers with a small KV pool: several families
+:class:`sgl_tts.plugin.scheduling.residency.Admission`) on live CPU servers with a small KV pool: several families
 may run at once, and their reservations for new tokens exceed the free KV, so admitting one more
 family means that, as it decodes, the pool evicts the cached path of a family still waiting (the one
 needed last first: eviction by next use). With the rule that family waits until the KV it needs can

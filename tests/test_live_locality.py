@@ -1,4 +1,4 @@
-"""The ``locality`` policy (issue 32, :mod:`sgl_tts.plugin.residency`) on live CPU servers with a small
+"""The ``locality`` policy (issue 32, :mod:`sgl_tts.plugin.scheduling.residency`) on live CPU servers with a small
 KV pool: while a family's children wait, the family's shared prefix stays in the radix cache (every
 child finds its parent's whole path cached), where SGLang's own scheduling on the same pool evicts it
 (least recently used) and recomputes it; and a beam search under that pressure keeps the same beams.

@@ -1,4 +1,4 @@
-"""The ``locality`` policy (issue 32, :mod:`sgl_tts.plugin.residency`) on SGLang's own radix cache,
+"""The ``locality`` policy (issue 32, :mod:`sgl_tts.plugin.scheduling.residency`) on SGLang's own radix cache,
 allocator and policy objects: under KV pressure, eviction goes by next use in the waiting order
 (unneeded nodes first, then the one needed last), resident families are admitted first; without
 pressure the order is ``prefix-aware``'s exactly."""
@@ -16,7 +16,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402 (afte
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from sgl_tts.plugin import residency
+from sgl_tts.plugin.scheduling import residency
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.protocol import SearchTag
 

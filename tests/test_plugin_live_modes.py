@@ -37,8 +37,8 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
-from sgl_tts.plugin import policy as tts_policy  # noqa: E402
-from sgl_tts.plugin.metrics import SchedulerMetrics  # noqa: E402
+from sgl_tts.plugin.scheduling import policy as tts_policy  # noqa: E402
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.protocol import SearchTag  # noqa: E402
 from test_scheduler_plugin import build_decode_state, extend_batch, make_req  # noqa: E402
@@ -187,7 +187,7 @@ def decode_state(kv_size, waves, *, fill_pool=True):
 
 
 def _after_prefill_hook():
-    from sgl_tts.plugin import observer
+    from sgl_tts.plugin.scheduling import observer
 
     return observer.after_prefill
 

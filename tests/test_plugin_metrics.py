@@ -7,7 +7,7 @@ import random
 from array import array
 from types import SimpleNamespace
 
-from sgl_tts.plugin.metrics import SchedulerMetrics
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics
 
 
 # ------------------------------------------------------------------------ recomputed blocks
@@ -136,7 +136,7 @@ def start_scheduler(monkeypatch, argv):
     """Parse ``argv`` as ``python -m sglang.launch_server`` does (SGLang's parser with the plugin's
     flag group and its ``from_cli_args`` hook), then run the hooked ``Scheduler.__init__`` with those
     ``ServerArgs``: SGLang's wrapper calls the plugin's ``_scheduler_init`` after the (stand-in) body."""
-    from sgl_tts.plugin import seeding
+    from sgl_tts.plugin.scheduling import seeding
 
     monkeypatch.setattr(seeding, "ENABLED", seeding.ENABLED)   # the hook sets it process-wide
     server_args = prepare_server_args(["--model-path", "dummy", *argv])

@@ -18,8 +18,8 @@ from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_tts.plugin import EVICT_TARGETS, TARGETS, hook_table, scheduling_hooks
-from sgl_tts.plugin import observer
-from sgl_tts.plugin.metrics import SchedulerMetrics, summarize
+from sgl_tts.plugin.scheduling import observer
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics, summarize
 
 OBSERVED = {TARGETS["scheduler_init"], TARGETS["prefill"], TARGETS["next_batch"], TARGETS["flush"], *EVICT_TARGETS}
 
@@ -51,7 +51,8 @@ import json, pkgutil
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sgl_tts.plugin as plugin
-from sgl_tts.plugin import EVICT_TARGETS, TARGETS, _hooks_in, missing_hooks
+from sgl_tts.plugin import EVICT_TARGETS, TARGETS, missing_hooks
+from sgl_tts.plugin.hooks import _hooks_in
 hooked = {}
 for target in sorted({*TARGETS.values(), *EVICT_TARGETS}):
     owner, name = target.rsplit(".", 1)
@@ -79,7 +80,7 @@ def test_observe_only_registers_the_observation_hooks_and_nothing_else():
                          env={**env, **observer.SERVER_ENV})
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    name = "sgl_tts.plugin.observer."
+    name = "sgl_tts.plugin.scheduling.observer."
     assert got["hooked"] == {TARGETS["scheduler_init"]: [name + "scheduler_init"],
                              TARGETS["prefill"]: [name + "after_prefill"],
                              TARGETS["next_batch"]: [name + "time_round"],
@@ -168,3 +169,29 @@ def test_the_observer_attaches_metrics_when_enable_metrics_or_a_file_asks(monkey
     start_record = json.loads(metrics.path.read_text().splitlines()[0])
     assert {k: start_record[k] for k in ("event", "policy", "schedule_policy", "max_total_tokens")} == {
         "event": "start", "policy": "observe-only", "schedule_policy": "lpm", "max_total_tokens": 1024}
+
+
+def test_observe_only_metrics_refuse_a_process_whose_observation_hooks_are_not_in_place():
+    """In a process where SGLang applied none of the plugin's hooks, the observer's scheduler init
+    refuses to start a scheduler that asks for metrics, naming each observation target (it would
+    otherwise report nothing, unmeasured); without metrics asked for it goes on."""
+    script = (
+        "from types import SimpleNamespace\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "from sgl_tts.plugin.scheduling import observer\n"
+        "s = SimpleNamespace()\n"
+        "assert observer.scheduler_init(None, s, ServerArgs(model_path='dummy')) is None\n"
+        "assert s.sgl_tts_metrics is None\n"
+        "try:\n"
+        "    observer.scheduler_init(None, s, ServerArgs(model_path='dummy', enable_metrics=True))\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_TTS_METRICS_FILE"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    message = out.stdout.strip()
+    assert message.startswith("sgl-tts: SGLANG_TTS_OBSERVE_ONLY=1 asks for scheduler metrics but the "
+                              "plugin's hooks are not in place on ")
+    named = message.split(" are not in place on ", 1)[1].split(" (see SGLang", 1)[0].split(", ")
+    assert named == list(dict.fromkeys(t for t, _, _ in observer.observation_hooks()))
+    assert message.endswith("Refusing to serve unmeasured.")

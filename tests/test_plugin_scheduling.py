@@ -18,7 +18,7 @@ from test_scheduler_plugin import (SERVER_ARGS, Cache, Req, SamplingParams, Sche
                                    SearchTag, TTSSettings, decode_state, lcp, make_req, policy_for, scheduler_for,
                                    seq, tts_policy)
 
-from sgl_tts.plugin import preemption, reclass
+from sgl_tts.plugin.scheduling import preemption, reclass
 
 def tokens(seed, n):
     return [(seed * 31 + 7 * i) % 270 + 1 for i in range(n)]
@@ -310,7 +310,7 @@ def test_the_cached_order_equals_a_fresh_order_over_random_rounds(parents, round
 def test_the_eviction_count_moves_on_every_removal_and_only_then():
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sgl_tts.plugin import residency
+    from sgl_tts.plugin.scheduling import residency
 
     cache = Cache()
     policy_for(cache), policy_for(cache)             # two policies on one tree: wrapped once

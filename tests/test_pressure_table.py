@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_tts.bench.goodput import BenchSettings
+from sgl_tts.bench.goodput_settings import BenchSettings
 from sgl_tts.bench.pressure_table import best_per_cell, format_table, pressure_rows, read_run, write
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs, prepare_server_args, set_global_server_args_for_scheduler  # noqa: E402,E501
 
-from sgl_tts.plugin import policy as tts_policy  # noqa: E402
+from sgl_tts.plugin.scheduling import policy as tts_policy  # noqa: E402
 from sgl_tts.plugin.settings import TTSSettings  # noqa: E402
 from sgl_tts.protocol import SearchTag  # noqa: E402
 
@@ -424,7 +424,7 @@ def test_metrics_count_hits_evictions_and_recomputed_blocks(tmp_path):
     """Seed 001 Alg. 1 on SGLang's radix cache: a prefix computed, evicted, then needed again is
     counted as recomputed blocks; cached prefixes count as hits; evictions come from the real
     RadixCache.evict through the plugin's hook."""
-    from sgl_tts.plugin.metrics import SchedulerMetrics, read_records, summarize
+    from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics, read_records, summarize
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     cache = Cache()
@@ -461,7 +461,7 @@ def test_metrics_count_hits_evictions_and_recomputed_blocks(tmp_path):
 
 def test_scheduler_stats_command_summarises_metric_files(tmp_path, capsys):
     from sgl_tts.cli import main
-    from sgl_tts.plugin.metrics import SchedulerMetrics
+    from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics
 
     m = SchedulerMetrics(tmp_path / "m.1", flush_seconds=0)
     m.on_batch("DECODE", 8, occupancy=0.5)
@@ -611,7 +611,7 @@ def test_one_call_changes_a_groups_class_and_the_next_order():
 def test_prometheus_collectors_are_made_once_per_process():
     from prometheus_client import REGISTRY
 
-    from sgl_tts.plugin.metrics import SchedulerMetrics
+    from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics
 
     a, b = SchedulerMetrics(prometheus=True), SchedulerMetrics(prometheus=True)  # no duplicate error
     before = REGISTRY.get_sample_value("sgl_tts_evicted_tokens_total") or 0.0

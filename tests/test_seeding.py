@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from sgl_tts.plugin.seeding import murmur_hash32_torch, multinomial_with_seed, seed_of
+from sgl_tts.plugin.scheduling.seeding import murmur_hash32_torch, multinomial_with_seed, seed_of
 
 
 def murmur3_x86_32(data: bytes, seed: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""The sparse decode path (``sgl_tts.plugin.sparse_attention.SparseDecoder``) on SGLang-shaped inputs: a
+"""The sparse decode path (``sgl_tts.plugin.attention.sparse_attention.SparseDecoder``) on SGLang-shaped inputs: a
 KV pool with each row's context at scattered slots, ``req_to_token``, pool indices and lengths, as the
 server's attention backend gives them. Expected outputs are re-derived by hand from the definitions
 (``test_sparse_decoding``'s plain-Python helpers): which rows are dense, which tokens each sparse row
@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from sgl_tts.plugin import cpu_attention
+from sgl_tts.plugin.attention import cpu_attention
 from sgl_tts.plugin.settings import SparseSettings
-from sgl_tts.plugin.sparse_attention import SparseDecoder
+from sgl_tts.plugin.attention.sparse_attention import SparseDecoder
 from test_sparse_decoding import _attention_by_hand, _mass_by_hand, _predict_by_hand, _select_by_hand
 
 HEADS, KV, DIM = 4, 2, 8
@@ -220,7 +220,7 @@ ROPE_BASE = 10000.0
 
 def _rotary_table(positions: int) -> "Rotary":  # noqa: F821
     """A neox rotary embedding over the whole head (SGLang's ``cos_sin_cache`` layout: cosines, then sines)."""
-    from sgl_tts.plugin.sparse_decoding import Rotary
+    from sgl_tts.plugin.attention.sparse_decoding import Rotary
 
     freq = 1.0 / ROPE_BASE ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM)
     angles = torch.arange(positions, dtype=torch.float64)[:, None] * freq[None, :]
@@ -394,7 +394,7 @@ def test_a_cache_rank_not_ready_in_time_is_stopped_and_a_thread_chooses(monkeypa
     import functools
     import logging
 
-    from sgl_tts.plugin import sparse_worker
+    from sgl_tts.plugin.attention import sparse_worker
 
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     pool = Pool([30, 30], seed=4)
@@ -405,7 +405,7 @@ def test_a_cache_rank_not_ready_in_time_is_stopped_and_a_thread_chooses(monkeypa
     with pytest.raises(RuntimeError, match="did not start within 0 s"):
         sparse_worker.CacheRank(s, {0: pool.k}, pool.req_to_token, ready_timeout=0.0)
     monkeypatch.setattr(sparse_worker, "CacheRank", functools.partial(sparse_worker.CacheRank, ready_timeout=0.0))
-    with caplog.at_level(logging.ERROR, logger="sgl_tts.plugin.sparse_attention"):
+    with caplog.at_level(logging.ERROR, logger="sgl_tts.plugin.attention.sparse_attention"):
         dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k}, pool.req_to_token)
     try:
         assert dec._rank is None and dec._thread is not None
@@ -423,8 +423,8 @@ def test_a_cache_rank_not_ready_in_time_is_stopped_and_a_thread_chooses(monkeypa
 def test_the_cache_rank_takes_jobs_while_its_big_answers_wait_unread():
     # answers larger than a pipe's buffer: the scheduler's sends must not wait on the process, which is
     # itself waiting to send an answer nobody reads yet (one duplex pipe deadlocked)
-    from sgl_tts.plugin.sparse_async import Job
-    from sgl_tts.plugin.sparse_worker import PIPE_BYTES, CacheRank, answer_of
+    from sgl_tts.plugin.attention.sparse_async import Job
+    from sgl_tts.plugin.attention.sparse_worker import PIPE_BYTES, CacheRank, answer_of
 
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=20, dense_layers=0)
     n, rows = 200_000, 2
@@ -469,7 +469,7 @@ def test_a_selection_is_used_with_every_token_written_since_it_was_made():
     # rows of slots 5 and 1: a selection made at length 40 used at 41 (on time) and one made at 30 used at 37
     # (late by 6 steps, more than `recent`): each attends to its chosen positions and to every position
     # from the length it was made at to the current one
-    from sgl_tts.plugin.sparse_async import Entry
+    from sgl_tts.plugin.attention.sparse_async import Entry
 
     s = sparse_settings("async", budget=0.5, sink=2, recent=3, dense_below=10, dense_layers=0, measure=True)
     pool = Pool([41, 37], seed=9)
@@ -515,7 +515,7 @@ def test_a_slot_refilled_by_another_request_drops_the_old_selection():
 
 
 def test_a_row_history_restarts_when_its_next_query_does_not_continue_it():
-    from sgl_tts.plugin.sparse_async import QueryHistory
+    from sgl_tts.plugin.attention.sparse_async import QueryHistory
 
     hist = QueryHistory(4, 3, HEADS, DIM, torch.float64, "cpu")
     slots = torch.tensor([2])
@@ -649,7 +649,7 @@ def test_the_payoff_stands_a_bucket_down_where_sparse_measured_slower_and_probes
     step of sparse every ``probe_every`` steps since sparse last ran, whose selections async asks for
     ``lead`` steps ahead; a faster sparse runs sparse; with no dense layers, a sparse bucket is
     timed dense until it has its samples, then every ``probe_every`` steps."""
-    from sgl_tts.plugin.sparse_payoff import SparsePayoff
+    from sgl_tts.plugin.attention.sparse_payoff import SparsePayoff
 
     p = SparsePayoff(probe_every=5, samples=2, smoothing=0.5, lead=2)
     p.new_step({1024, 4096}, dense_layers=2)
@@ -718,7 +718,7 @@ def test_a_stood_down_row_attends_densely_in_every_layer_and_is_counted():
 def test_async_hands_no_job_for_a_stood_down_row_until_just_before_its_probe():
     """Async with the stand-down: a stood-down bucket's rows attend densely and no choice is made for
     them, except in the ``lead`` steps before its probe step, which then attends to that choice."""
-    from sgl_tts.plugin.sparse_payoff import SparsePayoff
+    from sgl_tts.plugin.attention.sparse_payoff import SparsePayoff
 
     s = sparse_settings("async", budget=0.5, windows=(2,), sink=1, recent=2, dense_below=40, dense_layers=1,
                         stand_down="auto")

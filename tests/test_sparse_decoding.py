@@ -1,4 +1,4 @@
-"""Seed 003's sparse decoding functions (``sgl_tts.plugin.sparse_decoding``) against their definitions,
+"""Seed 003's sparse decoding functions (``sgl_tts.plugin.attention.sparse_decoding``) against their definitions,
 re-derived here element by element in plain Python (numpy only to solve the small ridge system):
 next-query prediction, attention mass, token top-k with sinks and recent tokens, Quest's page bounds
 and pages, the attention over a selection, and the overlap ratio."""
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tts.plugin.sparse_decoding import (KeyMirror, Selection, budgets, choose_next, flat_rows, gather_flat_kv,
-                                            overlap_ratio, page_scores, predict_next_query, ridge_weights,
-                                            select_pages, select_tokens, sparse_attention, token_scores)
+from sgl_tts.plugin.attention.sparse_decoding import (KeyMirror, Selection, budgets, choose_next, flat_rows,
+                                                      gather_flat_kv, overlap_ratio, page_scores, predict_next_query,
+                                                      ridge_weights, select_pages, select_tokens, sparse_attention,
+                                                      token_scores)
 
 
 def _softmax(xs):
@@ -297,7 +298,7 @@ def test_rotate_is_sglangs_rotary_embedding_and_its_inverse_undoes_it(neox, monk
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding, base as rope_base
     from sglang.srt.server_args import ServerArgs, get_global_server_args, set_global_server_args_for_scheduler
 
-    from sgl_tts.plugin.sparse_attention import find_rotary
+    from sgl_tts.plugin.attention.sparse_attention import find_rotary
 
     try:
         get_global_server_args()
@@ -306,7 +307,7 @@ def test_rotate_is_sglangs_rotary_embedding_and_its_inverse_undoes_it(neox, monk
                                                         attention_backend="torch_native"))
     # the platform a CPU server detects from SGLANG_USE_CPU_ENGINE at import (this process has none)
     monkeypatch.setattr(rope_base, "_is_cpu", True)
-    from sgl_tts.plugin.sparse_decoding import Rotary, rotate
+    from sgl_tts.plugin.attention.sparse_decoding import Rotary, rotate
 
     rope = RotaryEmbedding(head_size=16, rotary_dim=12, max_position_embeddings=64, base=10000,
                            is_neox_style=neox, dtype=torch.float32)

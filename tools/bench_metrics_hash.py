@@ -1,6 +1,6 @@
 """Cost of the plugin's recomputed-block accounting per prefill batch: the old per-prefix hashing
 (quadratic in a request's length, kept here for comparison) vs the chained block ids of
-:class:`sgl_tts.plugin.metrics.SchedulerMetrics` (linear).
+:class:`sgl_tts.plugin.scheduling.metrics.SchedulerMetrics` (linear).
 
     ./dev.sh run python tools/bench_metrics_hash.py [--requests 64] [--tokens 4000] [--repeats 7]
 
@@ -18,8 +18,8 @@ from array import array
 from collections import OrderedDict
 from types import SimpleNamespace
 
-from sgl_tts.plugin.metrics import MAX_SEEN, SchedulerMetrics, prefix_bytes
-from sgl_tts.plugin.ordering import as_bytes
+from sgl_tts.plugin.scheduling.metrics import MAX_SEEN, SchedulerMetrics, prefix_bytes
+from sgl_tts.plugin.scheduling.ordering import as_bytes
 
 
 class OldBlocks:

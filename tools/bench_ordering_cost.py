@@ -80,7 +80,7 @@ def measure(n: int, tokens: int) -> dict:
     from sglang.srt.managers.schedule_policy import SchedulePolicy
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    from sgl_tts.plugin import policy as tts_policy
+    from sgl_tts.plugin.scheduling import policy as tts_policy
     from sgl_tts.plugin.settings import TTSSettings
 
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native"))

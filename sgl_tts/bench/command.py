@@ -26,15 +26,18 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench import server_counters
-from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
-from sgl_tts.bench.sides import SIDE_OPTIONS, side_curve, side_slowdown
-from sgl_tts.bench.goodput import (ALL_SIDES, DEFAULT_N, DEFAULT_SERVER_ARGS, SERVER_POLICIES, SIDES, STOCK_POLICIES, BenchSettings,
-                                   RecordWriter, format_report, is_stock, measure_limit, plot_report, run_side,
-                                   summarize)
+from sgl_tts.plugin.scheduling.observer import SERVER_ENV as OBSERVER_ENV
+from sgl_tts.bench.errors import BenchError
+from sgl_tts.bench.goodput import measure_limit, run_side
+from sgl_tts.bench.goodput_report import format_report, plot_report, summarize
+from sgl_tts.bench.goodput_settings import DEFAULT_N, DEFAULT_SERVER_ARGS, BenchSettings
+from sgl_tts.bench.goodput_store import RecordWriter
+from sgl_tts.bench.sides import (ALL_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES, is_stock, side_curve,
+                                 side_slowdown)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-# the stock sides: sgl-tts loaded observe-only (sgl_tts.plugin.observer): no scheduling hook, no flag, only
+# the stock sides: sgl-tts loaded observe-only (sgl_tts.plugin.scheduling.observer): no scheduling hook, no flag, only
 # the observer every side is measured by (SGLang's allow-list names no other plugin)
 STOCK_ENV = dict(OBSERVER_ENV)
 DEVICES = ("cuda", "cpu")
@@ -424,12 +427,10 @@ def server_groups(sides: Sequence[str], specs: dict[str, list]) -> list[list[str
 def flush_caches(urls: dict[str, str], timeout: float = 120.0) -> None:
     """Empty both servers' radix caches (SGLang's ``/flush_cache``, which waits up to ``timeout`` for the
     server to be idle), so that a side run on servers an earlier side used starts as cold as on fresh
-    ones; the plugin's observer forgets what it saw computed (:func:`sgl_tts.plugin.observer.after_flush`).
+    ones; the plugin's observer forgets what it saw computed (:func:`sgl_tts.plugin.scheduling.observer.after_flush`).
     Raises BenchError when a server refuses."""
     import urllib.error
     import urllib.request
-
-    from sgl_tts.bench.goodput import BenchError
 
     for name, url in urls.items():
         req = urllib.request.Request(f"{url}/flush_cache?timeout={timeout:g}", method="POST")

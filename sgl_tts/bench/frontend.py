@@ -145,7 +145,7 @@ def engine_decode_meter(engine) -> Callable[[], DecodeCounts]:
 
 def metrics_file_records(prefix: str) -> list[dict]:
     """What the sgl-tts plugin of a server started with ``--tts-metrics-file PREFIX`` wrote."""
-    from sgl_tts.plugin.metrics import read_records, scheduler_files
+    from sgl_tts.plugin.scheduling.metrics import read_records, scheduler_files
 
     files = scheduler_files(prefix)
     if not files:

@@ -9,7 +9,7 @@ spends inside SGLang's ``Scheduler.abort_request``. Then it checks the server is
 servers, :func:`scheduler_cost` times SGLang's ``Scheduler.abort_request`` itself in this process
 on the same queue sizes (``--scheduler-only``: that part alone).
 
-Paths (the server's ``SGLANG_TTS_GROUP_ABORT``, :mod:`sgl_tts.plugin.abort`): ``one`` (the default: one
+Paths (the server's ``SGLANG_TTS_GROUP_ABORT``, :mod:`sgl_tts.plugin.scheduling.abort`): ``one`` (the default: one
 ``AbortReq`` with the group's prefix, which SGLang's scheduler matches in one pass over its queues)
 and ``per-request`` (the first version: one ``AbortReq`` per live request of the group, each scanning
 every queue).
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from sgl_tts.launch.live_servers import in_flight, loads
 from sgl_tts.machine import cpu_model
-from sgl_tts.plugin.abort import MODE_ENV
+from sgl_tts.plugin.scheduling.abort import MODE_ENV
 from sgl_tts.protocol import SearchTag, group_prefix
 
 PATHS = ("per-request", "one")

@@ -28,7 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from sgl_tts.bench.command import CPU_PRESSURE_BUDGETS, CPU_PRESSURE_STOCK_SPLITS
-from sgl_tts.bench.goodput import BenchSettings, summarize
+from sgl_tts.bench.goodput_report import summarize
+from sgl_tts.bench.goodput_settings import BenchSettings
 from sgl_tts.bench.sides import ALL_SIDES, is_stock
 from sgl_tts.launch.memory import parse_bytes
 

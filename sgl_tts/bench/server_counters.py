@@ -5,7 +5,7 @@ after.
 
 - SGLang's own counters (:data:`COUNTERS`): tokens evicted from the radix cache, requests retracted
   for lack of KV memory and the prompt tokens they held (recomputed when they come back).
-- The sgl-tts plugin's observer counters (:data:`OBSERVER_COUNTERS`, :mod:`sgl_tts.plugin.observer`),
+- The sgl-tts plugin's observer counters (:data:`OBSERVER_COUNTERS`, :mod:`sgl_tts.plugin.scheduling.observer`),
   which SGLang does not count: prompt tokens recomputed that an earlier request had computed
   (thrashing: evicted, then needed again), prompt tokens prefilled, and the scheduler's own rounds
   and the seconds it spent forming their batches, prefill and decode. Every side runs the same

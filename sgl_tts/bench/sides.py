@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sgl_tts.bench.errors import BenchError
+
 if TYPE_CHECKING:
-    from sgl_tts.bench.goodput import BenchSettings
+    from sgl_tts.bench.goodput_settings import BenchSettings
     from sgl_tts.bench.trace import StepTrace
     from sgl_tts.launch.decode_curve import MeasuredCurve
 
@@ -83,8 +85,7 @@ def side_curve(side: str, generator_url: str, settings: "BenchSettings", trace: 
     """``speculative: auto``'s decode curve for ``side``: the generator server's
     (:func:`sgl_tts.launch.decode_curve.curve_for_server`, cached per server and machine) at a
     search's mean context (the prompt and half the trace's depth of median steps). A curve that
-    cannot be measured raises :class:`~sgl_tts.bench.goodput.BenchError` naming the side."""
-    from sgl_tts.bench.goodput import BenchError
+    cannot be measured raises :class:`~sgl_tts.bench.errors.BenchError` naming the side."""
     from sgl_tts.launch.cpu_profile import ProfileError
     from sgl_tts.launch.decode_curve import curve_for_server
 
@@ -100,9 +101,8 @@ def side_curve(side: str, generator_url: str, settings: "BenchSettings", trace: 
 def side_slowdown(side: str, generator_url: str, prm_url: str):
     """``speculative: auto``'s measure of the PRM's slowdown beside generation for ``side`` (both
     servers of a bench side share this machine): :func:`sgl_tts.launch.verifier_slowdown.slowdown_for_servers`,
-    cached per pair. A slowdown that cannot be measured raises :class:`~sgl_tts.bench.goodput.BenchError`
+    cached per pair. A slowdown that cannot be measured raises :class:`~sgl_tts.bench.errors.BenchError`
     naming the side."""
-    from sgl_tts.bench.goodput import BenchError
     from sgl_tts.launch.cpu_profile import ProfileError
     from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
 

@@ -16,7 +16,8 @@ from sgl_tts.cli.plan import add_plan_arguments
 def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.command import (CPU_MODELS, CPU_PRESSURE_BUDGETS, CPU_PRESSURE_PROMPT_TOKENS, CPU_PRESSURE_SIDES,
                                        DEVICES)
-    from sgl_tts.bench.goodput import ALGORITHMS, ALL_SIDES, SIDES
+    from sgl_tts.bench.goodput_settings import ALGORITHMS
+    from sgl_tts.bench.sides import ALL_SIDES, SIDES
 
     ap = argparse.ArgumentParser(
         prog="sgl-tts bench",
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_server_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``servers`` group: how each side's servers are launched and reached."""
     from sgl_tts.bench.command import MODEL_CACHE
-    from sgl_tts.bench.goodput import DEFAULT_SERVER_ARGS
+    from sgl_tts.bench.goodput_settings import DEFAULT_SERVER_ARGS
 
     s = ap.add_argument_group("servers")
     s.add_argument("--load-format", default="dummy", help="SGLang --load-format (default dummy: random weights)")
@@ -129,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
     from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, measured_header, prepare,
                                        report, run_record, server_groups, side_specs, summary_json)
-    from sgl_tts.bench.goodput import BenchError, RecordWriter, read_records, summarize
+    from sgl_tts.bench.errors import BenchError
+    from sgl_tts.bench.goodput_report import summarize
+    from sgl_tts.bench.goodput_store import RecordWriter, read_records
     from sgl_tts.frontend import end_stream_executors
     from sgl_tts.launch.serve import ServerFailed, sigterm_stops_servers
 

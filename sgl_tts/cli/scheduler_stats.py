@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sgl_tts.plugin.metrics import read_records, summarize
+    from sgl_tts.plugin.scheduling.metrics import read_records, summarize
 
     args = build_parser().parse_args(argv)
     quiet_logging()

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sgl_tts.launch.cpu_serving import CPU_ENV, QUICK_STOP_ENV, cpu_server_flags
-from sgl_tts.plugin.observer import SERVER_ENV as OBSERVER_ENV
+from sgl_tts.plugin.scheduling.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
 
 NO_PLUGIN = None   # LiveServer.policy: the sgl-tts plugin is not loaded (SGLANG_PLUGINS=none)
-# LiveServer.policy: the plugin loaded observe-only (sgl_tts.plugin.observer): stock scheduling, no flag
+# LiveServer.policy: the plugin loaded observe-only (sgl_tts.plugin.scheduling.observer): stock scheduling, no flag
 OBSERVE_ONLY = "observe-only"
 
 
@@ -300,7 +300,7 @@ class LiveServers:
         """Move a stopped server's metrics files to ``<workdir>/stopped-<k>/``: what
         :meth:`metrics_records` reads is then the running scheduler's alone (a restarted server's
         records would otherwise follow its predecessor's, in file-name order)."""
-        from sgl_tts.plugin.metrics import scheduler_files
+        from sgl_tts.plugin.scheduling.metrics import scheduler_files
 
         files = scheduler_files(self.metrics_prefix(name))
         if not files:
@@ -342,7 +342,7 @@ class LiveServers:
         """Every record the plugin's scheduler metrics wrote for ``name`` since it last started (all
         its scheduler processes; a stopped server's records are moved aside by :meth:`stop`). The
         plugin buffers; it writes at least at every prefill batch."""
-        from sgl_tts.plugin.metrics import read_records, scheduler_files
+        from sgl_tts.plugin.scheduling.metrics import read_records, scheduler_files
 
         return read_records(scheduler_files(self.metrics_prefix(name)))
 

@@ -8,7 +8,7 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``Scheduler.__init__`` (after): the prefix-aware policy attached to the scheduler's policy;
 - ``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_one_req`` (around): pass-through unless the
   policy is attached, so with no ``--tts-*`` flag the server schedules exactly as stock SGLang;
-- the observation hooks (:func:`sgl_tts.plugin.observer.observation_hooks`):
+- the observation hooks (:func:`sgl_tts.plugin.scheduling.observer.observation_hooks`):
   ``Scheduler.get_new_batch_prefill`` and ``RadixCache.evict`` with every tree cache's own ``evict``
   (:data:`EVICT_TARGETS`) (after), and the round timer on ``Scheduler.get_next_batch_to_run``
   (around): metrics, only when a ``--tts-*`` flag asks: ``--tts-metrics-file`` writes JSONL, and
@@ -17,7 +17,7 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
 - ``Scheduler.get_new_batch_prefill`` (after), ``Req.update_finish_state`` and
   ``ScheduleBatch.retract_decode`` (around), with the policy on: speculative requests are stopped
   when normal work was refused room, a stop never hides a natural finish, and retraction takes
-  speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.preemption`);
+  speculative requests first and never one being stopped (:mod:`sgl_tts.plugin.scheduling.preemption`);
 - ``Req.reset_for_retract`` (after): a retracted request's cached order information goes (it comes
   back to the waiting queue with more output; the order does not re-read requests that stayed);
 - ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` (around), with the policy on: waiting
@@ -27,17 +27,18 @@ scheduler process). It hooks, through SGLang's ``HookRegistry``:
   ``TokenizerManager.set_internal_state`` (around) answers such a command with each scheduler's
   reply (how many requests it re-classed) instead of SGLang's bare ``updated`` flags;
 - ``SamplingBatchInfo.from_schedule_batch`` (after), with ``--tts-seeded-sampling``: every
-  request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.seeding`), and
+  request's ``sampling_seed`` decides its samples (:mod:`sgl_tts.plugin.scheduling.seeding`), and
   ``multinomial_with_seed`` (around) draws seeded samples on the CPU, where SGLang's Triton hash
   cannot run;
 - ``TokenizerManager.abort_request`` (around): an abort of a ``tts/<group>/`` rid prefix aborts every
-  live request of that search group (:mod:`sgl_tts.plugin.abort`); other aborts are unchanged;
+  live request of that search group (:mod:`sgl_tts.plugin.scheduling.abort`); other aborts are unchanged;
 - ``ModelRunner._get_attention_backend_from_str`` (around), with ``--tts-cpu-attention ragged``:
-  ``torch_native`` attention becomes :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend
-  (registered in SGLang's attention registry); every other backend is SGLang's.
+  ``torch_native`` attention becomes :mod:`sgl_tts.plugin.attention.cpu_attention`'s ragged backend
+  (registered in SGLang's attention registry), or with ``--tts-sparse-attention`` the sparse one
+  (:mod:`sgl_tts.plugin.attention.backend_choice` chooses); every other backend is SGLang's.
 
 With ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment the plugin registers only the observation hooks
-and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.observer`): no flags, stock
+and an observer's ``Scheduler.__init__`` hook (:mod:`sgl_tts.plugin.scheduling.observer`): no flags, stock
 scheduling, metrics when the server runs ``--enable-metrics`` (or ``SGLANG_TTS_METRICS_FILE`` is set).
 
 ``SGLANG_PLUGINS`` (a comma-separated whitelist of entry-point names) is SGLang's: leave ``sgl-tts``
@@ -53,47 +54,9 @@ from __future__ import annotations
 
 import logging
 
+from sgl_tts.plugin.hooks import EVICT_TARGETS, TARGETS, missing_from, refuse_missing
+
 logger = logging.getLogger(__name__)
-
-TARGETS = {
-    "add_cli_args": "sglang.srt.server_args.ServerArgs.add_cli_args",
-    "from_cli_args": "sglang.srt.server_args.ServerArgs.from_cli_args",
-    "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
-    "calc_priority": "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
-    "add_one_req": "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
-    "prefill": "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
-    "next_batch": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
-    "flush": "sglang.srt.managers.scheduler.Scheduler.flush_cache",
-    "evict": "sglang.srt.mem_cache.radix_cache.RadixCache.evict",
-    "abort": "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-    "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
-    "finish_state": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
-    "reset_retract": "sglang.srt.managers.schedule_batch.Req.reset_for_retract",
-    "loads": "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer."
-             "get_num_waiting_uncached_tokens",
-    "set_state": "sglang.srt.managers.scheduler.Scheduler.set_internal_state",
-    "set_state_reply": "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.set_internal_state",
-    "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
-    "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
-    "attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend_from_str",
-}
-
-# Evictions are counted on every SGLang 0.5.15 tree cache that evicts by its own ``evict`` (a hook on
-# ``RadixCache.evict`` never sees an override that does not call it). Left out on purpose: the ones
-# whose evict ends in ``RadixCache.evict`` through ``super()`` (``PureSWARadixCache``,
-# ``LMCRadixCache``: counted there, once), the chunk caches (no tree: evict returns nothing) and
-# ``RadixCacheCpp`` (``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`` only; importing it builds a C++ extension).
-# ``StreamingSession`` wraps another cache: its own hook counts (the metrics hang on the wrapper, the
-# scheduler's ``tree_cache``), the inner cache's sees no metrics and does not.
-EVICT_TARGETS = (
-    TARGETS["evict"],
-    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evict",              # --enable-hierarchical-cache
-    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.evict",           # sliding-window hybrids
-    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.evict",       # Mamba hybrids
-    "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache.evict",
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",   # hybrid hicache, unified tree
-    "sglang.srt.session.streaming_session.StreamingSession.evict",        # --enable-streaming-session
-)
 
 
 def _add_cli_args(result, parser, *args, **kwargs):
@@ -118,7 +81,8 @@ def _from_cli_args(server_args, cls, args, *rest, **kwargs):
 def scheduling_hooks() -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of the hooks that act: flags, policy, preemption, the loads
     inquirer, class changes, group abort, seeded sampling, CPU attention (full mode only)."""
-    from sgl_tts.plugin import abort, cpu_attention, policy, preemption, reclass, seeding
+    from sgl_tts.plugin.attention import backend_choice
+    from sgl_tts.plugin.scheduling import abort, policy, preemption, reclass, seeding
 
     return [
         (TARGETS["add_cli_args"], _add_cli_args, "AFTER"),
@@ -136,16 +100,16 @@ def scheduling_hooks() -> list[tuple[str, object, str]]:
         (TARGETS["abort"], abort.abort_request, "AROUND"),
         (TARGETS["sampling_info"], seeding.seeded_batch_info, "AFTER"),
         (TARGETS["seeded_draw"], seeding.multinomial_with_seed, "AROUND"),
-        (TARGETS["attention_backend"], cpu_attention.attention_backend_from_str, "AROUND"),
+        (TARGETS["attention_backend"], backend_choice.attention_backend_from_str, "AROUND"),
     ]
 
 
 def hook_table(observe_only: bool | None = None) -> list[tuple[str, object, str]]:
     """(target, hook function, hook type) of every hook the plugin registers: in full mode its
-    scheduling hooks and :func:`sgl_tts.plugin.observer.observation_hooks`; observe-only
+    scheduling hooks and :func:`sgl_tts.plugin.scheduling.observer.observation_hooks`; observe-only
     (``observe_only``, by default ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment) the observer's
     scheduler-init hook and the same observation hooks, nothing else."""
-    from sgl_tts.plugin import observer
+    from sgl_tts.plugin.scheduling import observer
 
     if observe_only is None:
         observe_only = observer.observe_only()
@@ -154,35 +118,10 @@ def hook_table(observe_only: bool | None = None) -> list[tuple[str, object, str]
     return [*scheduling_hooks(), *observer.observation_hooks()]
 
 
-def _hooks_in(fn) -> set:
-    """The hook functions found in ``fn``'s chain of SGLang hook wrappers (``__wrapped__``)."""
-    found = set()
-    fn = getattr(fn, "__func__", fn)
-    while fn is not None:
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                found.add(cell.cell_contents)
-            except ValueError:   # an empty cell
-                continue
-        fn = getattr(fn, "__wrapped__", None)
-    return found
-
-
 def missing_hooks(observe_only: bool | None = None) -> list[str]:
     """Targets on which one of the plugin's hooks (of :func:`hook_table` for ``observe_only``, by
     default this process's mode) is not in place in this process."""
-    import pkgutil
-
-    missing: list[str] = []
-    for target, hook, _ in hook_table(observe_only):
-        owner, name = target.rsplit(".", 1)
-        try:
-            present = _hooks_in(getattr(pkgutil.resolve_name(owner), name))
-        except (ImportError, AttributeError, ValueError):
-            present = set()
-        if hook not in present and target not in missing:
-            missing.append(target)
-    return missing
+    return missing_from(hook_table(observe_only))
 
 
 def check_attached(reason: str | None = None) -> None:
@@ -190,24 +129,14 @@ def check_attached(reason: str | None = None) -> None:
     SGLang's registry logs a hook it could not apply and goes on, which would run stock scheduling
     under ``--tts-*`` flags (or, observe-only, report no metrics) without a word. ``reason``: what
     asked for the plugin (default: ``--tts-*`` flags)."""
-    missing = missing_hooks()
-    if missing:
-        if reason is None:
-            raise RuntimeError(
-                "sgl-tts: --tts-* flags are set but the plugin's hooks are not in place on "
-                + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; is this "
-                "SGLang 0.5.15?). Refusing to serve stock scheduling under sgl-tts flags; drop the "
-                "--tts-* flags to run stock SGLang.")
-        raise RuntimeError(f"sgl-tts: {reason} but the plugin's hooks are not in place on "
-                           + ", ".join(missing) + " (see SGLang's 'Failed to apply hooks' log lines above; "
-                           "is this SGLang 0.5.15?). Refusing to serve unmeasured.")
+    refuse_missing(missing_hooks(), reason)
 
 
 def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
-    from sgl_tts.plugin.policy import enable
+    from sgl_tts.plugin.scheduling.policy import enable
     from sgl_tts.plugin.settings import TTSSettings
 
-    from sgl_tts.plugin import seeding
+    from sgl_tts.plugin.scheduling import seeding
 
     settings = TTSSettings.of(server_args)
     if settings.any_on:
@@ -215,7 +144,7 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     seeding.ENABLED = settings.seeded_sampling
     state = enable(scheduler.policy, settings)
     if state is not None and getattr(scheduler, "load_inquirer", None) is not None:
-        from sgl_tts.plugin.policy import LOAD_INQUIRERS
+        from sgl_tts.plugin.scheduling.policy import LOAD_INQUIRERS
 
         LOAD_INQUIRERS[id(scheduler.load_inquirer)] = scheduler
     if state is not None:
@@ -226,7 +155,7 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
     if settings.metrics_file or (settings.active and getattr(server_args, "enable_metrics", False)):
         import os
 
-        from sgl_tts.plugin.observer import attach_metrics
+        from sgl_tts.plugin.scheduling.observer import attach_metrics
 
         # what this scheduler process runs with, read back from the process itself
         attach_metrics(scheduler, path=f"{settings.metrics_file}.{os.getpid()}" if settings.metrics_file else None,
@@ -238,10 +167,10 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
 
 def register() -> None:
     """Register the hooks (SGLang applies them after every plugin has registered): all of them, or
-    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.observer`)."""
+    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.scheduling.observer`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_tts.plugin.observer import OBSERVE_ONLY_ENV, observe_only
+    from sgl_tts.plugin.scheduling.observer import OBSERVE_ONLY_ENV, observe_only
 
     if observe_only():
         logger.info("sgl-tts: observe-only (%s=1): observation hooks only, stock scheduling", OBSERVE_ONLY_ENV)

@@ -16,25 +16,25 @@ import os
 from typing import Any, Mapping
 
 POLICIES = ("off", "prefix-aware", "locality")
-CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.cpu_attention)
-# --tts-locality-rules: which of the locality policy's rules act (sgl_tts.plugin.residency): its two
+CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.attention.cpu_attention)
+# --tts-locality-rules: which of the locality policy's rules act (sgl_tts.plugin.scheduling.residency): its two
 # rules (both), one alone to measure what each contributes (the ablation of issue 32), or both plus
 # whole-family admission (families)
 LOCALITY_RULES = ("both", "eviction", "order", "families")
-# --tts-sparse-attention (sgl_tts.plugin.sparse_attention): seed 003's asynchronous selection, the
+# --tts-sparse-attention (sgl_tts.plugin.attention.sparse_attention): seed 003's asynchronous selection, the
 # same selection with the current query (synchronous), Quest's pages with the current query
 SPARSE_MODES = ("off", "async", "sync", "quest")
-# --tts-sparse-frame: where async predicts the next query (sgl_tts.plugin.sparse_decoding)
+# --tts-sparse-frame: where async predicts the next query (sgl_tts.plugin.attention.sparse_decoding)
 SPARSE_FRAMES = ("rotary", "query")
-# --tts-sparse-worker: where async's choice runs (sgl_tts.plugin.sparse_worker)
+# --tts-sparse-worker: where async's choice runs (sgl_tts.plugin.attention.sparse_worker)
 SPARSE_WORKERS = ("process", "thread")
-# --tts-sparse-stand-down: whether rows attend densely where sparse measured slower (sgl_tts.plugin.sparse_payoff)
+# --tts-sparse-stand-down: whether rows attend densely where sparse measured slower (sgl_tts.plugin.attention.sparse_payoff)
 SPARSE_STAND_DOWN = ("auto", "off")
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseSettings:
-    """Query-aware sparse decode attention (seed 003, AsyncSpade; :mod:`sgl_tts.plugin.sparse_attention`).
+    """Query-aware sparse decode attention (seed 003, AsyncSpade; :mod:`sgl_tts.plugin.attention.sparse_attention`).
 
     Attributes:
         mode: ``off``; ``async`` (the next step's tokens chosen beside the current step from a
@@ -57,7 +57,7 @@ class SparseSettings:
             the rotated queries themselves (the seed's literal reading).
         worker: where ``async`` chooses: ``process`` (default) or ``thread``.
         stand_down: ``auto`` (default): rows attend densely at context lengths where this server
-            measured sparse attention no faster than dense (:mod:`sgl_tts.plugin.sparse_payoff`);
+            measured sparse attention no faster than dense (:mod:`sgl_tts.plugin.attention.sparse_payoff`);
             ``off``: every eligible row attends sparsely (what the quality measurements want).
     """
 
@@ -150,7 +150,7 @@ class TTSSettings:
         policy: ``off``, ``prefix-aware`` (order the waiting queue: siblings together, parents in a
             stable order, greedy longest shared prefix, request classes; any queue length) or
             ``locality`` (``prefix-aware``, and under KV pressure: eviction by next use in the
-            waiting order, resident families admitted first; :mod:`sgl_tts.plugin.residency`).
+            waiting order, resident families admitted first; :mod:`sgl_tts.plugin.scheduling.residency`).
         dedup_tokens: with ``prefix-aware``, when consecutive waiting requests share at least this
             many tokens that are not cached yet, only the first prefills them this round.
         metrics_file: write scheduler metrics (JSONL) to ``<metrics_file>.<pid>`` per scheduler
@@ -159,11 +159,11 @@ class TTSSettings:
             ``policy="prefix-aware"``, never alone.
         seeded_sampling: a request's ``sampling_seed`` decides its samples (SGLang 0.5.15 honours
             seeds only with ``--enable-deterministic-inference``, which its CPU attention backends
-            refuse); see :mod:`sgl_tts.plugin.seeding`.
+            refuse); see :mod:`sgl_tts.plugin.scheduling.seeding`.
         max_wait: with ``prefix-aware``, a normal or boosted request that has waited this many
             seconds goes first (oldest first): the aging bound against starvation. ``None``: never.
         cpu_attention: ``native`` (SGLang's ``torch_native`` attention, one call per sequence) or
-            ``ragged`` (:mod:`sgl_tts.plugin.cpu_attention`: decode rows batched by length, extends
+            ``ragged`` (:mod:`sgl_tts.plugin.attention.cpu_attention`: decode rows batched by length, extends
             over their new tokens only; equal to float rounding). Acts where the server runs
             ``torch_native`` (the CPU); elsewhere nothing changes.
         sparse: :class:`SparseSettings` (``--tts-sparse-*``), query-aware sparse decode attention

@@ -406,7 +406,7 @@ class SearchService:
 
         One abort is not always enough: a generation let through just before the cancel may reach the
         server after the abort (which then finds nothing; a request still being tokenized there escapes
-        it too, see :mod:`sgl_tts.plugin.abort`) and would run to its end. Neither the cancelled check
+        it too, see :mod:`sgl_tts.plugin.scheduling.abort`) and would run to its end. Neither the cancelled check
         nor the generator's :class:`~sgl_tts.backends.request.AbortLedger` can catch it, as both are
         looked at before the request is sent. So while such a request is out (``endpoint.in_flight``)
         the abort is repeated every ``ABORT_EVERY_S``; once none is, nothing of the search can reach

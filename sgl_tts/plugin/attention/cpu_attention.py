@@ -22,8 +22,9 @@ exactly what stock SGLang samples (``sgl-tts bench``'s equivalence check) leave 
 attention, encoder lengths and sliding windows go to ``torch_native``'s own code unchanged.
 
 The backend is registered in SGLang's attention registry as :data:`BACKEND_NAME`; the plugin's hook on
-``ModelRunner._get_attention_backend_from_str`` builds it where the server asked for ``torch_native``
-and the flag is on (``--attention-backend`` only accepts SGLang's own names).
+``ModelRunner._get_attention_backend_from_str`` (:mod:`sgl_tts.plugin.attention.backend_choice`) builds it where
+the server asked for ``torch_native`` and the flag is on (``--attention-backend`` only accepts SGLang's
+own names).
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ def _make_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     class RaggedAttnBackend(TorchNativeAttnBackend):
-        """``torch_native`` with its per-sequence loops batched (:mod:`sgl_tts.plugin.cpu_attention`)."""
+        """``torch_native`` with its per-sequence loops batched (:mod:`sgl_tts.plugin.attention.cpu_attention`)."""
 
         def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                                      seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
@@ -306,34 +307,6 @@ def register_backend() -> None:
         register_attention_backend(BACKEND_NAME)(lambda runner: backend_class()(runner))
 
 
-def attention_backend_from_str(original, runner, backend_str, *args, **kwargs):
-    """AROUND hook on ``ModelRunner._get_attention_backend_from_str``: ``torch_native`` becomes the
-    sparse backend (:mod:`sgl_tts.plugin.sparse_attention`) when ``--tts-sparse-attention`` is on, else
-    the ragged backend when ``--tts-cpu-attention ragged`` is; every other choice is SGLang's. Either
-    one first checks the ``TorchNativeAttnBackend`` methods it overrides (an SGLang that renamed them
-    would never call the overrides): missing ones refuse the server
-    (:class:`~sgl_tts.plugin.internals.MissingInternals`)."""
-    from sgl_tts.plugin import internals
-    from sgl_tts.plugin.settings import TTSSettings
-
-    if backend_str == "torch_native":
-        settings = TTSSettings.of(runner.server_args)
-        wanted = [f for f in internals.features(settings) if f in (internals.RAGGED, internals.SPARSE)]
-        internals.check(wanted)
-        if settings.sparse.mode != "off":
-            from sgl_tts.plugin import sparse_attention
-
-            sparse_attention.register_backend()
-            logger.info("sgl-tts: sparse decode attention (%s) in place of torch_native (--tts-sparse-attention)",
-                        settings.sparse)
-            backend_str = sparse_attention.BACKEND_NAME
-        elif settings.cpu_attention == "ragged":
-            register_backend()
-            logger.info("sgl-tts: ragged CPU attention in place of torch_native (--tts-cpu-attention ragged)")
-            backend_str = BACKEND_NAME
-    return original(runner, backend_str, *args, **kwargs)
-
-
 __all__ = ["BACKEND_NAME", "BUCKET_RATIO", "MAX_GATHER_ELEMENTS", "Bucket", "ExtendPlan", "PlanCache",
-           "attend_rows", "attention_backend_from_str", "backend_class", "decode_rows", "extend", "gather",
+           "attend_rows", "backend_class", "decode_rows", "extend", "gather",
            "per_token_elements", "plan_extend", "plan_rows", "register_backend"]

@@ -15,9 +15,9 @@ What is shared and what is sent:
 - So is the server's ``req_to_token`` (:class:`CacheRank` moves it in place): the process reads the
   rows' contexts' pool slots there, so a job carries none.
 - Each job goes over a pipe as numpy arrays: the layers, the rows' slots and epochs, lengths, their
-  recent queries (:class:`~sgl_tts.plugin.sparse_async.QueryHistory` columns) and how many are real,
+  recent queries (:class:`~sgl_tts.plugin.attention.sparse_async.QueryHistory` columns) and how many are real,
   plus the rotary table when it changed. Each answer comes back the same way
-  (:func:`~sgl_tts.plugin.sparse_async.choose`'s, :func:`answer_of` on the scheduler's side): the
+  (:func:`~sgl_tts.plugin.attention.sparse_async.choose`'s, :func:`answer_of` on the scheduler's side): the
   chosen tokens as flat pool rows (layer-major) and each row's count, positions and predicted
   queries under measure, the seconds the choice took, and how many waiting jobs it superseded.
 - Two one-way pipes. In the process a thread takes every job as it arrives, so the scheduler's send
@@ -163,7 +163,7 @@ class CacheRank:
         return self.given - self.finished >= self._most
 
     def submit(self, job: Any) -> None:
-        """Hand one job to the process: a :class:`~sgl_tts.plugin.sparse_async.Job` (its key pools go by
+        """Hand one job to the process: a :class:`~sgl_tts.plugin.attention.sparse_async.Job` (its key pools go by
         layer id; its request table is the one the process was started with)."""
         msg: dict[str, Any] = {"layers": list(job.layers), "slots": list(job.slots), "epochs": list(job.epochs),
                                "lengths": _array(job.lengths), "ring": _array(job.ring),
@@ -205,7 +205,7 @@ def serve(jobs, answers, settings_json: str, k_caches: dict, req_to_token) -> No
 
     import torch
 
-    from sgl_tts.plugin import sparse_decoding as sd
+    from sgl_tts.plugin.attention import sparse_decoding as sd
     from sgl_tts.plugin.settings import SparseSettings
 
     torch.set_grad_enabled(False)
@@ -263,12 +263,12 @@ def serve(jobs, answers, settings_json: str, k_caches: dict, req_to_token) -> No
 
 def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, req_to_token: Any, rotary: Any,
             mirror: Any = None) -> dict:
-    """One job's answer: :func:`~sgl_tts.plugin.sparse_async.choose` on its arrays (the keys from
-    ``mirror``, a :class:`~sgl_tts.plugin.sparse_decoding.KeyMirror`, if given), as numpy arrays, or the
+    """One job's answer: :func:`~sgl_tts.plugin.attention.sparse_async.choose` on its arrays (the keys from
+    ``mirror``, a :class:`~sgl_tts.plugin.attention.sparse_decoding.KeyMirror`, if given), as numpy arrays, or the
     error that stopped it (its rows then stay dense)."""
     import torch
 
-    from sgl_tts.plugin.sparse_async import choose
+    from sgl_tts.plugin.attention.sparse_async import choose
 
     t0 = time.perf_counter()
     answer = {"layers": msg["layers"], "slots": msg["slots"], "epochs": msg["epochs"], "lengths": msg["lengths"],
@@ -289,10 +289,10 @@ def _answer(msg: dict, superseded: int, s: Any, k_caches: dict, req_to_token: An
 
 
 def answer_of(a: dict) -> Any:
-    """The scheduler's side of :func:`_answer`: an :class:`~sgl_tts.plugin.sparse_async.Answer`."""
+    """The scheduler's side of :func:`_answer`: an :class:`~sgl_tts.plugin.attention.sparse_async.Answer`."""
     import torch
 
-    from sgl_tts.plugin.sparse_async import Answer
+    from sgl_tts.plugin.attention.sparse_async import Answer
 
     def tensor(x):
         return None if x is None else torch.from_numpy(x)

@@ -9,7 +9,7 @@ critical path; the choice is not):
   last ``h`` per pool slot: one indexed write). Ordering the ring and turning it into the
   prediction's rotary frame is the cache rank's work (:func:`history_in_frame`).
 - **A job carries no context index**: the cache rank reads the rows' pool slots from the server's own
-  ``req_to_token`` (shared with the process: :func:`~sgl_tts.plugin.sparse_worker.share_key_pools`'
+  ``req_to_token`` (shared with the process: :func:`~sgl_tts.plugin.attention.sparse_worker.share_key_pools`'
   neighbour ``share_tensor``), so a job is the rows, their lengths and their recent queries.
 - **An answer is pool rows, not positions** (:func:`choose`): for each layer and row, the flat rows
   of the layer's pool viewed ``[tokens * kv_heads, dim]`` (``token slot * kv_heads + head``) of the
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 if TYPE_CHECKING:
     import torch
 
-    from sgl_tts.plugin.sparse_decoding import KeyMirror, Rotary
+    from sgl_tts.plugin.attention.sparse_decoding import KeyMirror, Rotary
 
 
 class QueryHistory:
@@ -87,7 +87,7 @@ def history_in_frame(ring: torch.Tensor, lengths: torch.Tensor, rotary: Optional
     and, with ``rotary``, each query rotated back from its position to 0 (the prediction's frame)."""
     import torch
 
-    from sgl_tts.plugin.sparse_decoding import rotate
+    from sgl_tts.plugin.attention.sparse_decoding import rotate
 
     layers, rows, h, heads, dim = ring.shape
     cols = (lengths[:, None] - h + torch.arange(h, device=lengths.device)[None, :]) % h        # [rows, h]
@@ -137,13 +137,13 @@ def choose(s: Any, layers: Sequence[int], slots: Sequence[int], epochs: Sequence
            ring: torch.Tensor, available: torch.Tensor, scale: Optional[float], k_caches: Sequence[torch.Tensor],
            req_to_token: torch.Tensor, rotary: Optional["Rotary"], mirror: Optional["KeyMirror"]) -> Answer:
     """The cache rank's work for one job (a thread's or the process's): the history ordered and in
-    its frame, :func:`~sgl_tts.plugin.sparse_decoding.choose_next` (keys from ``mirror`` if given),
+    its frame, :func:`~sgl_tts.plugin.attention.sparse_decoding.choose_next` (keys from ``mirror`` if given),
     and the choice as flat pool rows. ``s``: the :class:`~sgl_tts.plugin.settings.SparseSettings`."""
     import time
 
     import torch
 
-    from sgl_tts.plugin import sparse_decoding as sd
+    from sgl_tts.plugin.attention import sparse_decoding as sd
 
     t0 = time.perf_counter()
     n = int(lengths.max())

@@ -8,7 +8,7 @@ change an argument, a return value or the order of anything:
 - ``Scheduler.get_next_batch_to_run`` (around): the round timer, ``time.perf_counter()`` around
   SGLang's call; a round that returned a batch counts as a prefill round (an extend batch, mixed or
   not) or a decode round, with its seconds, and the batch is recorded (size, occupancy, context);
-- every tree cache's ``evict`` (:data:`sgl_tts.plugin.EVICT_TARGETS`, after): tokens evicted;
+- every tree cache's ``evict`` (:data:`sgl_tts.plugin.hooks.EVICT_TARGETS`, after): tokens evicted;
 - ``Scheduler.flush_cache`` (after): a flush that emptied the radix cache clears the thrashing
   measure's seen blocks (a fresh start, not an eviction).
 
@@ -35,8 +35,8 @@ import os
 from time import perf_counter
 from typing import Any, Mapping
 
-from sgl_tts.plugin import EVICT_TARGETS, TARGETS, check_attached
-from sgl_tts.plugin.metrics import SchedulerMetrics
+from sgl_tts.plugin.hooks import EVICT_TARGETS, TARGETS, missing_from, refuse_missing
+from sgl_tts.plugin.scheduling.metrics import SchedulerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def scheduler_init(result: Any, scheduler: Any, server_args: Any, *args: Any, **
     prefix = os.environ.get(METRICS_FILE_ENV) or None
     if not (prometheus or prefix):
         return result
-    check_attached(f"{OBSERVE_ONLY_ENV}=1 asks for scheduler metrics")
+    # this hook runs, so it is in place: what the metrics need besides is the observation hooks
+    refuse_missing(missing_from(observation_hooks()), f"{OBSERVE_ONLY_ENV}=1 asks for scheduler metrics")
     logger.info("sgl-tts: observe-only (%s=1): stock scheduling, observation hooks only", OBSERVE_ONLY_ENV)
     attach_metrics(scheduler, path=f"{prefix}.{os.getpid()}" if prefix else None, prometheus=prometheus,
                    policy="observe-only", schedule_policy=getattr(server_args, "schedule_policy", None))

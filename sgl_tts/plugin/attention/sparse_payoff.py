@@ -7,7 +7,7 @@ skips below some length, and where that length lies depends on the machine, the 
 ``--tts-sparse-dense-below``). So the server decides from its own steps: per context bucket (the
 largest power of two at or below a row's context), a moving average of a dense layer's and of a
 sparse layer's attention seconds per context token, each as the decoder timed it
-(:meth:`~sgl_tts.plugin.sparse_counters.SparseCounters.time` reports the same timings). A bucket
+(:meth:`~sgl_tts.plugin.attention.sparse_counters.SparseCounters.time` reports the same timings). A bucket
 where sparse measured no faster than dense stands down: its rows attend densely in every layer.
 
 Estimates go stale as the load changes, so each side is measured again now and then: a stood-down
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sgl_tts.plugin.sparse_counters import bucket_of
+from sgl_tts.plugin.attention.sparse_counters import bucket_of
 
 
 class SparsePayoff:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from sgl_tts.plugin.policy import forget, tag_of
+from sgl_tts.plugin.scheduling.policy import forget, tag_of
 
 logger = logging.getLogger(__name__)
 

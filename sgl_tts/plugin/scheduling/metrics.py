@@ -1,7 +1,7 @@
 """Scheduler observability (seed 001 ch. 6): batch sizes, KV occupancy, prefill tokens per request,
 prefix-cache hit rate, evictions and thrashing, per scheduler process.
 
-:class:`SchedulerMetrics` is fed by the plugin's observation hooks (:mod:`sgl_tts.plugin.observer`:
+:class:`SchedulerMetrics` is fed by the plugin's observation hooks (:mod:`sgl_tts.plugin.scheduling.observer`:
 ``Scheduler.get_new_batch_prefill``, the round timer around ``Scheduler.get_next_batch_to_run``,
 ``RadixCache.evict``), in full or observe-only mode, and writes one JSONL record per event to
 ``--tts-metrics-file`` (``<path>.<pid>`` per scheduler process, buffered, flushed at least every
@@ -35,7 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from sgl_tts.plugin.ordering import as_bytes
+from sgl_tts.plugin.scheduling.ordering import as_bytes
 
 MAX_SEEN = 2_000_000   # block hashes remembered (oldest forgotten first)
 ROUND_MODES = ("prefill", "decode")   # the round timer's ``mode`` label

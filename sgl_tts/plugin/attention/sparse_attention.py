@@ -1,20 +1,20 @@
 """Query-aware sparse decode attention for SGLang's CPU servers (``--tts-sparse-attention``, seed 003).
 
 A decode row whose context is at least ``--tts-sparse-dense-below`` tokens, and longer than its budget,
-attends to a selection of its context (:mod:`sgl_tts.plugin.sparse_decoding` has the math):
+attends to a selection of its context (:mod:`sgl_tts.plugin.attention.sparse_decoding` has the math):
 
 - ``sync``: the tokens with the most attention mass under the *current* query, chosen inside the step
   (the upper bound on selection quality; the choice waits for the query and reads every key);
 - ``quest``: Quest's 16-token pages by their upper bound under the current query, inside the step;
 - ``async`` (AsyncSpade): the tokens chosen for this step by the seed's "cache rank" (a process of its
-  own, :mod:`sgl_tts.plugin.sparse_worker`, or a thread: ``--tts-sparse-worker``) while the previous
+  own, :mod:`sgl_tts.plugin.attention.sparse_worker`, or a thread: ``--tts-sparse-worker``) while the previous
   step was still computing, from the query predicted out of each row's recent queries; a step's
   sparse layers are one job. The step never waits for the cache rank: a row uses the newest
   selection that has finished (counted ``late`` when it is older than the previous step) with every
   token written since it was made, and a row with none attends densely (counted ``missing``).
 
 Prefill, short rows, rows whose budget covers their context, and everything that is not plain causal
-self-attention are dense, by :mod:`sgl_tts.plugin.cpu_attention`'s ragged backend (this backend is that
+self-attention are dense, by :mod:`sgl_tts.plugin.attention.cpu_attention`'s ragged backend (this backend is that
 one with the decode path replaced). With a budget that covers every context the output is dense
 attention's (float rounding aside; ``tests/test_sparse_attention.py``).
 
@@ -33,9 +33,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from sgl_tts.plugin.sparse_async import Answer, Entry, Job, QueryHistory, assemble, choose, entries, new_rows
-from sgl_tts.plugin.sparse_counters import SparseCounters, StatsFile, add_to_mean, bucket_of
-from sgl_tts.plugin.sparse_payoff import SparsePayoff
+from sgl_tts.plugin.attention.sparse_async import Answer, Entry, Job, QueryHistory, assemble, choose, entries, new_rows
+from sgl_tts.plugin.attention.sparse_counters import SparseCounters, StatsFile, add_to_mean, bucket_of
+from sgl_tts.plugin.attention.sparse_payoff import SparsePayoff
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +69,7 @@ class SparseDecoder:
                  rotary=None):
         self.s = settings
         self._slots = 0           # pool slots (rows of req_to_token): :meth:`bind`
-        #: the model's rotary embedding (:class:`~sgl_tts.plugin.sparse_decoding.Rotary`), if known: with
+        #: the model's rotary embedding (:class:`~sgl_tts.plugin.attention.sparse_decoding.Rotary`), if known: with
         #: ``frame="rotary"`` queries are predicted with their rotation removed
         self.rotary = rotary
         self.counters = SparseCounters()
@@ -79,7 +79,7 @@ class SparseDecoder:
         self._step: Optional[_Step] = None
         self._history: dict[int, QueryHistory] = {}
         self._epoch: dict[int, int] = {}
-        #: async: layer -> slot -> the newest finished choice (:class:`~sgl_tts.plugin.sparse_async.Entry`)
+        #: async: layer -> slot -> the newest finished choice (:class:`~sgl_tts.plugin.attention.sparse_async.Entry`)
         self._selected: dict[int, dict[int, Entry]] = {}
         # measure: layer -> slot -> (epoch, length, the step's query [heads, dim])
         self._previous: dict[int, dict[int, tuple]] = {}
@@ -103,11 +103,11 @@ class SparseDecoder:
 
     def start_cache_rank(self, k_caches: dict, req_to_token: torch.Tensor) -> "SparseDecoder":
         """``async`` with ``worker="process"``: start the cache rank process over ``k_caches`` (layer id
-        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.sparse_worker.share_key_pools`)
+        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.attention.sparse_worker.share_key_pools`)
         and the server's ``req_to_token`` (moved into shared memory in place, if it is not there yet: the
         process reads the rows' contexts from it); until then (and with any other setting) jobs run as
         ``threaded`` said."""
-        from sgl_tts.plugin.sparse_worker import CacheRank
+        from sgl_tts.plugin.attention.sparse_worker import CacheRank
 
         if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
             try:
@@ -170,7 +170,7 @@ class SparseDecoder:
         batch positions) densely into ``out``."""
         import torch
 
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         s = self.s
         if layer == 0:
@@ -240,7 +240,7 @@ class SparseDecoder:
         one seen, or other rows' lengths), then reused by its other layers."""
         import torch
 
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         step = self._step
         if step is not None and layer > self._last_layer and step.lengths is lengths:
@@ -291,7 +291,7 @@ class SparseDecoder:
 
     def _measure(self, layer, selection, query, k_cache, req_to_token, slots, lengths, keep, scale) -> None:
         """``measure``: the overlap of ``selection`` with the current query's token-level choice."""
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         # the reference is always token-level, whatever the mode
         best = self._select_now(query, k_cache, req_to_token, slots, lengths, keep, scale, mode="sync", count=False)
@@ -304,7 +304,7 @@ class SparseDecoder:
         with the current query's; then this step's queries are kept for the next."""
         import torch
 
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         kept = self._previous.setdefault(layer, {})
         pairs = [i for i in eligible.nonzero().squeeze(1).tolist()
@@ -325,7 +325,7 @@ class SparseDecoder:
     def _select_now(self, query, k_cache, req_to_token, slots, lengths, keep, scale, mode=None, count=True):
         """``sync``/``quest`` (``mode``, default the setting's): the selection from the current query,
         inside the step."""
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         t0 = time.perf_counter()
         n = int(lengths.max())
@@ -347,14 +347,14 @@ class SparseDecoder:
         """``async``: the rows among ``rows`` that have a finished choice of their current epoch, and what
         they attend to: that choice's pool rows with those of every token written since it was made
         (``index`` ``[rows, kv, k]``, ``mask`` or ``None`` when every row is as long; see
-        :func:`~sgl_tts.plugin.sparse_async.assemble`). The choice kept the sinks and the recent tokens of the
+        :func:`~sgl_tts.plugin.attention.sparse_async.assemble`). The choice kept the sinks and the recent tokens of the
         context it was made for (one fewer: the next position is new), so this covers the current
         sinks and recent tokens too, without a pass over the context. Under measure also the same as
-        context positions (a :class:`~sgl_tts.plugin.sparse_decoding.Selection`) and the predicted
+        context positions (a :class:`~sgl_tts.plugin.attention.sparse_decoding.Selection`) and the predicted
         queries of the on-time rows, by their place in the returned rows."""
         import torch
 
-        from sgl_tts.plugin import sparse_decoding as sd
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         table = self._selected.get(layer, {})
         new = self._step.new
@@ -472,8 +472,8 @@ class SparseDecoder:
                 self._done.notify_all()
 
     def _run(self, job: Job) -> None:
-        """The job's choice (:func:`~sgl_tts.plugin.sparse_async.choose`), stored for the next step."""
-        from sgl_tts.plugin import sparse_decoding as sd
+        """The job's choice (:func:`~sgl_tts.plugin.attention.sparse_async.choose`), stored for the next step."""
+        from sgl_tts.plugin.attention import sparse_decoding as sd
 
         if self._mirror is None:
             self._mirror = sd.KeyMirror()
@@ -503,7 +503,7 @@ class SparseDecoder:
         self._start_thread()
 
     def _take_answers(self, wait: bool) -> None:
-        from sgl_tts.plugin.sparse_worker import answer_of
+        from sgl_tts.plugin.attention.sparse_worker import answer_of
 
         for a in self._rank.answers(wait=wait):
             self.counters.dropped_jobs += a["superseded"]
@@ -546,11 +546,12 @@ _BACKEND_CLASS = None
 
 
 def _make_backend_class():
-    from sgl_tts.plugin import cpu_attention, internals
+    from sgl_tts.plugin import internals
+    from sgl_tts.plugin.attention import cpu_attention
     from sgl_tts.plugin.settings import TTSSettings
 
     class SparseAttnBackend(cpu_attention.backend_class()):
-        """The ragged backend with query-aware sparse decode attention (:mod:`sgl_tts.plugin.sparse_attention`)."""
+        """The ragged backend with query-aware sparse decode attention (:mod:`sgl_tts.plugin.attention.sparse_attention`)."""
 
         def __init__(self, model_runner):
             super().__init__(model_runner)
@@ -561,7 +562,7 @@ def _make_backend_class():
                 int(self.req_to_token_pool.req_to_token.shape[0]))
             sp = settings.sparse
             if sp.mode == "async" and sp.worker == "process":
-                from sgl_tts.plugin.sparse_worker import share_key_pools
+                from sgl_tts.plugin.attention.sparse_worker import share_key_pools
 
                 kv_pool = model_runner.token_to_kv_pool
                 internals.check_object(kv_pool, internals.SPARSE_PROCESS)   # before anything moves
@@ -579,7 +580,7 @@ def _make_backend_class():
                 logger.info("sgl-tts sparse attention: %s", "predicting in the rotary frame" if self._rope
                             else "no rotary embedding found: predicting on the queries as they are")
             if self._rope:
-                from sgl_tts.plugin.sparse_decoding import Rotary
+                from sgl_tts.plugin.attention.sparse_decoding import Rotary
 
                 self.sparse.rotary = Rotary(self._rope.cos_sin_cache, int(self._rope.rotary_dim),
                                             bool(self._rope.is_neox_style))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from sgl_tts.plugin.policy import DEFERRED, request_class
+from sgl_tts.plugin.scheduling.policy import DEFERRED, request_class
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def stop_speculative(running: Sequence[Any]) -> list:
 def after_prefill(batch, scheduler, *args, **kwargs):
     """AFTER hook on ``Scheduler.get_new_batch_prefill`` (prefix-aware policy only): stop speculative
     work when normal work was refused for room; tell the policy which requests this prefill batch
-    holds (see :meth:`~sgl_tts.plugin.policy.TTSPolicyState.on_prefill_batch`)."""
+    holds (see :meth:`~sgl_tts.plugin.scheduling.policy.TTSPolicyState.on_prefill_batch`)."""
     state = getattr(scheduler.policy, "sgl_tts", None)
     if state is None:
         return batch

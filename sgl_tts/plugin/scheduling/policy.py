@@ -11,7 +11,7 @@ waiting requests):
 2. then buckets: the request class (boosted, normal, speculative: speculative requests thus only
    get slots no normal request can use), and within a class SGLang's ``priority`` when the server
    runs ``--enable-priority-scheduling`` (its sign convention: ``--schedule-low-priority-values-first``);
-3. within a bucket, :func:`~sgl_tts.plugin.ordering.family_order`: siblings (one search, depth and
+3. within a bucket, :func:`~sgl_tts.plugin.scheduling.ordering.family_order`: siblings (one search, depth and
    parent) contiguous, families and siblings in the greedy longest-shared-prefix order with the key
    (search group in first-seen order, depth, parent beam, beam), anchored on the last request of the
    running batch; each bucket continues from the last request of the one before;
@@ -24,7 +24,7 @@ waiting requests):
 
 Cost: each request's tag, key and token bytes are cached on the request (until its output grows
 or :func:`set_class` changes it) and read back in C; the order is redone only when the queue
-changed, and then incrementally: the buckets keep their families (:class:`~sgl_tts.plugin.ordering.
+changed, and then incrementally: the buckets keep their families (:class:`~sgl_tts.plugin.scheduling.ordering.
 FamilyWalk`) from round to round, so arrivals and admissions touch only their families and the order
 of the families' prefixes. The deferral check matches the radix cache once per run of requests
 sharing a prefix, not at all while the cache is unchanged, and after insertions only for the
@@ -43,8 +43,8 @@ import time
 import weakref
 from typing import AbstractSet, Any, Callable, Sequence
 
-from sgl_tts.plugin import residency
-from sgl_tts.plugin.ordering import FamilyWalk, WalkMemo, as_bytes, common_prefix
+from sgl_tts.plugin.scheduling import residency
+from sgl_tts.plugin.scheduling.ordering import FamilyWalk, WalkMemo, as_bytes, common_prefix
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.protocol import SearchTag
 
@@ -192,7 +192,7 @@ class TTSPolicyState:
         self._matched_deferred: dict[tuple[int, int], int] = {}   # split by the decision they gave
         self._matched_fp: Any = None               # the radix cache's fingerprint they were matched on
         self._matched_evictions: Any = None        # and its eviction count (residency.count_evictions)
-        # policy "locality" (sgl_tts.plugin.residency), set by enable(): the tree's eviction strategy
+        # policy "locality" (sgl_tts.plugin.scheduling.residency), set by enable(): the tree's eviction strategy
         # (rule 1, eviction by next use) and whether resident families go first (rule 2)
         self.residency: residency.QueueAwareEviction | None = None
         self.resident_first = False
@@ -402,7 +402,7 @@ class TTSPolicyState:
 
     def _local_plan(self, policy: Any, base: _Plan, running_batch: Any = None) -> _Plan:
         """Policy ``locality``: under KV pressure, ``base`` with resident families first, and the
-        radix nodes the waiting requests need marked in that order (:mod:`sgl_tts.plugin.residency`);
+        radix nodes the waiting requests need marked in that order (:mod:`sgl_tts.plugin.scheduling.residency`);
         ``base`` itself without pressure. With one rule alone (``--tts-locality-rules``) the other
         is left out: ``base``'s order with its nodes marked, or resident families first unmarked.
         Reused while the plan and the tree's nodes are unchanged."""
@@ -453,7 +453,7 @@ class TTSPolicyState:
 
     def holds_back(self, adder: Any, req: Any) -> bool:
         """Rule 3 (``--tts-locality-rules families``) on the request SGLang is about to admit
-        (:meth:`~sgl_tts.plugin.residency.Admission.holds_back`); counted in ``holds``."""
+        (:meth:`~sgl_tts.plugin.scheduling.residency.Admission.holds_back`); counted in ``holds``."""
         if self.admission is None or not self.admission.holds_back(adder, req):
             return False
         self.holds += 1

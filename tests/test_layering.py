@@ -42,6 +42,16 @@ def test_the_protocol_imports_nothing_of_sgl_tts_or_sglang():
     assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
 
 
+def test_the_record_store_and_the_server_api_import_nothing_of_sgl_tts_nor_sglang():
+    """``sgl_tts.records`` (run, bench and load resume from it) and ``sgl_tts.launch.server_api`` (the
+    flush and the server-info reader) sit under everything that uses them: the standard library only."""
+    loaded = _loaded_after("import sgl_tts.records, sgl_tts.launch.server_api")
+    assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.launch",
+                                                              "sgl_tts.launch.server_api", "sgl_tts.lazy",
+                                                              "sgl_tts.records"]
+    assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
+
+
 def test_the_package_names_load_on_first_use():
     from sgl_tts.backends import LocalBackend, connect, gen
 

@@ -59,6 +59,15 @@ def is_tagged_rid(rid: object) -> bool:
     return isinstance(rid, str) and rid.startswith(GROUP_PREFIX)
 
 
+def rid_group(rid: object) -> str | None:
+    """The search group a tagged rid or rid prefix (``tts/<group>/...``) names, else ``None`` (an
+    untagged rid, or ``tts/`` with no group ended by ``/`` after it)."""
+    if not is_tagged_rid(rid):
+        return None
+    parts = rid.split("/", 2)   # type: ignore[union-attr]
+    return parts[1] if len(parts) > 2 and parts[1] else None
+
+
 def rid_depth(rid: object) -> int | None:
     """The depth a tagged rid (``tts/<group>/<depth>/...``) names, else ``None``."""
     if not is_tagged_rid(rid):
@@ -119,9 +128,9 @@ class SearchTag:
     def from_rid(cls, rid: Any) -> "SearchTag | None":
         """The tag a :meth:`request_id` carries (``tts/<group>/...#tag=depth,parent,beam,class[,ordinal]``),
         or ``None`` for any other rid."""
-        if not is_tagged_rid(rid) or RID_TAG not in rid:
+        group = rid_group(rid)
+        if group is None or RID_TAG not in rid:
             return None
-        group = rid.split("/", 2)[1]
         fields = rid.rsplit(RID_TAG, 1)[1].split(",")
         if len(fields) not in (4, 5):
             return None
@@ -151,4 +160,4 @@ def new_group() -> str:
 
 
 __all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "RID_TAG", "SearchTag", "check_group", "group_prefix",
-           "is_group_prefix", "is_tagged_rid", "new_group", "rid_depth", "rid_prefix"]
+           "is_group_prefix", "is_tagged_rid", "new_group", "rid_depth", "rid_group", "rid_prefix"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[dict]:
@@ -16,11 +15,6 @@ async def post_all(url: str, bodies: list[dict]) -> list[dict]:
             async with session.post(url + "/generate", json=body) as res:
                 return await res.json()
         return await asyncio.gather(*(one(b) for b in bodies))
-
-
-def flush_cache(url: str) -> None:
-    """Empty the server's radix cache (SGLang's ``/flush_cache``)."""
-    urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60).read()
 
 
 def greedy_body(tag, ids: list[int], new: int) -> dict:

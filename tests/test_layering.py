@@ -14,7 +14,7 @@ import pytest
 
 import sgl_tts
 from sgl_tts.protocol import (GROUP_PREFIX, SearchTag, check_group, group_prefix, is_group_prefix, is_tagged_rid,
-                              rid_depth, rid_prefix)
+                              rid_depth, rid_group, rid_prefix)
 
 # what the plugin must never pull in: the client's backends and CPU engine, SGLang's frontend
 # interpreter, the programs and experiments, and the heavy libraries behind them
@@ -43,6 +43,16 @@ def test_the_protocol_imports_nothing_of_sgl_tts_or_sglang():
     loaded = _loaded_after("import sgl_tts.protocol")
     assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.lazy",
                                                               "sgl_tts.protocol"]
+    assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
+
+
+def test_the_record_store_and_the_server_api_import_nothing_of_sgl_tts_nor_sglang():
+    """``sgl_tts.records`` (run, bench and load resume from it) and ``sgl_tts.launch.server_api`` (the
+    flush and the server-info reader) sit under everything that uses them: the standard library only."""
+    loaded = _loaded_after("import sgl_tts.records, sgl_tts.launch.server_api")
+    assert [m for m in loaded if m.startswith("sgl_tts")] == ["sgl_tts", "sgl_tts.frontend", "sgl_tts.launch",
+                                                              "sgl_tts.launch.server_api", "sgl_tts.lazy",
+                                                              "sgl_tts.records"]
     assert not [m for m in loaded if m.split(".")[0] in ("sglang", "torch", "numpy", "transformers")]
 
 
@@ -93,6 +103,31 @@ def test_the_rid_scheme():
             rid_prefix(bad, 0)
     with pytest.raises(ValueError, match="a search group must be a non-empty id without '/', got 'x/y'"):
         SearchTag("x/y")
+
+
+def test_a_rids_group_is_read_by_the_protocol_wherever_it_is_read():
+    rid = SearchTag("g1", depth=2, parent=1, beam=5).request_id()
+    assert [rid_group(r) for r in (rid, group_prefix("g1"), rid_prefix("g1", 3, "spec0"))] == ["g1"] * 3
+    assert [rid_group(r) for r in ("tts/", "tts//3/", "tts/g1", "other/g1/3/", "abc", "", None, 7)] == [None] * 8
+    assert SearchTag.from_rid("tts/g1#tag=0,-1,0,normal") is None   # no group: no tag
+    # the client's abort ledger: an abort covers the requests of its own group made before it, none other
+    from sgl_tts.backends.request import AbortLedger, RequestFields, _clock
+
+    ledger = AbortLedger()
+    made = next(_clock)   # when the requests were made: before the aborts, on the ledger's clock
+    before = [RequestFields(rid=SearchTag(g).request_id(), issued=made) for g in ("g1", "g2")]
+    ledger.record(group_prefix("g1"))
+    ledger.record("tts/")   # names no group: nothing recorded
+    assert [ledger.covers(f) for f in before] == [True, False]
+    assert not ledger.covers(RequestFields(rid=None, issued=made))
+    # the scale-out benchmark's prompt tokens by group, from the plugin's prefill records
+    from sgl_tts.bench.scaleout import prefill_by_group
+
+    records = [{"event": "prefill", "requests": [{"rid": SearchTag("a").request_id(), "cached": 3, "computed": 5},
+                                                 {"rid": rid_prefix("a", 1, 0) + "x", "cached": 1, "computed": 1},
+                                                 {"rid": "untagged", "cached": 9, "computed": 9}]},
+               {"event": "decode", "requests": [{"rid": SearchTag("b").request_id(), "cached": 9, "computed": 9}]}]
+    assert prefill_by_group(records) == {"a": (4, 6)}
 
 
 # ------------------------------------------------------------------ one builder of the command line

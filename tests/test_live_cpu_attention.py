@@ -11,7 +11,8 @@ import pytest
 from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.prm import StepTagPRM
-from live_http import flush_cache, post_all
+from sgl_tts.launch.server_api import flush_cache
+from live_http import post_all
 
 pytestmark = [pytest.mark.server, pytest.mark.live_servers("extra")]
 

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from live_groups import ServerGroups
-from live_http import family_paths, flush_cache, greedy_body, post_all
+from live_http import family_paths, greedy_body, post_all
+from sgl_tts.launch.server_api import flush_cache
 from sgl_tts.protocol import SearchTag
 
 pytestmark = [pytest.mark.server, pytest.mark.live_servers("own")]   # stops the session's servers (pressed)

@@ -15,8 +15,9 @@ from programs.beam_search import beam_search
 from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
 from sgl_tts.launch.live_servers import loads, settled_loads
+from sgl_tts.launch.server_api import flush_cache
 from sgl_tts.protocol import SearchTag
-from live_http import flush_cache, post_all as _post_all
+from live_http import post_all as _post_all
 
 pytestmark = pytest.mark.server
 

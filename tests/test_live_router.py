@@ -16,8 +16,8 @@ from live_groups import ServerGroups
 from programs.beam_search import beam_search
 from sgl_tts.tiny import task
 from sgl_tts.backends import SGLangEndpoint
-from sgl_tts.bench.load import flush_cache
 from sgl_tts.launch.live_servers import in_flight, loads, settled_loads
+from sgl_tts.launch.server_api import flush_cache
 from sgl_tts.prm import StepTagPRM
 from sgl_tts.serving.server import BackgroundSearchServer
 from sgl_tts.serving.service import SearchService

@@ -105,7 +105,7 @@ def test_measure_is_resolved_only_for_auto_on_a_server():
                       generator="http://127.0.0.1:1")
     assert with_decode_curve(given) is given   # a given curve (or none) is never measured
     down = RunConfig(program="beam_search", n=4, beam_width=2, speculative="auto", generator="http://127.0.0.1:1")
-    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info"):
+    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /server_info"):
         with_decode_curve(down)
 
 
@@ -192,7 +192,7 @@ def test_the_slowdown_is_measured_only_for_auto_where_the_prm_shares_a_host_with
                 RunConfig(**on, generator="http://127.0.0.1:1", prm="http://127.0.0.1:2", verifier_shares_device="no")):
         assert with_verifier_slowdown(cfg) is cfg
     down = RunConfig(**on, generator="http://127.0.0.1:1", prm="http://127.0.0.1:2")
-    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /get_server_info") as err:
+    with pytest.raises(RunError, match=r"speculative: auto: http://127.0.0.1:1: cannot read /server_info") as err:
         with_verifier_slowdown(down)
     assert err.value.settings == ("verifier_slowdown",)
 

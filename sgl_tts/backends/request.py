@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 from sglang.lang.api import gen as _sgl_gen
 from sglang.lang.ir import SglExpr, SglGen
 
+from sgl_tts.protocol import rid_group
+
 _slot = threading.local()
 _clock = itertools.count(1)   # orders request creation and aborts (next() is atomic under the GIL)
 
@@ -106,7 +108,7 @@ class AbortLedger:
 
     def record(self, prefix: str) -> None:
         """Note an abort of ``prefix`` (call it before the abort is sent)."""
-        group = _group_of(prefix)
+        group = rid_group(prefix)
         if group is None:
             return
         with self._lock:
@@ -118,17 +120,12 @@ class AbortLedger:
 
     def covers(self, fields: RequestFields) -> bool:
         """Whether an abort recorded after ``fields``' request was made covers its rid."""
-        group = _group_of(fields.rid or "")
+        group = rid_group(fields.rid)
         if group is None or not fields.issued:
             return False
         with self._lock:
             entries = list(self._by_group.get(group, ()))
         return any(fields.rid.startswith(prefix) and when > fields.issued for prefix, when in entries)
-
-
-def _group_of(rid: str) -> str | None:
-    parts = rid.split("/")
-    return parts[1] if len(parts) > 2 and parts[0] == "tts" and parts[1] else None
 
 
 def aborted_answer(fields: RequestFields) -> tuple[str, dict[str, Any]]:

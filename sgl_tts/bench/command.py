@@ -429,17 +429,13 @@ def flush_caches(urls: dict[str, str], timeout: float = 120.0) -> None:
     server to be idle), so that a side run on servers an earlier side used starts as cold as on fresh
     ones; the plugin's observer forgets what it saw computed (:func:`sgl_tts.plugin.scheduling.observer.after_flush`).
     Raises BenchError when a server refuses."""
-    import urllib.error
-    import urllib.request
+    from sgl_tts.launch.server_api import CacheNotFlushed, flush_cache
 
     for name, url in urls.items():
-        req = urllib.request.Request(f"{url}/flush_cache?timeout={timeout:g}", method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=timeout + 30) as resp:
-                resp.read()
-        except urllib.error.HTTPError as exc:
-            raise BenchError(f"the {name} server did not flush its cache between two sides: "
-                             f"{exc.read().decode(errors='replace').strip()}") from exc
+            flush_cache(url, timeout)
+        except CacheNotFlushed as exc:
+            raise BenchError(f"the {name} server did not flush its cache between two sides: {exc.reason}") from exc
 
 
 class SideRunner:

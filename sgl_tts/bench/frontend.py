@@ -69,7 +69,8 @@ from sgl_tts.bench.frontend_settings import (  # noqa: F401
     cpu_engine_for,
     program_options,
 )
-from sgl_tts.bench.load import flush_cache, read_records
+from sgl_tts.bench.load import record_store
+from sgl_tts.launch.server_api import flush_cache, running_request_cap, server_info
 from sgl_tts.launch.serve import sigterm_stops_servers
 
 logger = logging.getLogger(__name__)
@@ -235,14 +236,12 @@ def server_decode_limit(url: str, batch: int, prompts: Sequence[str], temperatur
 
 
 def server_max_running(url: str) -> int:
-    """The server's max running requests (``/server_info``: what the scheduler settled on)."""
-    info = _http_json(url.rstrip("/") + "/server_info")
-    for state in info.get("internal_states") or []:
-        if state.get("effective_max_running_requests_per_dp"):
-            return int(state["effective_max_running_requests_per_dp"])
-    if info.get("max_running_requests"):
-        return int(info["max_running_requests"])
-    raise RuntimeError(f"{url}/server_info names no max running requests")
+    """The server's max running requests (its :func:`~sgl_tts.launch.server_api.server_info`: what the
+    scheduler settled on)."""
+    cap = running_request_cap(server_info(url))
+    if cap is None:
+        raise RuntimeError(f"{url}/server_info names no max running requests")
+    return cap
 
 
 def open_cpu(s: FrontendSettings, layout=None) -> Target:
@@ -532,6 +531,7 @@ def run_frontend(s: FrontendSettings, out: Path, records: list[dict], todo: Sequ
     from sgl_tts.machine import describe
 
     key = s.key()
+    store = record_store(out, key)
     problems = task.test_split()[:s.searches(max(s.ks))]
     limits = Limits(records, [p.question + "\n\n" for p in problems], problems)
     provenance = {"machine": describe(), "command": command}
@@ -555,8 +555,7 @@ def run_frontend(s: FrontendSettings, out: Path, records: list[dict], todo: Sequ
                                max_running=target.max_running, options=program_options(s, program),
                                settings=settings, **provenance,
                                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-                    with out.open("a") as fh:
-                        fh.write(json.dumps(rec) + "\n")
+                    store.append(rec)
                     records.append(rec)
                     logger.info("%s %s K=%d: %.3f searches/s, %.0f tokens/s (%.0f%% of the limit)", backend,
                                 program, k, rec["searches_per_s"], rec["tokens_per_s"], 100 * rec["limit_fraction"])

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sgl_tts.experiment import quantile
+from sgl_tts.records import RecordStore
 
 logger = logging.getLogger(__name__)
 
@@ -427,48 +428,16 @@ def plot_report(rows: Sequence[LoadRow], path: str | Path, title: str = "") -> P
 
 
 # ------------------------------------------------------------------------------------- command
+def record_store(path: Path, key: str) -> RecordStore:
+    """``sgl-tts load``'s (and ``bench-frontend``'s) records file as a :class:`~sgl_tts.records.RecordStore`:
+    every record carries its settings' ``key``; the records of other settings stay in the file, unread."""
+    return RecordStore(path, key, field="key", other_keys="skip", what="a load or frontend benchmark's records")
+
+
 def read_records(path: Path, key: str) -> list[dict]:
-    """Records already written with the same settings (a torn last line is dropped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("key") == key:
-            out.append(rec)
-    return out
-
-
-def flush_cache(url: str, settle_s: float = 30.0) -> None:
-    """Empty a server's radix cache (``POST /flush_cache``). SGLang refuses while requests run, and a
-    block's last answers can reach the client before the server has retired their requests (aborted
-    ones included), so this first waits up to ``settle_s`` for the server to show none running or
-    waiting; a server still busy then is named with what it holds."""
-    import urllib.error
-    import urllib.request
-
-    from sgl_tts.launch.live_servers import settled_loads
-
-    try:
-        ld = settled_loads(url, timeout=settle_s)
-    except urllib.error.HTTPError as exc:
-        if exc.code != 404:
-            raise
-        ld = None   # sglang-router has no /v1/loads: it passes the flush on to its workers
-    req = urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as res:
-            if res.status == 200:
-                return
-            status = res.status
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-    held = (f": {ld['num_running_reqs']} requests running and {ld['num_waiting_reqs']} waiting after "
-            f"{settle_s:g} s" if ld is not None else "")
-    raise RuntimeError(f"{url} did not flush its cache (HTTP {status}){held}")
+    """Records already written with the same settings (a torn last line is dropped); a line that is not
+    a JSON object is a :class:`~sgl_tts.records.StoreError` (a ``ValueError``) naming it."""
+    return record_store(path, key).read()
 
 
 def server_specs(generator, prm) -> dict:
@@ -494,8 +463,8 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
 
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    jsonl = out.with_suffix(".jsonl")
-    records = read_records(jsonl, s.key())
+    store = record_store(out.with_suffix(".jsonl"), s.key())
+    records = store.read()
     done = {(r["side"], r["rate"]) for r in records}
     problems = load_problems(s)
     servers = None
@@ -528,9 +497,8 @@ def run_load(s: LoadSettings, output: str | Path, *, generator_url: str | None =
             for url in flushed:
                 flush_cache(url)
             recs = run_block(side, rate, problems, gen_url, prm, s, on_done=lambda r: bar.update(1))
-            with jsonl.open("a") as fh:
-                for r in recs:
-                    fh.write(json.dumps(r) + "\n")
+            for r in recs:
+                store.append(r)
             records += recs
         bar.close()
     finally:

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sgl_tts.bench.load import flush_cache
+from sgl_tts.launch.server_api import flush_cache
 from sgl_tts.experiment import quantile
+from sgl_tts.protocol import rid_group
 
 REPLICAS = ("rep0", "rep1")
 
@@ -50,10 +51,10 @@ def prefill_by_group(records: Sequence[dict]) -> dict[str, tuple[int, int]]:
         if rec.get("event") != "prefill":
             continue
         for req in rec.get("requests", []):
-            parts = str(req.get("rid", "")).split("/")
-            if parts[0] == "tts" and len(parts) > 1:
-                out[parts[1]][0] += int(req["cached"])
-                out[parts[1]][1] += int(req["computed"])
+            group = rid_group(req.get("rid"))
+            if group is not None:
+                out[group][0] += int(req["cached"])
+                out[group][1] += int(req["computed"])
     return {g: (c, p) for g, (c, p) in out.items()}
 
 

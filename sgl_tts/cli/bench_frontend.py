@@ -74,8 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts bench-frontend: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    try:
+        records = read_records(out, s.key())
+    except ValueError as exc:   # a line that is not a record (a torn last one is left out)
+        print(f"sgl-tts bench-frontend: error: {exc}; pick another --out", file=sys.stderr)
+        return 2
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = read_records(out, s.key())
     todo, skipped = frontend.pending_runs(s, records, args.repeats)
     if skipped:
         print(f"sgl-tts bench-frontend: {skipped} run(s) already in {out} under settings {s.key()}: skipped")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sgl_tts.bench.load import LoadSettings, format_report, load_problems, run_load
+    from sgl_tts.bench.load import LoadSettings, format_report, load_problems, read_records, run_load
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          seed=args.seed, workload=args.workload, verifier=args.verifier,
                          sides=tuple(x.strip() for x in args.sides.split(",") if x.strip()))
         load_problems(s)   # a workload file that is missing or not problems fails before any server starts
+        read_records(Path(args.output).with_suffix(".jsonl"), s.key())   # so does a records file that is not one
     except (ValueError, OSError) as exc:
         print(f"sgl-tts load: error: {exc}", file=sys.stderr)
         return 2

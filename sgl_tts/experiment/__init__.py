@@ -44,7 +44,7 @@ from sgl_tts.experiment.records import (  # noqa: F401
     answers_at,
     result_record,
     read_results,
-    append_line,
+    results_store,
 )
 from sgl_tts.experiment.summary import (  # noqa: F401
     Summary,
@@ -69,7 +69,6 @@ __all__ = [
     "SEED_SCHEME",
     "Summary",
     "answers_at",
-    "append_line",
     "check_prm",
     "config_from_options",
     "load_yaml",
@@ -82,6 +81,7 @@ __all__ = [
     "read_results",
     "read_yaml",
     "result_record",
+    "results_store",
     "run",
     "subsample_sizes",
     "summarize",

@@ -4,7 +4,6 @@ through the registry), reading it from YAML and flags (defaults < YAML < flags),
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import hashlib
 import json
@@ -13,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sgl_tts import registry
+from sgl_tts import records, registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
 from sgl_tts.search.pipeline import SPECULATION_PRESETS
 
@@ -452,15 +451,10 @@ def read_input(path: Path, where: str, fix: str) -> bytes:
 def utf8_text(data: bytes, where: str) -> str:
     """``data`` as UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are a
     :class:`RunError` ``WHERE line N: not UTF-8 text (byte 0x.. at column C)``."""
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        return data[bom:].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        at = bom + exc.start
-        line = data.count(b"\n", 0, at) + 1
-        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
-        raise RunError(f"{where} line {line}: not UTF-8 text (byte 0x{data[at]:02x} at column {column}); "
-                       f"save the file as UTF-8") from None
+        return records.utf8_text(data, where)
+    except ValueError as exc:
+        raise RunError(f"{exc}; save the file as UTF-8") from None
 
 
 def field_kind(field: dataclasses.Field) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sgl_tts.experiment.config import RunError, RunConfig, program_function
-from sgl_tts.experiment.records import read_problems, result_record, read_results, append_line
+from sgl_tts.experiment.records import read_problems, result_record, read_results, results_store
 from sgl_tts.experiment.summary import Summary, summarize
 
 logger = logging.getLogger(__name__)
@@ -147,32 +147,32 @@ def run(cfg: RunConfig, *, generator=None, prm=None, stream=sys.stdout) -> tuple
         if todo:
             check_backends(cfg, generator, prm, todo[0].question)
         program = program_function(cfg.program)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        store = results_store(out_path, cfg.run_key())
+        store.open()   # a torn last line is cut off before the first new record follows it
         failure = None
-        with out_path.open("a", encoding="utf-8") as fh:
-            stop = False
+        stop = False
 
-            def argument_sets() -> Iterator[dict[str, Any]]:
-                for p in todo:
-                    if stop:
-                        return
-                    yield cfg.program_arguments(p.question, prm)
+        def argument_sets() -> Iterator[dict[str, Any]]:
+            for p in todo:
+                if stop:
+                    return
+                yield cfg.program_arguments(p.question, prm)
 
-            outcomes = run_continuously(program, argument_sets(), backend=generator,
-                                        in_flight=cfg.in_flight, total=len(todo),
-                                        progress=cfg.progress and bool(todo))
-            for i, outcome in outcomes:
-                problem = todo[i]
-                err = outcome if isinstance(outcome, BaseException) else outcome.error()
-                if err is not None:
-                    logger.info("problem %s failed: %r", problem.id, err)   # the first is the run's one error line
-                    if failure is None:
-                        failure = (problem, err)
-                    stop = True  # no new problems; the ones in flight still finish and are written
-                    continue
-                rec = result_record(problem, outcome.ret_value, cfg, cfg.uses_prm)
-                append_line(fh, rec)
-                done[problem.index] = rec
+        outcomes = run_continuously(program, argument_sets(), backend=generator,
+                                    in_flight=cfg.in_flight, total=len(todo),
+                                    progress=cfg.progress and bool(todo))
+        for i, outcome in outcomes:
+            problem = todo[i]
+            err = outcome if isinstance(outcome, BaseException) else outcome.error()
+            if err is not None:
+                logger.info("problem %s failed: %r", problem.id, err)   # the first is the run's one error line
+                if failure is None:
+                    failure = (problem, err)
+                stop = True  # no new problems; the ones in flight still finish and are written
+                continue
+            rec = result_record(problem, outcome.ret_value, cfg, cfg.uses_prm)
+            store.append(rec)
+            done[problem.index] = rec
         if failure is not None:
             problem, err = failure
             raise RunError(f"problem {problem.id} (line {problem.index + 1}) failed: "

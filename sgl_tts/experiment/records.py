@@ -1,19 +1,18 @@
 """``sgl-tts run``'s data: the problems file it reads (JSONL, every bad line named) and the results
-file it appends to (one fsynced line per finished problem, read back to resume)."""
+file it appends to (one fsynced line per finished problem, read back to resume: a
+:class:`~sgl_tts.records.RecordStore` keyed by each record's ``run_key``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from sgl_tts.records import KeyMismatch, RecordStore, StoreError
 from sgl_tts.search import SearchResult, top_k, vote
 from sgl_tts.experiment.config import RULES, RunError, RunConfig, read_input, utf8_text
-
-logger = logging.getLogger(__name__)
 
 
 # -------------------------------------------------------------------------------------- problems
@@ -126,31 +125,32 @@ def result_record(problem: ProblemRecord, result: SearchResult, cfg: RunConfig, 
     return rec
 
 
+#: what a run's output is, in a store error
+RUN_OUTPUT = "an sgl-tts run output"
+
+
+def results_store(path: str | os.PathLike, run_key: str) -> RecordStore:
+    """A run's output file as a :class:`~sgl_tts.records.RecordStore`: one record per finished problem,
+    each carrying the settings' ``run_key``; a record of another key is refused."""
+    return RecordStore(path, run_key, field="run_key", what=RUN_OUTPUT)
+
+
 def read_results(path: Path, run_key: str, problems: Sequence[ProblemRecord]) -> dict[int, dict]:
-    """Finished problems already in ``path``: a torn last line (a crash mid-write) is cut off; a file
-    written by a different config or dataset is an error rather than mixed into."""
-    if not path.exists():
-        return {}
-    data = read_input(path, f"output file {path}", "pass --output PATH to a JSONL file")
-    good_end = data.rfind(b"\n") + 1
-    if good_end < len(data):
-        logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path,
-                       len(data) - good_end)
-        with path.open("r+b") as fh:
-            fh.truncate(good_end)
+    """Finished problems already in ``path``: a torn last line (a crash mid-write) is left out (and
+    cut off by the next append); a file written by a different config or dataset is an error rather
+    than mixed into."""
+    if path.is_dir():
+        raise RunError(f"output file {path} is a directory; pass --output PATH to a JSONL file")
+    try:
+        lines = results_store(path, run_key).read_numbered()
+    except KeyMismatch as exc:
+        raise RunError(f"{path} holds results of different settings (run key {exc.theirs}, these settings "
+                       f"{run_key}); use another --output or delete the file") from None
+    except StoreError as exc:
+        raise RunError(f"{exc}; choose another --output") from None
     by_index = {p.index: p for p in problems}
     done: dict[int, dict] = {}
-    for lineno, line in enumerate(utf8_text(data[:good_end], str(path)).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise RunError(f"{path} line {lineno} is not valid JSON: it is not an sgl-tts run output; "
-                           f"choose another --output") from None
-        if rec.get("run_key") != run_key:
-            raise RunError(f"{path} holds results of different settings (run key {rec.get('run_key')}, "
-                           f"these settings {run_key}); use another --output or delete the file")
+    for lineno, rec in lines:
         p = by_index.get(rec.get("index"))
         if p is None or p.question != rec.get("question"):
             if p is None and rec.get("index", -1) >= len(problems):
@@ -159,9 +159,3 @@ def read_results(path: Path, run_key: str, problems: Sequence[ProblemRecord]) ->
                            f"{rec.get('index')} differs); use another --output or delete the file")
         done[p.index] = rec
     return done
-
-
-def append_line(fh, record: dict) -> None:
-    fh.write(json.dumps(record) + "\n")
-    fh.flush()
-    os.fsync(fh.fileno())

@@ -43,6 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from sgl_tts.launch.server_api import flush_cache
+
 log = logging.getLogger(__name__)
 
 PROFILE_DIR = Path.home() / ".cache" / "sgl-tts" / "profiles"
@@ -289,10 +291,8 @@ class _Timer:
         return seconds
 
     def flush(self) -> None:
-        """Empty the radix cache (SGLang answers in plain text; an error status raises)."""
-        with urllib.request.urlopen(urllib.request.Request(self.url + "/flush_cache?timeout=30", b"", method="POST"),
-                                    timeout=60) as res:
-            res.read()
+        """Empty the radix cache (:func:`sgl_tts.launch.server_api.flush_cache`; a refusal raises)."""
+        flush_cache(self.url, timeout=30)
 
     def close(self) -> None:
         self.pool.shutdown()

@@ -11,7 +11,7 @@ the repeats (other load only adds time). Each repeat uses fresh prompts, so the 
 is never flushed (a shared server keeps its cache).
 
 :func:`curve_for_server` caches curves as JSON under :func:`curve_dir`, keyed by what the
-server reports of itself (``/get_server_info``: model, dtype, attention backend, pool, batch limits,
+server reports of itself (``/server_info``: model, dtype, attention backend, pool, batch limits,
 device, SGLang's version) and this machine: a search on the same server measures once.
 :func:`server_curve` keeps what it read per server for the process (``SGLangEndpoint.decode_curve``:
 ``speculative="auto"`` from Python and ``sgl-tts serve-search``).
@@ -26,12 +26,12 @@ import json
 import logging
 import os
 import threading
-import urllib.request
 from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.launch.cpu_profile import (ProfileError, ProfileGrid, _Timer, machine_identity, read_cached,
                                         write_json_atomically)
+from sgl_tts.launch.server_api import server_info
 from sgl_tts.search.speculation_cost import DecodeCurve
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def curve_dir() -> Path:
 FORMAT = 1
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT = 256      # tokens per request: a tiny-task question and a few steps
-#: what of ``/get_server_info`` a decode step's time depends on
+#: what of ``/server_info`` a decode step's time depends on
 IDENTITY_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "attention_backend", "device", "tp_size",
                    "max_running_requests", "max_total_tokens", "schedule_policy", "chunked_prefill_size",
                    "load_format", "version")
@@ -77,23 +77,18 @@ class MeasuredCurve:
                    int(data["context"]), int(data["decode_tokens"]), data["date"], path)
 
 
-def _get(url: str, timeout: float = 30.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as res:
-        return json.loads(res.read() or b"{}")
-
-
-def server_info(url: str) -> dict:
-    """What the server at ``url`` reports of itself (``/get_server_info``); :class:`ProfileError`
-    when it cannot be read."""
+def read_server_info(url: str) -> dict:
+    """What the server at ``url`` reports of itself (:func:`sgl_tts.launch.server_api.server_info`);
+    :class:`ProfileError` when it cannot be read, for then its measurements cannot be keyed."""
     try:
-        return _get(url.rstrip("/") + "/get_server_info")
+        return server_info(url)
     except (OSError, ValueError) as exc:
-        raise ProfileError(f"{url}: cannot read /get_server_info to key its measurements: {exc}") from exc
+        raise ProfileError(f"{url}: cannot read /server_info to key its measurements: {exc}") from exc
 
 
 def server_identity(url: str) -> dict:
     """What the server at ``url`` reports of itself that its decode speed depends on."""
-    info = server_info(url)
+    info = read_server_info(url)
     return {k: info.get(k) for k in IDENTITY_FIELDS}
 
 

@@ -380,13 +380,5 @@ def settled_loads(url: str, timeout: float = 5.0) -> dict:
         time.sleep(0.05)
 
 
-def server_info(url: str) -> dict:
-    """``GET /server_info`` of a running SGLang server (its args and each scheduler's internal state)."""
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/server_info", timeout=30) as res:
-        return json.loads(res.read())
-
-
 __all__ = ["LiveServer", "LiveServers", "NO_PLUGIN", "OBSERVE_ONLY", "ServerFailed", "free_port", "in_flight", "loads",
-           "server_info", "settled_loads"]
+           "settled_loads"]

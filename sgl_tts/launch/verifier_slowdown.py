@@ -34,7 +34,8 @@ from typing import Sequence
 
 from sgl_tts.launch.cpu_profile import (ProfileError, _post, _Timer, machine_identity, read_cached,
                                         write_json_atomically)
-from sgl_tts.launch.decode_curve import _vocab, curve_dir, model_config_int, server_identity, server_info
+from sgl_tts.launch.decode_curve import _vocab, curve_dir, model_config_int, read_server_info, server_identity
+from sgl_tts.launch.server_api import running_request_cap
 from sgl_tts.search.speculation_cost import VerifierSlowdown
 
 log = logging.getLogger(__name__)
@@ -123,17 +124,6 @@ class _Decoding:
             t.join(timeout=60)
 
 
-def running_request_cap(info: dict) -> int | None:
-    """How many requests the server at ``info`` (its ``/get_server_info``) decodes at once: the
-    scheduler's effective limit, else its ``--max-running-requests``; None when it reports neither."""
-    for state in info.get("internal_states") or []:
-        cap = state.get("effective_max_running_requests_per_dp")
-        if cap:
-            return int(cap)
-    cap = info.get("max_running_requests")
-    return int(cap) if cap else None
-
-
 def rows_within_cap(rows: Sequence[int], cap: int | None) -> tuple[int, ...]:
     """``rows`` with the counts above ``cap`` replaced by ``cap`` itself: a row beyond the server's
     running-request limit queues instead of decoding, so it would wait for the others to end (the
@@ -161,9 +151,9 @@ def measure_verifier_slowdown(generator_url: str, prm_url: str, *, rows: Sequenc
         raise ValueError(f"need two row counts or more, prm_batch >= 1, repeats >= 1 and context >= 2; got "
                          f"{list(rows)}, {prm_batch}, {repeats}, {context}")
     gen_url, prm_url = generator_url.rstrip("/"), prm_url.rstrip("/")
-    gen_info = server_info(gen_url)
+    gen_info = read_server_info(gen_url)
     gen = _Timer(gen_url, _vocab(gen_info.get("model_path")))
-    prm = _Timer(prm_url, _vocab(server_info(prm_url).get("model_path")))
+    prm = _Timer(prm_url, _vocab(read_server_info(prm_url).get("model_path")))
     # decode as long as the generator's context allows (SGLang refuses a request beyond it): its
     # --context-length, else the model's
     context_len = gen_info.get("context_length") or model_config_int(gen_info.get("model_path"), "max_position_embeddings")
@@ -224,5 +214,5 @@ def slowdown_for_servers(generator_url: str, prm_url: str, *, rows: Sequence[int
     return got
 
 
-__all__ = ["MeasuredSlowdown", "measure_verifier_slowdown", "rows_within_cap", "running_request_cap",
+__all__ = ["MeasuredSlowdown", "measure_verifier_slowdown", "rows_within_cap",
            "slowdown_for_servers", "slowdown_key"]

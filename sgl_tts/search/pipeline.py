@@ -178,7 +178,7 @@ class StepPipeline:
 
     def _lookahead_due(self, c: Candidate) -> bool:
         """With LookAhead, a speculating candidate's verification waits for a branch's whole step."""
-        return self.lookahead is not None and self.lookahead.waits(c, self._branches().get(c.index))
+        return self.lookahead is not None and self.lookahead.waits(c, self._branches().get(c.index, []))
 
     # ---------------------------------------------------------------------------- verification
     def _requests(self, cands: Sequence[Candidate]) -> list[tuple[Candidate, list[list[str]]]]:

@@ -63,7 +63,8 @@ import numpy as np
 import sglang as sgl
 
 from sgl_tts.search.options import BeamSearchOptions
-from sgl_tts.search.pipeline import Beam, Candidate, Speculation, StepPipeline
+from sgl_tts.search.pipeline import (Beam, Candidate, LookAhead, OverlappedVerification, Speculation, Speculator,
+                                     StepPipeline)
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
                             derive_seed, expand, expand_proportional, extract_answer, gen_step, new_group,
                             step_limit, top_k, vote)
@@ -92,10 +93,11 @@ def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4,
     tag = search_group or new_group()             # the search's id in every request (scheduler plugin)
     s += question + delimiter
     pipe = StepPipeline(question, prm, tag, temperature=sampling_temperature, aggregation=aggregation,
-                        delimiter=delimiter, answer_pattern=answer_pattern, bins=beam_width, seed=seed,
+                        delimiter=delimiter, answer_pattern=answer_pattern, seed=seed,
                         seed_of=lambda depth, parent, j: derive_seed("beam_search", seed, question, depth, parent, j),
                         limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
-                        speculation=policy, overlap=overlap_verification, by_family=overlap_by_family, t0=t0)
+                        t0=t0, speculator=Speculator.of(policy, bins=beam_width), lookahead=LookAhead.of(policy),
+                        overlap=OverlappedVerification.of(overlap_verification, by_family=overlap_by_family))
     beams = [Beam(st, ordinal=i) for i, st in enumerate(s.fork(num_beams))]
     keep = max(1, num_beams // beam_width)
     done: list[Trajectory] = []

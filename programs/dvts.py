@@ -23,7 +23,7 @@ from typing import Sequence
 import sglang as sgl
 
 from sgl_tts.search.options import DVTSOptions
-from sgl_tts.search.pipeline import Beam, Speculation, StepPipeline
+from sgl_tts.search.pipeline import Beam, LookAhead, OverlappedVerification, Speculation, Speculator, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
                             new_group, step_limit, top_k, vote)
 
@@ -46,12 +46,13 @@ def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_de
     # a candidate's subtree: its parent's at every depth after the first (root beam i is subtree i)
     tree_of: dict[tuple[int, int], int] = {}   # (depth, candidate index) -> subtree
     pipe = StepPipeline(question, prm, tag, temperature=sampling_temperature, aggregation=aggregation,
-                        delimiter=delimiter, answer_pattern=answer_pattern, bins=beam_width, seed=seed,
+                        delimiter=delimiter, answer_pattern=answer_pattern, seed=seed,
                         seed_of=lambda depth, parent, j: derive_seed(
                             "dvts", seed, question, *((j // beam_width, depth, j % beam_width) if depth == 0
                                                       else (tree_of[(depth - 1, parent)], depth, j))),
                         limit_of=lambda depth: step_limit(step_tokens, depth), max_depth=max_depth,
-                        speculation=policy, overlap=overlap_verification, by_family=overlap_by_family, t0=t0)
+                        t0=t0, speculator=Speculator.of(policy, bins=beam_width), lookahead=LookAhead.of(policy),
+                        overlap=OverlappedVerification.of(overlap_verification, by_family=overlap_by_family))
     # the root forks once per subtree and each subtree's root forks its M candidates, as at every depth
     beams = []
     for tree, st in enumerate(s.fork(trees)):

@@ -19,6 +19,7 @@ import torch
 from sgl_tts.plugin.attention import cpu_attention
 from sgl_tts.plugin.settings import SparseSettings
 from sgl_tts.plugin.attention.sparse_attention import SparseDecoder
+from sgl_tts.plugin.attention.sparse_transport import WorkerTransport
 from test_sparse_decoding import _attention_by_hand, _mass_by_hand, _predict_by_hand, _select_by_hand
 
 HEADS, KV, DIM = 4, 2, 8
@@ -304,20 +305,24 @@ def test_async_rows_attend_to_the_tokens_the_predicted_query_chose_one_step_earl
         assert (dec.counters.missing - before[0], dec.counters.sparse_rows - before[1]) == (missing, sparse)
     assert dec.counters.sparse_rows > 0 and dec.counters.late == 0
     if worker != "inline":   # the first step a job per layer (its top layer not known yet), then one per step
-        assert (dec._rank.given if worker == "process" else dec._given) == len(layers) + 5
+        assert (dec.transport.rank.given if worker == "process" else dec.transport.given) == len(layers) + 5
     dec.close()
 
 
-class GatedDecoder(SparseDecoder):
+class GatedTransport(WorkerTransport):
     """The worker takes each job only when the test opens the gate: a cache rank that falls behind."""
 
     def __init__(self, *args, **kwargs):
         self.gate = threading.Semaphore(0)
         super().__init__(*args, **kwargs)
 
-    def _run(self, job):
+    def run(self, job):
         self.gate.acquire()
-        super()._run(job)
+        super().run(job)
+
+
+class GatedDecoder(SparseDecoder):
+    transport_class = GatedTransport
 
 
 def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
@@ -330,7 +335,7 @@ def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
         pool.grow()
         pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # no selection yet: dense, missing
         assert (dec.counters.missing, dec.counters.sparse_rows) == (2, 0)
-        dec.gate.release()                                                  # the worker finishes that job
+        dec.transport.gate.release()                                                  # the worker finishes that job
         assert dec.wait_idle(10)
         pool.grow()
         pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))     # fresh selection: sparse, not late
@@ -343,7 +348,7 @@ def test_the_async_step_never_waits_for_a_late_selection_and_counts_it():
         assert (dec.counters.sparse_rows, dec.counters.late) == (6, 4)
     finally:
         for _ in range(8):
-            dec.gate.release()
+            dec.transport.gate.release()
         dec.close()
 
 
@@ -355,7 +360,7 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
     pool = Pool([30, 30], seed=4)
     pool.k.share_memory_()
     dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k}, pool.req_to_token)
-    pid = dec._rank.process.pid
+    pid = dec.transport.rank.process.pid
     try:
         dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
         pool.grow()
@@ -375,13 +380,13 @@ def test_the_step_never_waits_for_a_stopped_cache_rank_process_and_survives_its_
         os.kill(pid, signal.SIGCONT)
         assert dec.wait_idle(30)                                           # its answers were still taken
         os.kill(pid, signal.SIGKILL)
-        dec._rank.process.join(10)
+        dec.transport.rank.process.join(10)
         for step in range(3):          # a dead cache rank: the worker thread takes over, rows stay sparse
             pool.grow()
             out = pool.run(dec, torch.randn(2, HEADS, DIM, dtype=torch.float64))
             assert not torch.isnan(out).any()
             assert dec.wait_idle(30)
-        assert dec._rank is None and dec._thread is not None and dec.counters.sparse_rows == 14
+        assert dec.transport.rank is None and dec.transport.thread is not None and dec.counters.sparse_rows == 14
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -408,7 +413,7 @@ def test_a_cache_rank_not_ready_in_time_is_stopped_and_a_thread_chooses(monkeypa
     with caplog.at_level(logging.ERROR, logger="sgl_tts.plugin.attention.sparse_attention"):
         dec = SparseDecoder(s).bind(8).start_cache_rank({0: pool.k}, pool.req_to_token)
     try:
-        assert dec._rank is None and dec._thread is not None
+        assert dec.transport.rank is None and dec.transport.thread is not None
         assert "did not start within 0 s; choosing in a thread of the scheduler" in caplog.text
         dec.record_extend(0, torch.randn(60, HEADS, DIM, dtype=torch.float64), pool.slots, pool.lengths, pool.lengths)
         for _ in range(2):

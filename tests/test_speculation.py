@@ -18,7 +18,7 @@ from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.backends.local import admission_priority
 from sgl_tts.backends.request import RequestFields
-from sgl_tts.search.pipeline import Speculation, StepPipeline, speculative_potential
+from sgl_tts.search.pipeline import OverlappedVerification, Speculation, StepPipeline, speculative_potential
 from sgl_tts.search import aggregate, derive_seed, expand, top_k
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
 
@@ -438,8 +438,7 @@ def test_overlap_by_family_needs_overlapped_verification():
                                          "overlap_verification=True"):
         run(dvts, "q1", overlap_by_family=True, **SETTINGS)
     with pytest.raises(ValueError, match="by_family is a way of overlapped verification: give overlap=True"):
-        StepPipeline("q", ScriptedPRM(score), "g", seed_of=lambda *a: 0, limit_of=lambda d: 8, max_depth=2,
-                     temperature=0.0, by_family=True)
+        OverlappedVerification.of(False, by_family=True)
 
 
 def test_speculative_potential_follows_selectspec_bins():

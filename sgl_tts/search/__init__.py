@@ -3,8 +3,9 @@
 - :mod:`sgl_tts.search.steps`: the primitives programs share (``gen_step``, ``aggregate``, ``top_k``,
   ``expand``, ``vote``, ``advance``, seeds, ``Trajectory`` / ``SearchResult``); its names are this
   package's (``from sgl_tts.search import gen_step`` as before);
-- :mod:`sgl_tts.search.pipeline`: one depth of a step-wise search at a time (``StepPipeline``), with
-  the policies that never change a kept beam (speculative extension, LookAhead, overlap);
+- :mod:`sgl_tts.search.pipeline`: one depth of a step-wise search at a time (``StepPipeline``), given
+  strategies that never change a kept beam (:mod:`~sgl_tts.search.speculation`,
+  :mod:`~sgl_tts.search.lookahead`, :mod:`~sgl_tts.search.overlap`; its state in :mod:`~sgl_tts.search.beams`);
 - :mod:`sgl_tts.search.runner`: ``run_continuously``, K problems in flight.
 
 (``sgl_tts.frontend``, what sgl-tts adds to SGLang's interpreter, stays at the top: the

@@ -18,9 +18,10 @@ self-attention are dense, by :mod:`sgl_tts.plugin.attention.cpu_attention`'s rag
 one with the decode path replaced). With a budget that covers every context the output is dense
 attention's (float rounding aside; ``tests/test_sparse_attention.py``).
 
-:class:`SparseDecoder` holds everything but the SGLang class (queries, selections, the worker,
-counters; with ``--tts-metrics-file PATH`` the counters are rewritten to ``PATH.sparse.<pid>`` after
-every decode step) and works on SGLang's own tensors (the KV pools, ``req_to_token``, the rows' pool indices and
+:class:`SparseDecoder` holds everything but the SGLang class (queries, selections, the stand-down,
+measure mode, counters; with ``--tts-metrics-file PATH`` the counters are rewritten to
+``PATH.sparse.<pid>`` after every decode step; it reaches the worker through
+:class:`~sgl_tts.plugin.attention.sparse_transport.WorkerTransport`) and works on SGLang's own tensors (the KV pools, ``req_to_token``, the rows' pool indices and
 lengths), so tests drive it in-process with the same inputs a server gives it.
 """
 
@@ -28,14 +29,13 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from sgl_tts.plugin.attention.sparse_async import Answer, Entry, Job, QueryHistory, assemble, choose, entries, new_rows
+from sgl_tts.plugin.attention.sparse_async import Answer, Entry, Job, QueryHistory, assemble, entries, new_rows
 from sgl_tts.plugin.attention.sparse_counters import SparseCounters, StatsFile, add_to_mean, bucket_of
 from sgl_tts.plugin.attention.sparse_payoff import SparsePayoff
+from sgl_tts.plugin.attention.sparse_transport import WorkerTransport
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,12 @@ class _Step:
 
 
 class SparseDecoder:
-    """The sparse decode path of one model runner (see the module docstring)."""
+    """The sparse decode path of one model runner (see the module docstring): each step's plan (which
+    rows attend sparsely, the stand-down), its selections, measure mode and counters; ``async`` jobs go
+    to the worker through :attr:`transport` (a :attr:`transport_class`)."""
+
+    #: how jobs reach the worker (a subclass may hand them otherwise)
+    transport_class = WorkerTransport
 
     def __init__(self, settings: "SparseSettings", *, threaded: bool = True, stats_path: Optional[str] = None,
                  rotary=None):
@@ -92,39 +97,14 @@ class SparseDecoder:
         # pool), and the rows they are for (slots, lengths, scale, req_to_token)
         self._pending: list = []
         self._pending_rows = None
-        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._done = threading.Condition()
-        self._given = self._finished = 0      # jobs handed to the worker, jobs it has finished or dropped
-        self._thread = None
-        self._rank = None         # the cache rank process (--tts-sparse-worker process): start_cache_rank
-        self._mirror = None       # the thread's (or inline) copy of the keys: the process keeps its own
-        if settings.mode == "async" and threaded and settings.worker == "thread":
-            self._start_thread()
+        #: the worker's transport: the cache rank process, a thread, or inline
+        self.transport = self.transport_class(settings, self.counters, self._store, threaded=threaded)
 
     def start_cache_rank(self, k_caches: dict, req_to_token: torch.Tensor) -> "SparseDecoder":
-        """``async`` with ``worker="process"``: start the cache rank process over ``k_caches`` (layer id
-        -> that layer's key pool, in shared memory: :func:`~sgl_tts.plugin.attention.sparse_worker.share_key_pools`)
-        and the server's ``req_to_token`` (moved into shared memory in place, if it is not there yet: the
-        process reads the rows' contexts from it); until then (and with any other setting) jobs run as
-        ``threaded`` said."""
-        from sgl_tts.plugin.attention.sparse_worker import CacheRank
-
-        if self.s.mode == "async" and self.s.worker == "process" and self._rank is None:
-            try:
-                self._rank = CacheRank(self.s, k_caches, req_to_token)
-            except RuntimeError as exc:
-                logger.error("sgl-tts sparse attention: %s; choosing in a thread of the scheduler", exc)
-                self._start_thread()
-                return self
-            logger.info("sgl-tts sparse attention: the cache rank is process %d (layers %s, key pools and the "
-                        "request table in shared memory), ready in %.1f s", self._rank.process.pid,
-                        sorted(k_caches), self._rank.ready_seconds)
+        """``async`` with ``worker="process"``: start the cache rank process
+        (:meth:`WorkerTransport.start_cache_rank`); until then jobs run as ``threaded`` said."""
+        self.transport.start_cache_rank(k_caches, req_to_token)
         return self
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="sgl-tts-cache-rank", daemon=True)
-            self._thread.start()
 
     # --------------------------------------------------------------------------------- extend
     def record_extend(self, layer: int, query: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
@@ -186,8 +166,7 @@ class SparseDecoder:
         selection = predicted = mask = None
         if len(rows):
             if s.mode == "async":
-                if self._rank is not None and self._rank.owes:
-                    self._collect(wait=False)
+                self.transport.collect()
                 rows, index, mask, selection, predicted = self._finished_selections(layer, slots, rows, lengths,
                                                                                      req_to_token, k_cache.shape[1])
             else:
@@ -422,64 +401,9 @@ class SparseDecoder:
         job = Job(list(layers), slot_list, [self._epoch.get(x, 0) for x in slot_list], lengths,
                   torch.stack([h.q[sl] for h in histories]), torch.stack([h.available[sl] for h in histories]),
                   scale, list(k_caches), req_to_token, self.rotary if self.rotary_frame else None)
-        if self._rank is not None:
-            if self._rank.behind:       # it answers the older jobs first; this one would come later still
-                self.counters.dropped_jobs += 1
-                return
-            try:
-                self._rank.submit(job)
-                return
-            except OSError as exc:      # its end of the pipe closed: it died
-                self._rank_failed(exc)
-        if self._thread is None:
-            self._run(job)
-        else:
-            with self._done:
-                self._given += 1
-            self._jobs.put(job)
+        self.transport.hand(job)
 
-    # --------------------------------------------------------------------------------- worker
-    def _work(self) -> None:
-        import torch
-
-        torch.set_grad_enabled(False)
-        torch.set_num_threads(1)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            batch = [job]
-            while True:         # take everything waiting; a newer job of a layer supersedes an older one
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    return
-                batch.append(more)
-            newest: dict[tuple, Job] = {}
-            for j in batch:
-                if tuple(j.layers) in newest:
-                    self.counters.dropped_jobs += 1
-                newest[tuple(j.layers)] = j
-            for j in newest.values():
-                try:
-                    self._run(j)
-                except Exception:  # noqa: BLE001 - a failed selection leaves rows dense, never the server down
-                    logger.exception("sgl-tts sparse attention: a selection failed")
-            with self._done:
-                self._finished += len(batch)
-                self._done.notify_all()
-
-    def _run(self, job: Job) -> None:
-        """The job's choice (:func:`~sgl_tts.plugin.attention.sparse_async.choose`), stored for the next step."""
-        from sgl_tts.plugin.attention import sparse_decoding as sd
-
-        if self._mirror is None:
-            self._mirror = sd.KeyMirror()
-        self._store(choose(self.s, job.layers, job.slots, job.epochs, job.lengths, job.ring, job.available,
-                           job.scale, job.k_caches, job.req_to_token, job.rotary, self._mirror))
-
+    # --------------------------------------------------------------------------------- answers
     def _store(self, answer: Answer) -> None:
         """A finished choice, kept per layer and row for the row's next step."""
         for layer, slot, entry in entries(answer):
@@ -487,50 +411,13 @@ class SparseDecoder:
         self.counters.selections += len(answer.layers) * len(answer.slots)
         self.counters.selection_seconds += answer.seconds
 
-    def _collect(self, wait: bool) -> None:
-        """The cache rank's answers that have arrived (``wait``: every one still owed), stored. A cache rank
-        that died is replaced by the worker thread (logged): the server goes on serving."""
-        try:
-            self._take_answers(wait)
-        except RuntimeError as exc:
-            self._rank_failed(exc)
-
-    def _rank_failed(self, exc: BaseException) -> None:
-        logger.error("sgl-tts sparse attention: the cache rank process is gone (%s); choosing in a thread of "
-                     "the scheduler from now on", exc)
-        self._rank.close()
-        self._rank = None
-        self._start_thread()
-
-    def _take_answers(self, wait: bool) -> None:
-        from sgl_tts.plugin.attention.sparse_worker import answer_of
-
-        for a in self._rank.answers(wait=wait):
-            self.counters.dropped_jobs += a["superseded"]
-            if a["error"] is not None:
-                logger.error("sgl-tts sparse attention: a selection failed in the cache rank: %s", a["error"])
-                continue
-            self._store(answer_of(a))
-
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Tests and benchmarks: until the worker has finished (or dropped as superseded) every job given
         so far; false if ``timeout`` passed first."""
-        if self._rank is not None:
-            if self._rank.finished >= self._rank.given:
-                return True
-            if not self._rank.answers_in.poll(timeout):
-                return False
-            self._collect(wait=True)
-            return True
-        with self._done:
-            return self._done.wait_for(lambda: self._finished >= self._given, timeout)
+        return self.transport.wait_idle(timeout)
 
     def close(self) -> None:
-        if self._rank is not None:
-            self._rank.close()
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=10)
+        self.transport.close()
 
 
 def backend_class():

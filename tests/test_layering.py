@@ -73,8 +73,9 @@ def test_the_package_names_load_on_first_use():
 
 def test_launching_loads_none_of_the_client_nor_the_applications():
     loaded = _loaded_after("import sgl_tts.launch.serve, sgl_tts.launch.cpu_serving, sgl_tts.launch.memory, "
-                           "sgl_tts.launch.live_servers")
-    assert "sgl_tts.launch.live_servers" in loaded
+                           "sgl_tts.launch.live_servers, sgl_tts.launch.decode_curve, "
+                           "sgl_tts.launch.verifier_slowdown")
+    assert {"sgl_tts.launch.live_servers", "sgl_tts.launch.verifier_slowdown", "sgl_tts.server_costs"} <= set(loaded)
     above = [m for m in loaded if any(m == c or m.startswith(c + ".") for c in
                                       (*CLIENT_SIDE, "sgl_tts.serving", "sgl_tts.bench", "sgl_tts.quality"))]
     assert above == []

@@ -32,7 +32,7 @@ from typing import Sequence
 from sgl_tts.launch.cpu_profile import (ProfileError, ProfileGrid, _Timer, machine_identity, read_cached,
                                         write_json_atomically)
 from sgl_tts.launch.server_api import server_info
-from sgl_tts.search.speculation_cost import DecodeCurve
+from sgl_tts.server_costs import DecodeCurve
 
 log = logging.getLogger(__name__)
 

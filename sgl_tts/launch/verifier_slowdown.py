@@ -36,7 +36,7 @@ from sgl_tts.launch.cpu_profile import (ProfileError, _post, _Timer, machine_ide
                                         write_json_atomically)
 from sgl_tts.launch.decode_curve import _vocab, curve_dir, model_config_int, read_server_info, server_identity
 from sgl_tts.launch.server_api import running_request_cap
-from sgl_tts.search.speculation_cost import VerifierSlowdown
+from sgl_tts.server_costs import VerifierSlowdown
 
 log = logging.getLogger(__name__)
 

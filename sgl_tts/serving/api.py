@@ -23,6 +23,8 @@ from typing import Any, Mapping
 from sgl_tts import registry
 from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.search import STEP_DELIMITER
+from sgl_tts.search.options import (DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS, DEFAULT_STEP_TOKENS,
+                                    DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
 
 # Extra body fields: the search's settings (RunConfig's names; ``budget`` is RunConfig.n, the beams,
 # samples or rollouts, so that it cannot be confused with OpenAI's ``n``, the number of choices).
@@ -60,12 +62,12 @@ class Limits:
 class Defaults:
     """The settings a request gets for what it leaves out (``RunConfig``'s names)."""
 
-    n: int = 16
-    beam_width: int = 4
-    max_depth: int = 40
-    step_tokens: tuple[int, ...] = (64,)
-    max_tokens: int = 256
-    temperature: float = 0.8
+    n: int = DEFAULT_BUDGET
+    beam_width: int = DEFAULT_WIDTH
+    max_depth: int = DEFAULT_MAX_DEPTH
+    step_tokens: tuple[int, ...] = (DEFAULT_STEP_TOKENS,)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
     aggregation: str = "last"
     seed: int = 0
     delimiter: str = STEP_DELIMITER

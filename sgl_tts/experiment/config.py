@@ -15,8 +15,8 @@ from typing import Any, Mapping, Sequence
 
 from sgl_tts import registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
-from sgl_tts.search.options import (DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS, DEFAULT_STEP_TOKENS,
-                                    DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
+from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS,
+                                    DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
 from sgl_tts.search.pipeline import SPECULATION_PRESETS
 
 # kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
@@ -126,7 +126,7 @@ class RunConfig:
     step_tokens: list[int] = dataclasses.field(default_factory=lambda: [DEFAULT_STEP_TOKENS])
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
-    aggregation: str = "last"
+    aggregation: str = DEFAULT_AGGREGATION
     speculative: str = "off"
     overlap_verification: bool = False
     overlap_by_family: bool = False

@@ -12,9 +12,12 @@ YAML key, a ``--flag`` and a :class:`~sgl_tts.experiment.RunConfig` field, docum
 the class's ``Attributes`` section). The settings every program shares (the budget N, the width M,
 the limits, the temperature) are :class:`~sgl_tts.experiment.RunConfig`'s own; their defaults are
 the ``DEFAULT_*`` constants here, which the programs' signatures read too. A program's parameter has
-its setting's name, but for the budget: ``sgl-tts run``'s ``n`` is the program's ``num_beams``,
-``num_particles``, ``num_samples`` or ``num_rollouts`` (what N counts: ``ProgramSpec.budget``), and
-``beam_width`` is MCTS's ``expansion_width``.
+its setting's name, but for three: ``sgl-tts run``'s ``n`` is the program's ``num_beams``,
+``num_particles``, ``num_samples`` or ``num_rollouts`` (the name says what N counts:
+``ProgramSpec.budget``), ``temperature`` is ``sampling_temperature`` (SGLang's ``run()`` keeps
+``n`` and ``temperature`` for its own sampling parameters, so a program cannot take them), and
+``beam_width`` is MCTS's ``expansion_width``. The registry maps them (``sgl_tts.registry``), in one
+place.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ DEFAULT_MAX_DEPTH = 40       # most steps of a step-wise search
 DEFAULT_STEP_TOKENS = 64     # token limit of a step
 DEFAULT_MAX_TOKENS = 256     # token limit of a whole sample
 DEFAULT_TEMPERATURE = 0.8    # sampling temperature
+DEFAULT_AGGREGATION = "last"  # step scores to one score (MCTS's own default: min)
 
 #: what marks a :func:`run_setting` field (its value: ``own`` or ``always_keyed``)
 RUN_SETTING = "run_setting"
@@ -86,7 +90,7 @@ class TreeSearchOptions:
     beam_width: int = DEFAULT_WIDTH
     max_depth: int = DEFAULT_MAX_DEPTH
     step_tokens: int | Sequence[int] = DEFAULT_STEP_TOKENS
-    aggregation: str = "last"
+    aggregation: str = DEFAULT_AGGREGATION
     speculative: Any = False
     overlap_verification: bool = False
     overlap_by_family: bool = False
@@ -283,7 +287,8 @@ class DeepConfOptions:
                               f"deepconf_mode offline", "confidence_measure", "deepconf_mode")
 
 
-__all__ = ["BRANCHING", "BeamSearchOptions", "CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DEFAULT_BUDGET",
+__all__ = ["BRANCHING", "BeamSearchOptions", "CONFIDENCE_MEASURES", "DEEPCONF_MODES", "DEFAULT_AGGREGATION",
+           "DEFAULT_BUDGET",
            "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_TOKENS", "DEFAULT_STEP_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_WIDTH",
            "DVTSOptions", "DeepConfOptions", "OptionError", "OptionTypeError", "PICKS", "ParticleFilteringOptions",
            "RESAMPLING", "RUN_SETTING", "SEMANTICS", "TreeSearchOptions", "run_setting", "run_settings"]

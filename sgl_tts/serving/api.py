@@ -23,17 +23,16 @@ from typing import Any, Mapping
 from sgl_tts import registry
 from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.search import STEP_DELIMITER
-from sgl_tts.search.options import (DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS, DEFAULT_STEP_TOKENS,
-                                    DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
+from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS,
+                                    DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
 
 # Extra body fields: the search's settings (RunConfig's names; ``budget`` is RunConfig.n, the beams,
 # samples or rollouts, so that it cannot be confused with OpenAI's ``n``, the number of choices).
 SEARCH_FIELDS: dict[str, str] = {
     "budget": "n", "beam_width": "beam_width", "max_depth": "max_depth", "step_tokens": "step_tokens",
-    "aggregation": "aggregation", "branching": "branching", "lookahead": "lookahead",
-    "filter_duplicates": "filter_duplicates", "speculative": "speculative",
+    "aggregation": "aggregation", "speculative": "speculative",
     "overlap_verification": "overlap_verification", "overlap_by_family": "overlap_by_family",
-    **{k: k for k in registry.own_settings()}}
+    **{k: k for k in registry.setting_fields()}}   # every program's own settings (its options')
 # OpenAI fields read (the others of the API are refused by name rather than silently ignored)
 OPENAI_FIELDS = ("model", "messages", "n", "temperature", "seed", "stream", "stream_options", "max_tokens",
                  "max_completion_tokens", "user", "metadata")
@@ -68,7 +67,7 @@ class Defaults:
     step_tokens: tuple[int, ...] = (DEFAULT_STEP_TOKENS,)
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
-    aggregation: str = "last"
+    aggregation: str = DEFAULT_AGGREGATION
     seed: int = 0
     delimiter: str = STEP_DELIMITER
 

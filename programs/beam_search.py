@@ -62,7 +62,7 @@ from typing import Any, Sequence
 import numpy as np
 import sglang as sgl
 
-from sgl_tts.search.options import BeamSearchOptions
+from sgl_tts.search.options import DEFAULT_TEMPERATURE, BeamSearchOptions
 from sgl_tts.search.pipeline import (Beam, Candidate, LookAhead, OverlappedVerification, Speculation, Speculator,
                                      StepPipeline)
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
@@ -70,15 +70,20 @@ from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Traj
                             step_limit, top_k, vote)
 
 
+_O = BeamSearchOptions   # the home of the options' defaults (sgl_tts.search.options)
+
+
 @sgl.function
-def beam_search(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
-                step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
-                aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-                answer_pattern: str = BOXED, branching: str = "equal", lookahead: int = 0,
-                search_group: str | None = None, filter_duplicates: bool = False,
-                semantics: str = "sgl-tts", sort_completed: bool = False,
-                speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
-                accept_threshold: float | None = None, overlap_by_family: bool = False) -> SearchResult:
+def beam_search(s, question: str, prm, num_beams: int = _O.num_beams, beam_width: int = _O.beam_width,
+                max_depth: int = _O.max_depth, step_tokens: int | Sequence[int] = _O.step_tokens,
+                sampling_temperature: float = DEFAULT_TEMPERATURE, aggregation: str = _O.aggregation, seed: int = 0,
+                delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED, branching: str = _O.branching,
+                lookahead: int = _O.lookahead, search_group: str | None = None,
+                filter_duplicates: bool = _O.filter_duplicates, semantics: str = _O.semantics,
+                sort_completed: bool = _O.sort_completed, speculative: "bool | str | Speculation" = _O.speculative,
+                overlap_verification: bool = _O.overlap_verification,
+                accept_threshold: float | None = _O.accept_threshold,
+                overlap_by_family: bool = _O.overlap_by_family) -> SearchResult:
     # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
     BeamSearchOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification,
                       overlap_by_family=overlap_by_family, branching=branching, lookahead=lookahead,

@@ -18,13 +18,14 @@ import time
 import sglang as sgl
 
 import sgl_tts
+from sgl_tts.search.options import DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, aggregate,
                             derive_seed, extract_answer, new_group, read_var, split_steps, top_k, vote)
 
 
 @sgl.function
-def best_of_n(s, question: str, num_samples: int = 16, prm=None, aggregation: str = "last",
-              max_tokens: int = 256, sampling_temperature: float = 0.8, seed: int = 0,
+def best_of_n(s, question: str, num_samples: int = DEFAULT_BUDGET, prm=None, aggregation: str = DEFAULT_AGGREGATION,
+              max_tokens: int = DEFAULT_MAX_TOKENS, sampling_temperature: float = DEFAULT_TEMPERATURE, seed: int = 0,
               delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
               search_group: str | None = None) -> SearchResult:
     t0 = time.perf_counter()

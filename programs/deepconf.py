@@ -2,28 +2,29 @@
 (Fu et al. 2025, "Deep Think with Confidence"; in optillm and ThinkBooster).
 
 Every sample is a whole solution (``gen`` with ``max_tokens``, no stop string), asked with its top-k
-token log-probabilities (``top_logprobs``, SGLang's ``top_logprobs_num``; both backends return them).
+token log-probabilities (k: ``confidence_top_k``, SGLang's ``top_logprobs_num``; both backends return them).
 
 - **token confidence** of a generated token: minus the mean of the k highest log-probabilities of its
   position, ``C = -(1/k) sum_j log P(j)`` (high: a peaked distribution, the model is sure).
-- **group confidence** at token ``t`` (1-based, ``t >= window``): the mean token confidence of the
-  ``window`` tokens ending at ``t``. A sample shorter than ``window`` has one group, all of its tokens.
-- **a sample's confidence** (``measure``): ``lowest_group`` (the least of its group confidences,
+- **group confidence** at token ``t`` (1-based, ``t >= w``, ``w``: ``confidence_window``): the mean token
+  confidence of the ``w`` tokens ending at ``t``. A sample shorter than ``w`` has one group, all of its
+  tokens.
+- **a sample's confidence** (``confidence_measure``): ``lowest_group`` (the least of its group confidences,
   DeepConf's main measure), ``bottom_10`` (the mean of its lowest 10% group confidences, at least
-  one), ``tail`` (the mean token confidence of its last ``window`` tokens) or ``mean`` (over all its
+  one), ``tail`` (the mean token confidence of its last ``w`` tokens) or ``mean`` (over all its
   tokens). A sample with no token has confidence 0.
 
-**Offline** (``mode="offline"``): sample N, keep the ``keep_fraction`` most confident (``ceil(eta N)``,
+**Offline** (``deepconf_mode="offline"``): sample N, keep the ``keep_fraction`` most confident (``ceil(eta N)``,
 at least one; ties to the earlier sample; DeepConf-low is 0.1, DeepConf-high 0.9), and vote among them
 with their confidences as weights.
 
-**Online** (``mode="online"``, DeepConf's Algorithm 2; confidence ``lowest_group``):
+**Online** (``deepconf_mode="online"``, DeepConf's Algorithm 2; confidence ``lowest_group``):
 
-1. *warm-up*: the first ``min(warmup, N)`` samples run whole, as offline's first samples (same seeds,
-   so the same texts). The stop threshold ``s`` is the ``1 - keep_fraction`` quantile of their
+1. *warm-up*: the first ``min(warmup_samples, N)`` samples run whole, as offline's first samples (same
+   seeds, so the same texts). The stop threshold ``s`` is the ``1 - keep_fraction`` quantile of their
    confidences (linear interpolation between order statistics, numpy's default).
 2. *the rest of the budget* (N minus the warm-up) is sampled all at once. A sample **stops** at the
-   first ``t >= window`` whose group confidence is below ``s`` by more than ``TOLERANCE`` (1e-4: float
+   first ``t >= w`` whose group confidence is below ``s`` by more than ``TOLERANCE`` (1e-4: float
    noise between batches must not decide a tie; :func:`sgl_tts.confidence.stop_token`). A stopped
    sample never votes. With ``chunk_tokens = 0`` (default) each sample is one ``gen`` and the stop
    happens inside generation, at that token: :class:`sgl_tts.confidence.ConfidenceStop`, an SGLang
@@ -76,7 +77,7 @@ from sgl_tts.confidence import (TOLERANCE, ConfidenceStop, group_confidences, pa
 from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed, extract_answer,
                             new_group, read_var, split_steps, vote)
-from sgl_tts.search.options import CONFIDENCE_MEASURES, DEEPCONF_MODES, DeepConfOptions
+from sgl_tts.search.options import CONFIDENCE_MEASURES, DEEPCONF_MODES, DEFAULT_TEMPERATURE, DeepConfOptions
 
 logger = logging.getLogger(__name__)
 
@@ -197,20 +198,29 @@ def _read(x: Sample, name: str, top_logprobs: int, t0: float) -> dict:
     return meta
 
 
+_O = DeepConfOptions   # the home of the options' defaults (sgl_tts.search.options)
+
+
 @sgl.function
-def deepconf(s, question: str, num_samples: int = 16, mode: str = "online", keep_fraction: float = 0.9,
-             window: int = 16, top_logprobs: int = 20, measure: str = "lowest_group", warmup: int = 4,
-             consensus: float = 0.95, chunk_tokens: int = 0, max_tokens: int = 256,
-             sampling_temperature: float = 0.8, seed: int = 0, delimiter: str = STEP_DELIMITER,
+def deepconf(s, question: str, num_samples: int = _O.num_samples, deepconf_mode: str = _O.deepconf_mode,
+             keep_fraction: float = _O.keep_fraction, confidence_window: int = _O.confidence_window,
+             confidence_top_k: int = _O.confidence_top_k, confidence_measure: str = _O.confidence_measure,
+             warmup_samples: int = _O.warmup_samples, consensus: float = _O.consensus,
+             chunk_tokens: int = _O.chunk_tokens, max_tokens: int = _O.max_tokens,
+             sampling_temperature: float = DEFAULT_TEMPERATURE, seed: int = 0, delimiter: str = STEP_DELIMITER,
              answer_pattern: str = BOXED, search_group: str | None = None) -> SearchResult:
-    DeepConfOptions(num_samples, mode, keep_fraction, window, top_logprobs, measure, warmup, consensus,
-                    chunk_tokens, max_tokens)
+    DeepConfOptions(num_samples=num_samples, deepconf_mode=deepconf_mode, keep_fraction=keep_fraction,
+                    confidence_window=confidence_window, confidence_top_k=confidence_top_k,
+                    confidence_measure=confidence_measure, warmup_samples=warmup_samples, consensus=consensus,
+                    chunk_tokens=chunk_tokens, max_tokens=max_tokens)
+    # the body's short names
+    mode, window, top_logprobs, measure = deepconf_mode, confidence_window, confidence_top_k, confidence_measure
     t0 = time.perf_counter()
     s += question + delimiter
     group = search_group or new_group()
     common = dict(question=question, group=group, seed=seed, temperature=sampling_temperature,
                   top_logprobs=top_logprobs)
-    first = num_samples if mode == "offline" else min(warmup, num_samples)
+    first = num_samples if mode == "offline" else min(warmup_samples, num_samples)
     samples = [Sample(i, st) for i, st in enumerate(s.fork(first))]
     exit_reason = None
     try:

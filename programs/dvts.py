@@ -22,19 +22,22 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search.options import DVTSOptions
+from sgl_tts.search.options import DEFAULT_TEMPERATURE, DVTSOptions
 from sgl_tts.search.pipeline import Beam, LookAhead, OverlappedVerification, Speculation, Speculator, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
                             new_group, step_limit, top_k, vote)
 
 
+_O = DVTSOptions   # the home of the options' defaults (sgl_tts.search.options)
+
+
 @sgl.function
-def dvts(s, question: str, prm, num_beams: int = 16, beam_width: int = 4, max_depth: int = 40,
-         step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
-         aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-         answer_pattern: str = BOXED, search_group: str | None = None,
-         speculative: "bool | str | Speculation" = False, overlap_verification: bool = False,
-         overlap_by_family: bool = False) -> SearchResult:
+def dvts(s, question: str, prm, num_beams: int = _O.num_beams, beam_width: int = _O.beam_width,
+         max_depth: int = _O.max_depth, step_tokens: int | Sequence[int] = _O.step_tokens,
+         sampling_temperature: float = DEFAULT_TEMPERATURE, aggregation: str = _O.aggregation, seed: int = 0,
+         delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED, search_group: str | None = None,
+         speculative: "bool | str | Speculation" = _O.speculative, overlap_verification: bool = _O.overlap_verification,
+         overlap_by_family: bool = _O.overlap_by_family) -> SearchResult:
     # every option checked before any generation, as `sgl-tts run` checks them (sgl_tts.search.options)
     DVTSOptions(num_beams, beam_width, max_depth, step_tokens, aggregation, speculative, overlap_verification,
                 overlap_by_family)

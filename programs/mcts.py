@@ -35,6 +35,7 @@ import sgl_tts
 from sgl_tts.frontend import Waiter, ended as _gen_ended
 from sgl_tts.mcts import MCTSConfig, MCTSTree, Node, Rollout, RolloutControl, Sample
 from sgl_tts.protocol import rid_prefix
+from sgl_tts.search.options import DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, derive_seed,
                             new_group, read_step, step_limit, vote)
 
@@ -55,20 +56,22 @@ class _Expansion:
         return all(_gen_ended(f, self.name) for f in self.forks)
 
 
+_O = MCTSConfig   # the home of the options' defaults (sgl_tts.mcts.tree)
+
+
 @sgl.function
-def mcts(s, question: str, prm, num_rollouts: int = 16, expansion_width: int = 4, parallel: int = 1,
-         c_puct: float = 1.0, aggregation: str = "min", threshold: float = 0.9, positive_exit: bool = True,
-         negative_exit: bool = False, futility: str = "path", first_step_cutoff: float | None = None,
-         max_depth: int = 40,
-         step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8, seed: int = 0,
-         delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED, search_group: str | None = None,
-         control: RolloutControl | None = None) -> SearchResult:
+def mcts(s, question: str, prm, num_rollouts: int = _O.num_rollouts, expansion_width: int = _O.expansion_width,
+         parallel: int = _O.parallel, c_puct: float = _O.c_puct, aggregation: str = _O.aggregation,
+         threshold: float = _O.threshold, positive_exit: bool = _O.positive_exit,
+         negative_exit: bool = _O.negative_exit, futility: str = _O.futility,
+         first_step_cutoff: float | None = _O.first_step_cutoff, max_depth: int = _O.max_depth,
+         step_tokens: int | Sequence[int] = DEFAULT_STEP_TOKENS, sampling_temperature: float = DEFAULT_TEMPERATURE,
+         seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
+         search_group: str | None = None, control: RolloutControl | None = None) -> SearchResult:
     config = MCTSConfig(num_rollouts=num_rollouts, expansion_width=expansion_width, c_puct=c_puct,
                         aggregation=aggregation, threshold=threshold, positive_exit=positive_exit,
                         negative_exit=negative_exit, futility=futility, first_step_cutoff=first_step_cutoff,
-                        max_depth=max_depth)
-    if parallel < 1:
-        raise ValueError(f"parallel must be >= 1, got {parallel}")
+                        max_depth=max_depth, parallel=parallel)
     step_limit(step_tokens, 0)  # a bad schedule fails before any generation
     t0 = time.perf_counter()
     tree = MCTSTree(config, delimiter=delimiter, answer_pattern=answer_pattern)

@@ -25,8 +25,8 @@ The choices, each as its_hub makes it unless said otherwise:
 - **the answer**: both of its_hub's readings are reported (``SearchResult.answers``): ``prm_best``, the
   particle of the final population with the highest weight (its_hub's ``argmax``; ties to the earlier
   particle), and ``prm_weighted``, the answer whose particles hold the most probability (copies count
-  once each), plus ``majority`` (copies counted, no weights). ``pick`` chooses the search's own answer
-  (``best``, its_hub's default, or ``weighted_vote``).
+  once each), plus ``majority`` (copies counted, no weights). ``particle_pick`` chooses the search's own
+  answer (``best``, its_hub's default, or ``weighted_vote``).
 - ``trajectories`` are the final population's distinct particles (a particle and its copies once), in
   population order; a particle still active at ``max_depth`` is reported unfinished.
 
@@ -45,7 +45,7 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search.options import PICKS, RESAMPLING, ParticleFilteringOptions
+from sgl_tts.search.options import DEFAULT_TEMPERATURE, PICKS, RESAMPLING, ParticleFilteringOptions
 from sgl_tts.search.pipeline import Beam, Candidate, StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, new_group, step_limit,
                             top_k, vote)
@@ -101,16 +101,19 @@ class Particle:
     candidate: Candidate | None = None   # None once finished (or a copy of a finished one)
 
 
+_O = ParticleFilteringOptions   # the home of the options' defaults (sgl_tts.search.options)
+
+
 @sgl.function
-def particle_filtering(s, question: str, prm, num_particles: int = 16, max_depth: int = 40,
-                       step_tokens: int | Sequence[int] = 64, sampling_temperature: float = 0.8,
-                       aggregation: str = "last", seed: int = 0, delimiter: str = STEP_DELIMITER,
-                       answer_pattern: str = BOXED, resampling: str = "multinomial",
-                       weight_temperature: float = 1.0, pick: str = "best",
-                       search_group: str | None = None) -> SearchResult:
+def particle_filtering(s, question: str, prm, num_particles: int = _O.num_beams, max_depth: int = _O.max_depth,
+                       step_tokens: int | Sequence[int] = _O.step_tokens,
+                       sampling_temperature: float = DEFAULT_TEMPERATURE, aggregation: str = _O.aggregation,
+                       seed: int = 0, delimiter: str = STEP_DELIMITER, answer_pattern: str = BOXED,
+                       resampling: str = _O.resampling, weight_temperature: float = _O.weight_temperature,
+                       particle_pick: str = _O.particle_pick, search_group: str | None = None) -> SearchResult:
     # every option checked before any generation, as `sgl-tts run` checks them
     ParticleFilteringOptions(num_particles, 1, max_depth, step_tokens, aggregation, resampling=resampling,
-                             weight_temperature=weight_temperature, pick=pick)
+                             weight_temperature=weight_temperature, particle_pick=particle_pick)
     t0 = time.perf_counter()
     tag = search_group or new_group()
     s += question + delimiter
@@ -140,7 +143,7 @@ def particle_filtering(s, question: str, prm, num_particles: int = 16, max_depth
                 beams = pipe.expand(kept, depth)
     finally:
         pipe.finish(beams)
-    return _result(population, pick, pipe, time.perf_counter() - t0)
+    return _result(population, particle_pick, pipe, time.perf_counter() - t0)
 
 
 def _result(population: list[Particle], pick: str, pipe: StepPipeline, seconds: float) -> SearchResult:

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 
 from sgl_tts.prm import auc
 from sgl_tts.search import AGGREGATIONS, aggregate, top_k, vote
+from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_MAX_TOKENS, DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE,
+                                    DEFAULT_WIDTH)
 from sgl_tts.tiny import task
 
 
@@ -100,8 +102,9 @@ def check_ns(ns: Sequence[int]) -> list[int]:
 
 
 def compare(generator, prm, problems: Sequence[task.Problem], *, ns: Sequence[int] = (1, 4, 16),
-            beam_width: int = 4, temperature: float = 0.8, aggregation: str = "last", seed: int = 0,
-            max_tokens: int = 256, step_tokens: int = 64, progress: bool = True,
+            beam_width: int = DEFAULT_WIDTH, temperature: float = DEFAULT_TEMPERATURE,
+            aggregation: str = DEFAULT_AGGREGATION, seed: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS,
+            step_tokens: int = DEFAULT_STEP_TOKENS, progress: bool = True,
             particle_filtering_ns: Sequence[int] | None = None,
             deepconf_ns: Sequence[int] | None = None,
             deepconf_modes: Sequence[str] = ("offline", "online")) -> Comparison:
@@ -216,8 +219,8 @@ def plot_accuracy(cmp: Comparison, path: str | Path) -> Path:
 
 
 def measure(generator: str | Path | None = None, prm: str | Path | None = None, *, count: int = task.TEST_SIZE,
-            ns: Sequence[int] = (1, 4, 16), beam_width: int = 4, temperature: float = 0.8,
-            aggregation: str = "last", seed: int = 0, layout=None) -> Comparison:
+            ns: Sequence[int] = (1, 4, 16), beam_width: int = DEFAULT_WIDTH, temperature: float = DEFAULT_TEMPERATURE,
+            aggregation: str = DEFAULT_AGGREGATION, seed: int = 0, layout=None) -> Comparison:
     """:func:`compare` on the first ``count`` test problems, with the generator and the PRM folders
     (default: the shipped ones) on :class:`~sgl_tts.LocalBackend` engines laid out as ``layout``
     (default: as :func:`~sgl_tts.backends.layout.choose_engine` lays best-of-N out with ``count`` in

@@ -6,24 +6,26 @@ reading the registry loads no program), whether it needs a PRM, which settings o
 their defaults), how a run's settings check against it, and how they become the function's keyword
 arguments for one question.
 
-**Adding a program** is one module plus one registration:
+**Adding a program** is one module, one options dataclass and one registration:
 
-1. write ``programs/my_search.py`` with ``@sgl.function def my_search(s, question, prm, ...)``; if it
-   has options to check, check them in one options dataclass (as :mod:`sgl_tts.search.options` does
-   for beam search and DVTS, :class:`sgl_tts.mcts.MCTSConfig` for MCTS) that the program builds
-   before it generates and the record's ``check`` builds from a run's settings: one set of checks,
-   one wording, in the program and in ``sgl-tts run``;
-2. if it reads settings no other program has, add them to :class:`sgl_tts.experiment.RunConfig`
-   (a YAML key and a ``--flag`` each, documented there) and list them, with their defaults, in its
-   record's ``settings``: another program given one off its default is refused, and a run written
-   before they existed still resumes (they stay out of the run key at their defaults);
-3. register it here::
+1. write ``programs/my_search.py`` with ``@sgl.function def my_search(s, question, prm, ...)``;
+2. give it one options dataclass (as :mod:`sgl_tts.search.options` does for beam search, DVTS,
+   particle filtering and DeepConf, :class:`sgl_tts.mcts.MCTSConfig` for MCTS), the home of its
+   settings: the program builds it before it generates and the record's ``check`` builds it from a
+   run's settings (one set of checks, one wording). A setting no other program has is a field made
+   with :func:`~sgl_tts.search.options.run_setting` (its default), documented in the class's
+   ``Attributes``: :class:`sgl_tts.experiment.RunConfig` then has it, with a YAML key and a
+   ``--flag`` of its name; another program given it off its default is refused, and a run written
+   before it existed still resumes (it stays out of the run key at its default). The program's
+   parameter has the same name (and reads its default from the options class);
+3. register it here (before :mod:`sgl_tts.experiment.config` is imported: ``RunConfig`` is built
+   then)::
 
        register(ProgramSpec(
            "my_search", "programs.my_search:my_search", prm="required", budget="beams",
-           summary="what it does, in one line",
-           settings={"my_width": 2},
-           arguments=lambda cfg, question, prm: dict(_common(cfg, question), prm=prm, width=cfg.my_width),
+           summary="what it does, in one line", options=MySearchOptions,
+           arguments=lambda cfg, question, prm: dict(_common(cfg, question), prm=prm,
+                                                     **_own(cfg, MySearchOptions)),
            check=_check_my_search))   # cfg, bad -> None: bad(message, *settings) refuses
 
 ``sgl-tts run --program my_search``, ``serve-search``'s model ``my_search`` and the quality comparison
@@ -35,6 +37,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from typing import Any, Callable, Mapping
+
+from sgl_tts.mcts.tree import MCTSConfig
+from sgl_tts.search.options import (RUN_SETTING, BeamSearchOptions, DVTSOptions, DeepConfOptions, OptionError,
+                                    ParticleFilteringOptions, run_settings)
 
 #: a program's PRM: it cannot run without one, may use one, or never reads one
 PRM_USES = ("required", "optional", "none")
@@ -53,7 +59,12 @@ class ProgramSpec:
         prm: ``required``, ``optional`` or ``none`` (see :data:`PRM_USES`).
         budget: what its N counts (see :data:`BUDGETS`).
         summary: one line for listings.
-        settings: the run settings only this program reads, with their defaults.
+        settings: the run settings only this program reads, with their defaults; given ``options``,
+            its :func:`~sgl_tts.search.options.run_setting` fields (but the ``always_keyed`` ones).
+        options: the program's options dataclass, the home of its own settings: each
+            :func:`~sgl_tts.search.options.run_setting` field is a ``sgl-tts run`` setting (a
+            :class:`~sgl_tts.experiment.RunConfig` field, a YAML key and a ``--flag``) of that name,
+            default and documentation.
         arguments: ``(cfg, question, prm) -> kwargs`` of the function for one question.
         check: ``(cfg, bad) -> None``, the program's own checks of a run's settings; ``bad(message,
             *settings)`` refuses them, naming the settings the message is about.
@@ -67,8 +78,12 @@ class ProgramSpec:
     arguments: Callable[[Any, str, Any], dict[str, Any]]
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     check: Callable[[Any, Callable[..., None]], None] | None = None
+    options: type | None = None
 
     def __post_init__(self):
+        if self.options is not None and not self.settings:
+            own = {k: f.default for k, f in run_settings(self.options).items() if f.metadata[RUN_SETTING] == "own"}
+            object.__setattr__(self, "settings", own)
         if self.prm not in PRM_USES:
             raise ValueError(f"program {self.name}: prm must be one of {', '.join(PRM_USES)}, got {self.prm!r}")
         if self.budget not in BUDGETS:
@@ -90,6 +105,9 @@ def register(spec: ProgramSpec) -> ProgramSpec:
     if spec.name in _PROGRAMS:
         raise ValueError(f"program {spec.name!r} is registered already")
     clash = {k for other in _PROGRAMS.values() for k in other.settings} & set(spec.settings)
+    if spec.options is not None:   # (an options class two programs share, as DVTS's, adds none twice)
+        clash |= set(run_settings(spec.options)) & {k for k, (owner, _) in setting_fields().items()
+                                                    if owner.options is not spec.options}
     if clash:
         raise ValueError(f"program {spec.name!r}: settings {', '.join(sorted(clash))} belong to another program")
     _PROGRAMS[spec.name] = spec
@@ -119,6 +137,17 @@ def own_settings() -> dict[str, tuple[str, Any]]:
     return {k: (p.name, v) for p in _PROGRAMS.values() for k, v in p.settings.items()}
 
 
+def setting_fields() -> dict[str, tuple[ProgramSpec, dataclasses.Field]]:
+    """Every program's own ``sgl-tts run`` settings as they are declared, in registration order:
+    name -> (its program's record, its options field: type, default, ``always_keyed`` or not)."""
+    out: dict[str, tuple[ProgramSpec, dataclasses.Field]] = {}
+    for p in _PROGRAMS.values():
+        if p.options is not None:
+            for name, f in run_settings(p.options).items():
+                out.setdefault(name, (p, f))
+    return out
+
+
 # ------------------------------------------------------------------------------ the programs
 
 def _common(cfg: Any, question: str) -> dict[str, Any]:
@@ -145,47 +174,39 @@ def _tree(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return out
 
 
-#: beam search's own settings (other programs refuse them off these defaults)
-BEAM_SEARCH_SETTINGS = {"semantics": "sgl-tts", "filter_duplicates": False, "sort_completed": False,
-                        "accept_threshold": None}
+def _own(cfg: Any, options: type) -> dict[str, Any]:
+    """A run's values of the program's own settings (its options' run settings: the same names)."""
+    return {k: getattr(cfg, k) for k in run_settings(options)}
 
 
 def _beam_search_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
-    out = dict(_tree(cfg, question, prm), branching=cfg.branching, lookahead=cfg.lookahead,
-               filter_duplicates=cfg.filter_duplicates, semantics=cfg.semantics, sort_completed=cfg.sort_completed)
-    if cfg.accept_threshold is not None:
-        out.update(accept_threshold=cfg.accept_threshold)
+    out = dict(_tree(cfg, question, prm), **_own(cfg, BeamSearchOptions))
+    if cfg.accept_threshold is None:   # (as before the setting existed: the program's default)
+        del out["accept_threshold"]
     return out
 
 
-#: a program parameter's name as a run setting, where they differ
-_SETTING_OF = {"num_beams": "n", "pick": "particle_pick"}
+#: a program parameter's name as a run setting, where they differ: the budget N and MCTS's width M
+_SETTING_OF = {"num_beams": "n", "num_samples": "n", "num_rollouts": "n", "expansion_width": "beam_width"}
 
 
-def _check_options(cfg: Any, bad: Callable[..., None], options: type, **own: Any) -> None:
-    """Build the tree search's options object (:mod:`sgl_tts.search.options`) from a run's settings:
+def _check_options(cfg: Any, bad: Callable[..., None], options: type) -> None:
+    """Build a step-wise search's options object (:mod:`sgl_tts.search.options`) from a run's settings:
     the program's own checks, with its own messages, naming the run's settings."""
-    from sgl_tts.search.options import OptionError
-
     try:
         options(num_beams=cfg.n, beam_width=cfg.beam_width, max_depth=cfg.max_depth, step_tokens=_steps(cfg),
                 aggregation=cfg.aggregation, speculative=cfg.speculative if cfg.speculative != "off" else False,
-                overlap_verification=cfg.overlap_verification, overlap_by_family=cfg.overlap_by_family, **own)
+                overlap_verification=cfg.overlap_verification, overlap_by_family=cfg.overlap_by_family,
+                **_own(cfg, options))
     except OptionError as exc:
         bad(str(exc), *(_SETTING_OF.get(name, name) for name in exc.options))
 
 
 def _check_beam_search(cfg: Any, bad: Callable[..., None]) -> None:
-    from sgl_tts.search.options import BeamSearchOptions
-
-    _check_options(cfg, bad, BeamSearchOptions, branching=cfg.branching, lookahead=cfg.lookahead,
-                   semantics=cfg.semantics, filter_duplicates=cfg.filter_duplicates,
-                   sort_completed=cfg.sort_completed, accept_threshold=cfg.accept_threshold)
+    _check_options(cfg, bad, BeamSearchOptions)
 
 
 def _check_dvts(cfg: Any, bad: Callable[..., None]) -> None:
-    from sgl_tts.search.options import DVTSOptions
-
     _check_options(cfg, bad, DVTSOptions)
 
 
@@ -194,79 +215,46 @@ def _sampling_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
                 aggregation=cfg.aggregation, max_tokens=cfg.max_tokens)
 
 
-#: particle filtering's own settings (``programs/particle_filtering.py``)
-PARTICLE_FILTERING_SETTINGS = {"resampling": "multinomial", "weight_temperature": 1.0, "particle_pick": "best"}
-
-
 def _particle_filtering_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return dict(_common(cfg, question), prm=prm, num_particles=cfg.n, max_depth=cfg.max_depth,
-                step_tokens=_steps(cfg), aggregation=cfg.aggregation, resampling=cfg.resampling,
-                weight_temperature=cfg.weight_temperature, pick=cfg.particle_pick)
+                step_tokens=_steps(cfg), aggregation=cfg.aggregation, **_own(cfg, ParticleFilteringOptions))
 
 
 def _check_particle_filtering(cfg: Any, bad: Callable[..., None]) -> None:
-    from sgl_tts.search.options import ParticleFilteringOptions
-
-    _check_options(cfg, bad, ParticleFilteringOptions, resampling=cfg.resampling,
-                   weight_temperature=cfg.weight_temperature, pick=cfg.particle_pick)
-
-
-#: DeepConf's own settings (``programs/deepconf.py``; its token limit is the run's ``max_tokens``)
-DEEPCONF_SETTINGS = {"deepconf_mode": "online", "keep_fraction": 0.9, "confidence_window": 16,
-                     "confidence_top_k": 20, "confidence_measure": "lowest_group", "warmup_samples": 4,
-                     "consensus": 0.95, "chunk_tokens": 0}
-#: DeepConf's parameter of each of its settings
-_DEEPCONF_PARAMETERS = {"deepconf_mode": "mode", "keep_fraction": "keep_fraction", "confidence_window": "window",
-                        "confidence_top_k": "top_logprobs", "confidence_measure": "measure",
-                        "warmup_samples": "warmup", "consensus": "consensus", "chunk_tokens": "chunk_tokens"}
+    _check_options(cfg, bad, ParticleFilteringOptions)
 
 
 def _deepconf_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
-    return dict(_common(cfg, question), num_samples=cfg.n, max_tokens=cfg.max_tokens,
-                **{param: getattr(cfg, setting) for setting, param in _DEEPCONF_PARAMETERS.items()})
+    return dict(_common(cfg, question), num_samples=cfg.n, max_tokens=cfg.max_tokens, **_own(cfg, DeepConfOptions))
 
 
 def _check_deepconf(cfg: Any, bad: Callable[..., None]) -> None:
-    from sgl_tts.search.options import DeepConfOptions, OptionError
-
-    setting_of = {param: setting for setting, param in _DEEPCONF_PARAMETERS.items()} | {
-        "num_samples": "n", "max_tokens": "max_tokens"}
     try:
-        DeepConfOptions(num_samples=cfg.n, max_tokens=cfg.max_tokens,
-                        **{param: getattr(cfg, setting) for setting, param in _DEEPCONF_PARAMETERS.items()})
+        DeepConfOptions(num_samples=cfg.n, max_tokens=cfg.max_tokens, **_own(cfg, DeepConfOptions))
     except OptionError as exc:
-        bad(str(exc), *(setting_of.get(name, name) for name in exc.options))
-
-
-MCTS_SETTINGS = {"parallel": 1, "c_puct": 1.0, "threshold": 0.9, "positive_exit": True, "negative_exit": False,
-                 "futility": "path", "first_step_cutoff": None}
+        bad(str(exc), *(_SETTING_OF.get(name, name) for name in exc.options))
 
 
 def _mcts_arguments(cfg: Any, question: str, prm: Any) -> dict[str, Any]:
     return dict(_common(cfg, question), prm=prm, num_rollouts=cfg.n, expansion_width=cfg.beam_width,
                 max_depth=cfg.max_depth, step_tokens=_steps(cfg), aggregation=cfg.aggregation,
-                **{k: getattr(cfg, k) for k in MCTS_SETTINGS})
+                **_own(cfg, MCTSConfig))
 
 
 def _check_mcts(cfg: Any, bad: Callable[..., None]) -> None:
-    if cfg.parallel < 1:
-        bad(f"parallel must be a positive integer, got {cfg.parallel}", "parallel")
-    from sgl_tts.mcts import MCTSConfig
     try:
-        MCTSConfig(num_rollouts=cfg.n, expansion_width=cfg.beam_width, c_puct=cfg.c_puct,
-                   aggregation=cfg.aggregation, threshold=cfg.threshold, positive_exit=cfg.positive_exit,
-                   negative_exit=cfg.negative_exit, futility=cfg.futility,
-                   first_step_cutoff=cfg.first_step_cutoff, max_depth=cfg.max_depth)
+        MCTSConfig(num_rollouts=cfg.n, expansion_width=cfg.beam_width, aggregation=cfg.aggregation,
+                   max_depth=cfg.max_depth, **_own(cfg, MCTSConfig))
     except ValueError as exc:
-        bad(str(exc), "program", "n", "beam_width", "aggregation", "max_depth", *MCTS_SETTINGS)
+        bad(str(exc), "program", "n", "beam_width", "aggregation", "max_depth", *run_settings(MCTSConfig))
 
 
 register(ProgramSpec("beam_search", "programs.beam_search:beam_search", prm="required", budget="beams",
                      summary="PRM beam search: keep N beams, M children each, the best N by PRM score",
-                     arguments=_beam_search_arguments, settings=BEAM_SEARCH_SETTINGS, check=_check_beam_search))
+                     arguments=_beam_search_arguments, options=BeamSearchOptions, check=_check_beam_search))
 register(ProgramSpec("dvts", "programs.dvts:dvts", prm="required", budget="beams",
                      summary="diverse verifier tree search: N/M independent subtrees, greedy in each",
-                     arguments=_tree, check=_check_dvts))
+                     arguments=_tree, options=DVTSOptions, check=_check_dvts))
 register(ProgramSpec("best_of_n", "programs.best_of_n:best_of_n", prm="optional", budget="samples",
                      summary="N whole samples, the best by PRM score (or the majority without a PRM)",
                      arguments=_sampling_arguments))
@@ -275,15 +263,22 @@ register(ProgramSpec("self_consistency", "programs.best_of_n:best_of_n", prm="no
                      arguments=_sampling_arguments))
 register(ProgramSpec("mcts", "programs.mcts:mcts", prm="required", budget="rollouts",
                      summary="Monte Carlo tree search over steps, PRM-scored, with early exits",
-                     arguments=_mcts_arguments, settings=MCTS_SETTINGS, check=_check_mcts))
+                     arguments=_mcts_arguments, options=MCTSConfig, check=_check_mcts))
 register(ProgramSpec("particle_filtering", "programs.particle_filtering:particle_filtering", prm="required",
                      budget="beams",
                      summary="particle filtering: N particles weighted by PRM scores, resampled every step",
-                     arguments=_particle_filtering_arguments, settings=PARTICLE_FILTERING_SETTINGS,
+                     arguments=_particle_filtering_arguments, options=ParticleFilteringOptions,
                      check=_check_particle_filtering))
 register(ProgramSpec("deepconf", "programs.deepconf:deepconf", prm="none", budget="samples",
                      summary="DeepConf: N samples voted by their token confidence, low-confidence ones "
                              "filtered (offline) or stopped early (online)",
-                     arguments=_deepconf_arguments, settings=DEEPCONF_SETTINGS, check=_check_deepconf))
+                     arguments=_deepconf_arguments, options=DeepConfOptions, check=_check_deepconf))
 
-__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "DEEPCONF_SETTINGS", "MCTS_SETTINGS", "PARTICLE_FILTERING_SETTINGS", "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register"]
+# each program's own settings with their defaults (kept for old imports: the options hold them)
+BEAM_SEARCH_SETTINGS = dict(program("beam_search").settings)
+PARTICLE_FILTERING_SETTINGS = dict(program("particle_filtering").settings)
+DEEPCONF_SETTINGS = dict(program("deepconf").settings)
+MCTS_SETTINGS = dict(program("mcts").settings)
+
+__all__ = ["BEAM_SEARCH_SETTINGS", "BUDGETS", "DEEPCONF_SETTINGS", "MCTS_SETTINGS", "PARTICLE_FILTERING_SETTINGS",
+           "PRM_USES", "ProgramSpec", "find", "names", "own_settings", "program", "register", "setting_fields"]

@@ -174,8 +174,8 @@ def offline_world():
 def test_offline_filters_the_most_confident_and_votes_by_confidence(keep_fraction, expected):
     world = offline_world()
     backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
-    res = deepconf.run(question=Q, num_samples=6, mode="offline", keep_fraction=keep_fraction, window=4,
-                       top_logprobs=3, backend=backend).ret_value
+    res = deepconf.run(question=Q, num_samples=6, deepconf_mode="offline", keep_fraction=keep_fraction, confidence_window=4,
+                       confidence_top_k=3, backend=backend).ret_value
     # the re-derivation: numpy's windows, the top ceil(eta N) by confidence, their weighted vote
     conf = [lowest_group(token_confs(world, i), 4) for i in range(6)]
     keep = sorted(sorted(range(6), key=lambda i: -conf[i])[:math.ceil(keep_fraction * 6)])
@@ -191,8 +191,8 @@ def test_offline_filters_the_most_confident_and_votes_by_confidence(keep_fractio
 @pytest.mark.parametrize("measure", ["bottom_10", "tail", "mean"])
 def test_offline_reads_the_measure_it_is_given(measure):
     world = offline_world()
-    res = deepconf.run(question=Q, num_samples=6, mode="offline", keep_fraction=0.5, window=4, top_logprobs=3,
-                       measure=measure, backend=ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
+    res = deepconf.run(question=Q, num_samples=6, deepconf_mode="offline", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       confidence_measure=measure, backend=ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
                        ).ret_value
     for i, t in enumerate(res.trajectories):
         c = np.asarray(token_confs(world, i))
@@ -221,8 +221,8 @@ def online_world(answers=ONLINE_ANSWERS):
 def test_online_stops_samples_below_the_warmup_threshold_at_the_chunk_that_crossed_it():
     world = online_world()
     backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=1.0, chunk_tokens=8, backend=backend).ret_value
+    res = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       warmup_samples=3, consensus=1.0, chunk_tokens=8, backend=backend).ret_value
     warm = [lowest_group(token_confs(world, i), 4) for i in range(3)]
     s = float(np.percentile(warm, 50))
     assert s == pytest.approx(2.0)
@@ -255,10 +255,10 @@ def test_online_stops_samples_below_the_warmup_threshold_at_the_chunk_that_cross
 
 def test_online_warmup_samples_are_offlines_first_samples():
     world = online_world()
-    on = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                      warmup=3, consensus=1.0, chunk_tokens=8,
+    on = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                      warmup_samples=3, consensus=1.0, chunk_tokens=8,
                       backend=ScriptedBackend(world.script, top_logprobs=world.top_logprobs)).ret_value
-    off = deepconf.run(question=Q, num_samples=3, mode="offline", window=4, top_logprobs=3,
+    off = deepconf.run(question=Q, num_samples=3, deepconf_mode="offline", confidence_window=4, confidence_top_k=3,
                        backend=ScriptedBackend(world.script, top_logprobs=world.top_logprobs)).ret_value
     assert [(t.text, t.score) for t in on.trajectories[:3]] == [(t.text, t.score) for t in off.trajectories]
 
@@ -268,14 +268,14 @@ def test_consensus_right_after_the_warmup_samples_nothing_more():
     # answer 1: the leader holds all the weight
     world = online_world(["1", "2", "1"] + ONLINE_ANSWERS[3:])
     backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=0.95, chunk_tokens=8, backend=backend).ret_value
+    res = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       warmup_samples=3, consensus=0.95, chunk_tokens=8, backend=backend).ret_value
     assert res.exit_reason == "consensus" and res.answer == "1"
     assert res.traces_stopped == 5 and res.tokens_generated == 3 * 25 and len(backend.draws) == 3
     assert [t.answer for t in res.trajectories] == ["1", "2", "1"]
     # the same world with sample 2 answering 2 is not settled (share 2.0 / 5.0): it samples on
-    assert deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                        warmup=3, consensus=0.95, chunk_tokens=8,
+    assert deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                        warmup_samples=3, consensus=0.95, chunk_tokens=8,
                         backend=ScriptedBackend(online_world().script, top_logprobs=online_world().top_logprobs)
                         ).ret_value.exit_reason == "budget"
 
@@ -297,8 +297,8 @@ def test_consensus_aborts_the_later_samples(chunk_tokens, most):
     inside generation). Once 3 finishes the vote is settled, so their requests are aborted on the
     backend (one abort of the group's depth-0 prefix) and answer with the tokens they had."""
     backend = settling_backend()
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=0.7, chunk_tokens=chunk_tokens, search_group="dc-mid",
+    res = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       warmup_samples=3, consensus=0.7, chunk_tokens=chunk_tokens, search_group="dc-mid",
                        backend=backend).ret_value
     assert res.exit_reason == "consensus" and res.answer == "1"
     assert res.traces_stopped == 4 and res.requests_aborted == 4
@@ -323,8 +323,8 @@ def test_consensus_on_a_later_sample_drops_an_earlier_one_whose_chunk_ended_at_i
     confs = [profile(24, 2.0)] * 3 + [profile(40, 2.5), profile(24, 1.5), profile(12, 10.0)] + [profile(40, 2.5)] * 2
     world = World(texts, confs)
     backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=0.7, chunk_tokens=8, search_group="dc-late",
+    res = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       warmup_samples=3, consensus=0.7, chunk_tokens=8, search_group="dc-late",
                        backend=backend).ret_value
     assert res.exit_reason == "consensus" and res.answer == "1"
     # each sample's requests: (chunk, how it ended, tokens of text); none of round 2
@@ -350,8 +350,8 @@ def test_consensus_on_a_later_sample_drops_an_earlier_one_whose_chunk_ended_at_i
 
 def test_the_same_seed_gives_the_same_run():
     world = online_world()
-    runs = [deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                         warmup=3, consensus=1.0, chunk_tokens=8,
+    runs = [deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                         warmup_samples=3, consensus=1.0, chunk_tokens=8,
                          backend=ScriptedBackend(world.script, top_logprobs=world.top_logprobs)).ret_value
             for _ in range(2)]
     a, b = runs
@@ -363,8 +363,8 @@ def test_the_same_seed_gives_the_same_run():
 def test_online_stops_each_sample_at_its_token_inside_one_request():
     world = online_world()
     backend = ScriptedBackend(world.script, top_logprobs=world.top_logprobs)
-    res = deepconf.run(question=Q, num_samples=8, mode="online", keep_fraction=0.5, window=4, top_logprobs=3,
-                       warmup=3, consensus=1.0, backend=backend).ret_value
+    res = deepconf.run(question=Q, num_samples=8, deepconf_mode="online", keep_fraction=0.5, confidence_window=4, confidence_top_k=3,
+                       warmup_samples=3, consensus=1.0, backend=backend).ret_value
     s = float(np.percentile([lowest_group(token_confs(world, i), 4) for i in range(3)], 50))
     # the re-derivation: a sample's token t + 1 is the end of sequence once the window ending at t is
     # below s (it has t + 1 tokens); a sample whose only low window ends at its last token keeps them all
@@ -394,7 +394,7 @@ def test_online_stops_each_sample_at_its_token_inside_one_request():
 def test_a_backend_without_logprobs_is_named():
     world = online_world()
     with pytest.raises(RuntimeError, match="DeepConf needs token log-probabilities"):
-        deepconf.run(question=Q, num_samples=2, mode="offline", backend=ScriptedBackend(world.script)).ret_value
+        deepconf.run(question=Q, num_samples=2, deepconf_mode="offline", backend=ScriptedBackend(world.script)).ret_value
 
 
 # ----------------------------------------------------------------------- options and the run
@@ -403,7 +403,7 @@ def test_a_backend_without_logprobs_is_named():
      "deepconf_mode"),
     (dict(keep_fraction=0.0), "keep_fraction must be in (0, 1], got 0.0", "keep_fraction"),
     (dict(consensus=1.5), "consensus must be in (0, 1], got 1.5", "consensus"),
-    (dict(confidence_window=0), "DeepConf's window must be a positive integer, got 0", "confidence_window"),
+    (dict(confidence_window=0), "DeepConf's confidence_window must be a positive integer, got 0", "confidence_window"),
     (dict(confidence_measure="tail"), "online DeepConf stops a sample on its running group confidence",
      "confidence_measure"),
     (dict(confidence_measure="median", deepconf_mode="offline"), "unknown confidence measure 'median'",
@@ -418,9 +418,7 @@ def test_bad_options_are_refused_by_the_run_with_the_programs_words(settings, me
 
 
 def _arguments(settings):
-    from sgl_tts.registry import _DEEPCONF_PARAMETERS
-
-    return {_DEEPCONF_PARAMETERS[k]: v for k, v in settings.items()}
+    return dict(settings)   # the program's parameters are the run's setting names
 
 
 def test_another_programs_run_refuses_deepconfs_settings():
@@ -452,6 +450,6 @@ def test_serve_search_reads_deepconfs_settings_from_the_body_and_refuses_bad_one
                        "confidence_measure": "tail", "max_tokens": 64}).config
     assert (c.program, c.n, c.deepconf_mode, c.keep_fraction, c.confidence_measure, c.max_tokens) == \
            ("deepconf", 8, "offline", 0.1, "tail", 64)
-    assert c.program_arguments(Q, None)["measure"] == "tail" and not c.uses_prm
+    assert c.program_arguments(Q, None)["confidence_measure"] == "tail" and not c.uses_prm
     with pytest.raises(APIError, match="online DeepConf stops a sample on its running group confidence"):
         parse_request({"model": "deepconf", "messages": messages, "confidence_measure": "mean"})

@@ -22,8 +22,8 @@ from sgl_tts.tiny import task
 
 pytestmark = pytest.mark.server
 
-SETTINGS = dict(num_samples=8, mode="online", warmup=2, keep_fraction=0.5, consensus=0.8, chunk_tokens=16,
-                window=8, top_logprobs=5, seed=5)
+SETTINGS = dict(num_samples=8, deepconf_mode="online", warmup_samples=2, keep_fraction=0.5, consensus=0.8,
+                chunk_tokens=16, confidence_window=8, confidence_top_k=5, seed=5)
 
 
 def shape(res):

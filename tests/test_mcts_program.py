@@ -152,7 +152,7 @@ def test_a_shrinking_control_cancels_the_lowest_reward_rollouts():
 
 def test_bad_arguments_fail_before_any_generation():
     backend = ScriptedBackend(script)
-    for kwargs, message in (({"parallel": 0}, "parallel must be >= 1"),
+    for kwargs, message in (({"parallel": 0}, "parallel must be a positive integer"),
                             ({"negative_exit": True, "aggregation": "last"}, "negative early exit needs"),
                             ({"step_tokens": [0]}, "step_tokens must be positive")):
         with pytest.raises(ValueError, match=message):

@@ -63,7 +63,8 @@ def test_a_weight_is_the_logit_of_the_score_over_the_temperature_and_draws_are_i
     (dict(resampling="stratified"), "unknown resampling 'stratified'", ("resampling",)),
     (dict(weight_temperature=0.0), "weight_temperature must be a positive number, got 0.0", ("weight_temperature",)),
     (dict(weight_temperature=float("inf")), "weight_temperature must be a positive number", ("weight_temperature",)),
-    (dict(pick="vote"), "unknown pick 'vote'; choose one of ['best', 'weighted_vote']", ("pick",)),
+    (dict(particle_pick="vote"), "unknown particle_pick 'vote'; choose one of ['best', 'weighted_vote']",
+     ("particle_pick",)),
     (dict(overlap_verification=True), "particle filtering has no speculative or overlap_verification policy",
      ("speculative", "overlap_verification")),
     (dict(num_beams=0), "particle filtering needs N >= 1", ("num_beams", "beam_width")),
@@ -189,7 +190,7 @@ def test_the_same_seed_resamples_the_same_way_and_the_pick_chooses_the_answer():
     b = run("q7", num_particles=8, max_depth=6, step_tokens=24, seed=5)
     assert [(t.steps, t.score) for t in a.trajectories] == [(t.steps, t.score) for t in b.trajectories]
     assert a.answers == b.answers and a.tokens_generated == b.tokens_generated
-    vote = run("q7", num_particles=8, max_depth=6, step_tokens=24, seed=5, pick="weighted_vote")
+    vote = run("q7", num_particles=8, max_depth=6, step_tokens=24, seed=5, particle_pick="weighted_vote")
     assert vote.answers == a.answers and vote.answer == a.answers["prm_weighted"]
 
 

@@ -144,3 +144,38 @@ def test_a_run_is_refused_with_the_words_the_program_would_use(program, argument
         RunConfig(program=program, **settings).validate()
     assert str(by_run.value) == str(by_program.value)
     assert set(by_run.value.settings) & set(settings), by_run.value.settings   # it names what was set
+
+
+def test_each_programs_options_are_the_one_home_of_its_settings():
+    """A program's own settings are its options dataclass's ``run_setting`` fields: ``RunConfig`` has a
+    field of each name and default, ``sgl-tts run`` a flag with its documentation, and the program a
+    parameter of that name whose default is read from the options (nothing written twice)."""
+    import dataclasses
+
+    from sgl_tts.cli.run import build_parser, field_docs
+    from sgl_tts.search.options import run_settings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    flags = {a.dest for a in build_parser()._actions}
+    docs = field_docs()
+    declared = set()
+    for name in registry.names():
+        spec = registry.program(name)
+        if spec.options is None:
+            continue
+        params = inspect.signature(program_function(name).func).parameters
+        for setting, f in run_settings(spec.options).items():
+            declared.add(setting)
+            assert defaults[setting] == f.default and setting in flags and docs[setting], setting
+            assert params[setting].default == f.default, (name, setting)
+        args = RunConfig(program=name).program_arguments("q", "P")
+        assert {k for k in args if k in run_settings(spec.options)} <= set(params)
+    assert declared == {k for k, _ in registry.setting_fields().items()}
+    # the settings every program shares keep their names and defaults; the programs' are the options'
+    assert set(defaults) - declared == {
+        "problems", "output", "limit", "program", "n", "beam_width", "max_depth", "step_tokens", "max_tokens",
+        "temperature", "aggregation", "speculative", "overlap_verification", "overlap_by_family", "speculation_curve",
+        "verifier_shares_device", "verifier_slowdown", "seed", "delimiter", "answer_pattern", "generator", "runtime",
+        "cpu_engine", "cpu_replicas", "prm", "prm_kind", "prm_tokenizer", "prm_good", "prm_bad", "prm_tag",
+        "in_flight", "plot", "progress"}
+    assert declared == {"branching", "lookahead", *registry.own_settings()}

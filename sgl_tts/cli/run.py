@@ -36,15 +36,30 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def field_docs() -> dict[str, str]:
-    """Each field's line from the Attributes section of RunConfig's docstring."""
+    """Each setting's line from its home's ``Attributes`` section: :class:`RunConfig`'s docstring for
+    the shared settings, the program's options dataclass's for a program's own."""
+    from sgl_tts import registry
+
+    docs = _attribute_docs(RunConfig)
+    for name, (spec, _) in registry.setting_fields().items():
+        docs[name] = _attribute_docs(spec.options).get(name, "")
+    return docs
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Each field's entry in a dataclass docstring's ``Attributes`` section (continuation lines
+    joined; a blank line ends an entry)."""
+    names = {f.name for f in dataclasses.fields(cls)}
     docs, current = {}, None
-    for line in (RunConfig.__doc__ or "").splitlines():
+    for line in (cls.__doc__ or "").splitlines():
         s = line.strip()
         head = s.split(":", 1)
-        if len(head) == 2 and head[0] in {f.name for f in dataclasses.fields(RunConfig)}:
+        if len(head) == 2 and head[0] in names:
             current = head[0]
             docs[current] = head[1].strip()
-        elif current and s:
+        elif not s:
+            current = None
+        elif current:
             docs[current] += " " + s
     return docs
 

@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 from sgl_tts import records, registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
+from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS,
+                                    DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
 from sgl_tts.search.pipeline import SPECULATION_PRESETS
 
 # kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
@@ -35,9 +37,25 @@ class RunError(Exception):
         self.settings = tuple(settings)
 
 
-@dataclasses.dataclass
+def program_settings(cls: type) -> type:
+    """``cls`` as a dataclass, with a field for each registered program's own settings (the
+    :func:`~sgl_tts.search.options.run_setting` fields of its options dataclass: the same name,
+    type and default), after its own fields. The run key hashes them by these names, as it did when
+    ``RunConfig`` listed them itself (the pinned keys stay)."""
+    for name, (_, f) in registry.setting_fields().items():
+        if name in cls.__annotations__:
+            raise TypeError(f"{cls.__name__}.{name} is a program's setting already (its options class holds it)")
+        cls.__annotations__[name] = f.type
+        setattr(cls, name, f.default)
+    return dataclasses.dataclass(cls)
+
+
+@program_settings
 class RunConfig:
-    """Every setting of ``sgl-tts run`` (YAML keys and ``--flags`` have these names, ``_`` or ``-``).
+    """Every setting of ``sgl-tts run`` (YAML keys and ``--flags`` have these names, ``_`` or ``-``):
+    the settings every program shares, below, and each registered program's own settings, the
+    :func:`~sgl_tts.search.options.run_setting` fields of its options dataclass (their home: name,
+    default, checks and documentation; :func:`program_settings` adds them to this class).
 
     Attributes:
         problems: JSONL dataset; ``None``: the embedded tiny task's test split.
@@ -53,12 +71,6 @@ class RunConfig:
         max_tokens: token limit of a whole best-of-N sample.
         temperature: sampling temperature.
         aggregation: step scores to one score: ``last``, ``min``, ``prod`` or ``mean``.
-        branching: beam search children per beam: ``equal`` or ``proportional`` (dynamic branching).
-        lookahead: beam search lookahead rollout steps (0: none).
-        filter_duplicates: beam search drops an open candidate whose path equals an earlier one's.
-        semantics: beam search as sgl-tts defines it (``sgl-tts``) or as huggingface/search-and-learn
-            runs it (``search-and-learn``; see ``programs/beam_search.py`` for every difference).
-        sort_completed: search-and-learn semantics: return the N best completed beams, not the first N.
         speculative: speculative beam extension of beam search and DVTS: ``off``, ``exact`` (every
             trajectory is the plain search's) or ``truncate`` (FlashTTS's R mode, an approximation);
             with LookAhead verification (see :mod:`sgl_tts.search.pipeline`); ``exact-no-lookahead``:
@@ -80,35 +92,6 @@ class RunConfig:
         overlap_by_family: with ``overlap_verification``, a family's PRM requests (one parent's
             children) go together once every sibling's step ended, so that a PRM whose KV cache is
             under pressure computes their shared path once (:mod:`sgl_tts.search.pipeline`).
-        accept_threshold: beam search positive early exit: stop after the first depth at which a
-            finished trajectory scores at least this (``None``: off).
-        resampling: particle filtering's draws: ``multinomial`` (its_hub's) or ``systematic``.
-        weight_temperature: particle filtering divides a particle's log-weight (the logit of its
-            aggregated score) by it before the softmax (1: its_hub's weights).
-        particle_pick: particle filtering's own answer: ``best`` (the highest-weighted particle) or
-            ``weighted_vote`` (the answer holding the most probability); both are reported.
-        deepconf_mode: DeepConf ``online`` (a warm-up sets a confidence threshold, later samples stop
-            below it, sampling stops at consensus) or ``offline`` (all N, the least confident filtered).
-        keep_fraction: DeepConf's kept share eta (offline: the most confident; online: the threshold
-            is the warm-up's ``1 - eta`` quantile); 0.1 is DeepConf-low, 0.9 DeepConf-high.
-        confidence_window: DeepConf's group size in tokens (a group confidence averages that many).
-        confidence_top_k: DeepConf's token confidence averages this many top log-probabilities.
-        confidence_measure: DeepConf's sample confidence offline: ``lowest_group``, ``bottom_10``,
-            ``tail`` or ``mean`` (online reads ``lowest_group``).
-        warmup_samples: online DeepConf's warm-up samples (run whole; they set the threshold).
-        consensus: online DeepConf stops sampling once the vote's leader holds this share of the weight.
-        chunk_tokens: online DeepConf's check of a running sample's confidence: 0 at every token, inside
-            generation (a custom logit processor; a server needs ``--enable-custom-logit-processor``),
-            else after every this many tokens (chunks: any server).
-        parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic).
-        c_puct: MCTS exploration weight.
-        threshold: MCTS acceptance threshold of both early exits.
-        positive_exit: MCTS stops once a finished trajectory reaches the threshold.
-        negative_exit: MCTS stops once every leaf is below the threshold (aggregation min or prod).
-        futility: MCTS negative exit compares a leaf's aggregated score (``path``) or its own step
-            score (``step``, seed 004's rule) with the threshold.
-        first_step_cutoff: MCTS selective futility check: leaves whose first step scored below it are
-            left out of the negative-exit check.
         seed: sampling seed of the run (each sample's seed derives from it).
         delimiter: step delimiter.
         answer_pattern: regex whose first group is the answer.
@@ -136,43 +119,19 @@ class RunConfig:
     output: str = "sgl-tts-run.jsonl"
     limit: int | None = None
     program: str = "beam_search"
-    n: int = 16
-    beam_width: int = 4
-    max_depth: int = 40
-    step_tokens: list[int] = dataclasses.field(default_factory=lambda: [64])
-    max_tokens: int = 256
-    temperature: float = 0.8
-    aggregation: str = "last"
-    branching: str = "equal"
-    lookahead: int = 0
-    filter_duplicates: bool = False
-    semantics: str = "sgl-tts"
-    sort_completed: bool = False
+    n: int = DEFAULT_BUDGET
+    beam_width: int = DEFAULT_WIDTH
+    max_depth: int = DEFAULT_MAX_DEPTH
+    step_tokens: list[int] = dataclasses.field(default_factory=lambda: [DEFAULT_STEP_TOKENS])
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    aggregation: str = DEFAULT_AGGREGATION
     speculative: str = "off"
     overlap_verification: bool = False
     overlap_by_family: bool = False
     speculation_curve: str = "measure"
     verifier_shares_device: str = "auto"
     verifier_slowdown: str = "measure"
-    accept_threshold: float | None = None
-    resampling: str = "multinomial"
-    weight_temperature: float = 1.0
-    particle_pick: str = "best"
-    deepconf_mode: str = "online"
-    keep_fraction: float = 0.9
-    confidence_window: int = 16
-    confidence_top_k: int = 20
-    confidence_measure: str = "lowest_group"
-    warmup_samples: int = 4
-    consensus: float = 0.95
-    chunk_tokens: int = 0
-    parallel: int = 1
-    c_puct: float = 1.0
-    threshold: float = 0.9
-    positive_exit: bool = True
-    negative_exit: bool = False
-    futility: str = "path"
-    first_step_cutoff: float | None = None
     seed: int = 0
     delimiter: str = STEP_DELIMITER
     answer_pattern: str = BOXED
@@ -189,6 +148,7 @@ class RunConfig:
     in_flight: int = 8
     plot: str | None = None
     progress: bool = True
+    # + every program's own settings (program_settings, at the end of this class)
 
     # Settings that do not change any result (a run may resume under different values of these). The
     # dataset's path is one: a resumed run checks each written problem's question instead.

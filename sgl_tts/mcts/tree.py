@@ -52,6 +52,7 @@ from typing import Iterator, Protocol, Sequence
 
 from sgl_tts.search import (BOXED, STEP_DELIMITER, AGGREGATIONS, PathSoFar, Step, advance, aggregate,
                             extract_answer)
+from sgl_tts.search.options import DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_WIDTH, run_setting
 
 EXIT_REASONS = ("accepted", "futile", "budget", "exhausted")
 SOUND_FOR_NEGATIVE_EXIT = ("min", "prod")
@@ -65,31 +66,39 @@ class MCTSConfig:
     Attributes:
         num_rollouts: rollouts to return at most (the budget).
         expansion_width: children sampled per expansion.
-        c_puct: weight of the exploration term.
+        parallel: MCTS rollouts in flight at once (WU-PUCT; 1: serial and deterministic); the
+            program's (the tree reads one rollout at a time).
+        c_puct: MCTS's weight of the exploration term.
         aggregation: trajectory score from its step scores (``min``, ``prod``, ``last``, ``mean``).
-        threshold: the acceptance threshold of both early exits.
-        positive_exit: stop once a finished trajectory reaches ``threshold``.
-        negative_exit: stop once every leaf is futile (``min``/``prod`` only).
-        futility: what the negative-exit check compares with ``threshold``: a leaf's aggregated path
+        threshold: MCTS's acceptance threshold of both early exits.
+        positive_exit: MCTS stops once a finished trajectory reaches ``threshold``.
+        negative_exit: MCTS stops once every leaf is futile (``min``/``prod`` only).
+        futility: what MCTS's negative-exit check compares with ``threshold``: a leaf's aggregated path
             score (``path``) or its own step score (``step``, seed 004's rule); both bound every
             trajectory through the leaf under ``min``/``prod``.
-        first_step_cutoff: selective futility check: leaves whose first step scored below this are
+        first_step_cutoff: MCTS's selective futility check: leaves whose first step scored below this are
             left out of the negative-exit check (``None``: none is).
         max_depth: steps at most in a trajectory (a node at this depth is terminal).
+
+    The fields made with :func:`~sgl_tts.search.options.run_setting` are ``sgl-tts run`` settings of
+    program ``mcts`` (its ``n`` is ``num_rollouts``, its ``beam_width`` ``expansion_width``).
     """
 
-    num_rollouts: int = 16
-    expansion_width: int = 4
-    c_puct: float = 1.0
+    num_rollouts: int = DEFAULT_BUDGET
+    expansion_width: int = DEFAULT_WIDTH
+    parallel: int = run_setting(1)
+    c_puct: float = run_setting(1.0)
     aggregation: str = "min"
-    threshold: float = 0.9
-    positive_exit: bool = True
-    negative_exit: bool = False
-    futility: str = "path"
-    first_step_cutoff: float | None = None
-    max_depth: int = 40
+    threshold: float = run_setting(0.9)
+    positive_exit: bool = run_setting(True)
+    negative_exit: bool = run_setting(False)
+    futility: str = run_setting("path")
+    first_step_cutoff: float | None = run_setting(None)
+    max_depth: int = DEFAULT_MAX_DEPTH
 
     def __post_init__(self):
+        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or self.parallel < 1:
+            raise ValueError(f"parallel must be a positive integer, got {self.parallel}")
         if self.num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {self.num_rollouts}")
         if self.expansion_width < 1:

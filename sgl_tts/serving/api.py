@@ -23,15 +23,16 @@ from typing import Any, Mapping
 from sgl_tts import registry
 from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.search import STEP_DELIMITER
+from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS,
+                                    DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
 
 # Extra body fields: the search's settings (RunConfig's names; ``budget`` is RunConfig.n, the beams,
 # samples or rollouts, so that it cannot be confused with OpenAI's ``n``, the number of choices).
 SEARCH_FIELDS: dict[str, str] = {
     "budget": "n", "beam_width": "beam_width", "max_depth": "max_depth", "step_tokens": "step_tokens",
-    "aggregation": "aggregation", "branching": "branching", "lookahead": "lookahead",
-    "filter_duplicates": "filter_duplicates", "speculative": "speculative",
+    "aggregation": "aggregation", "speculative": "speculative",
     "overlap_verification": "overlap_verification", "overlap_by_family": "overlap_by_family",
-    **{k: k for k in registry.own_settings()}}
+    **{k: k for k in registry.setting_fields()}}   # every program's own settings (its options')
 # OpenAI fields read (the others of the API are refused by name rather than silently ignored)
 OPENAI_FIELDS = ("model", "messages", "n", "temperature", "seed", "stream", "stream_options", "max_tokens",
                  "max_completion_tokens", "user", "metadata")
@@ -60,13 +61,13 @@ class Limits:
 class Defaults:
     """The settings a request gets for what it leaves out (``RunConfig``'s names)."""
 
-    n: int = 16
-    beam_width: int = 4
-    max_depth: int = 40
-    step_tokens: tuple[int, ...] = (64,)
-    max_tokens: int = 256
-    temperature: float = 0.8
-    aggregation: str = "last"
+    n: int = DEFAULT_BUDGET
+    beam_width: int = DEFAULT_WIDTH
+    max_depth: int = DEFAULT_MAX_DEPTH
+    step_tokens: tuple[int, ...] = (DEFAULT_STEP_TOKENS,)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    aggregation: str = DEFAULT_AGGREGATION
     seed: int = 0
     delimiter: str = STEP_DELIMITER
 

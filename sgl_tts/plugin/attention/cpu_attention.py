@@ -5,7 +5,7 @@ SGLang 0.5.15 serves on the CPU with its ``torch_native`` attention backend, whi
 position of the sequence (cached prefix included) and throws the prefix's rows away. A tree search
 sends each beam step as a new request whose prompt is all cached but a token or two, so every step
 pays a full ``L x L`` attention per layer: about four decode rows' worth on the tiny generator
-(``docs/BENCHMARKS.md``, "The frontend").
+(``docs/benchmarks/LOG.md``, "The frontend").
 
 This backend is the same class with those two loops replaced:
 

@@ -1,7 +1,7 @@
 """What the sparse decode path did (:class:`SparseCounters`): rows sparse and dense, selections late
 or missing, what the choices kept, and the attention's own seconds per context token, dense and
 sparse, by context length: the server's measure of whether sparse attention pays at a length on
-this machine (``docs/BENCHMARKS.md``, "Sparse decoding", reads it per cell)."""
+this machine (``docs/benchmarks/LOG.md``, "Sparse decoding", reads it per cell)."""
 
 from __future__ import annotations
 

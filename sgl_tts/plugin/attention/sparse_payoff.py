@@ -3,7 +3,7 @@
 Sparse attention does not pay at every context length: its fixed costs (finding the selection,
 gathering the chosen keys one row per token and head, the async bookkeeping) outweigh the tokens it
 skips below some length, and where that length lies depends on the machine, the model and the load
-(on the 2-core CPU of ``docs/BENCHMARKS.md`` it was between 4k and 16k, far above the 1024 of
+(on the 2-core CPU of ``docs/benchmarks/LOG.md`` it was between 4k and 16k, far above the 1024 of
 ``--tts-sparse-dense-below``). So the server decides from its own steps: per context bucket (the
 largest power of two at or below a row's context), a moving average of a dense layer's and of a
 sparse layer's attention seconds per context token, each as the decoder timed it

@@ -244,13 +244,12 @@ def test_the_parser_lists_exactly_the_table_and_each_command_has_its_module():
 def test_no_library_module_parses_arguments():
     """The split's point: argparse and a ``main`` live in sgl_tts/cli/ only. The exceptions: the plugin
     adds its flags to SGLang's own server parser (``python -m sglang.launch_server``: SGLang's command
-    line, not ours); ``python -m sgl_tts.bench.group_abort`` is a stand-alone benchmark script, not an
-    sgl-tts command; the CPU engine's child process starts at ``engine_process.main`` and the zygote
+    line, not ours); the group-abort benchmark's command line is a script
+    (``benchmarks/group_abort.py``), its measurements the library's; the CPU engine's child process starts at ``engine_process.main`` and the zygote
     that forks them at ``engine_zygote.main`` (no flags: a socket's file descriptor, and they must load
     no more than the engine)."""
     root = Path(sgl_tts.__file__).parent
-    allowed = {"plugin/settings.py": {"argparse"}, "bench/group_abort.py": {"argparse", "main"},
-               "backends/engine_process.py": {"main"}, "backends/engine_zygote.py": {"main"}}
+    allowed = {"plugin/settings.py": {"argparse"}, "backends/engine_process.py": {"main"}, "backends/engine_zygote.py": {"main"}}
     offenders = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()

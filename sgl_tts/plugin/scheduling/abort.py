@@ -14,7 +14,7 @@ the scheduler scans each of its queues once for the whole group, and every reque
 still gets its own answer from the scheduler, which also removes its tokenizer-side state. (The
 first version sent one ``AbortReq`` per live request, each scanning every queue: O(group x queue)
 string matches in one scheduler iteration; ``SGLANG_TTS_GROUP_ABORT=per-request`` in the server's
-environment brings that path back, for benchmarks: ``python -m sgl_tts.bench.group_abort``.)
+environment brings that path back, for benchmarks: ``benchmarks/group_abort.py``.)
 
 With several tokenizer workers (``--tokenizer-worker-num``) each holds only its own requests' states;
 the prefix is sent to the scheduler whatever this worker holds (as SGLang sends any rid there), so

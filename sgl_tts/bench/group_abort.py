@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
 import re
 import statistics
 import sys
@@ -38,8 +37,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sgl_tts.launch.live_servers import in_flight, loads
-from sgl_tts.machine import cpu_model
-from sgl_tts.plugin.scheduling.abort import MODE_ENV
 from sgl_tts.protocol import SearchTag, group_prefix
 
 PATHS = ("per-request", "one")

@@ -63,8 +63,11 @@ import numpy as np
 import sglang as sgl
 
 from sgl_tts.search.options import DEFAULT_TEMPERATURE, BeamSearchOptions
-from sgl_tts.search.pipeline import (Beam, Candidate, LookAhead, OverlappedVerification, Speculation, Speculator,
-                                     StepPipeline)
+from sgl_tts.search.beams import Beam, Candidate
+from sgl_tts.search.lookahead import LookAhead
+from sgl_tts.search.overlap import OverlappedVerification
+from sgl_tts.search.pipeline import StepPipeline
+from sgl_tts.search.speculation import Speculation, Speculator
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, SearchTag, Trajectory, advance, aggregate,
                             derive_seed, expand, expand_proportional, extract_answer, gen_step, new_group,
                             step_limit, top_k, vote)

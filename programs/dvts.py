@@ -23,7 +23,11 @@ from typing import Sequence
 import sglang as sgl
 
 from sgl_tts.search.options import DEFAULT_TEMPERATURE, DVTSOptions
-from sgl_tts.search.pipeline import Beam, LookAhead, OverlappedVerification, Speculation, Speculator, StepPipeline
+from sgl_tts.search.beams import Beam
+from sgl_tts.search.lookahead import LookAhead
+from sgl_tts.search.overlap import OverlappedVerification
+from sgl_tts.search.pipeline import StepPipeline
+from sgl_tts.search.speculation import Speculation, Speculator
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, extract_answer,
                             new_group, step_limit, top_k, vote)
 

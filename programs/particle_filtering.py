@@ -46,7 +46,8 @@ from typing import Sequence
 import sglang as sgl
 
 from sgl_tts.search.options import DEFAULT_TEMPERATURE, PICKS, RESAMPLING, ParticleFilteringOptions
-from sgl_tts.search.pipeline import Beam, Candidate, StepPipeline
+from sgl_tts.search.beams import Beam, Candidate
+from sgl_tts.search.pipeline import StepPipeline
 from sgl_tts.search import (BOXED, STEP_DELIMITER, SearchResult, Trajectory, derive_seed, new_group, step_limit,
                             top_k, vote)
 

@@ -953,7 +953,7 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
 
     from sgl_tts.bench.sides import ALL_SIDES, run_config
     from sgl_tts.experiment import program_function
-    from sgl_tts.search.pipeline import Speculation
+    from sgl_tts.search.speculation import Speculation
 
     cfg = settings()
     trace = cfg.step_trace()

@@ -227,7 +227,7 @@ def test_exact_speculation_on_the_live_servers_keeps_every_beam_and_leaves_nothi
     generator with the plugin: speculative requests reach its scheduler as such (tagged with their
     parent), every kept trajectory is the plain search's (seeded sampling: the same samples), and
     once the search returns nothing of it is left running or waiting (pruned branches aborted)."""
-    from sgl_tts.search.pipeline import Speculation
+    from sgl_tts.search.speculation import Speculation
 
     url = live.url("generator")
     backend = SGLangEndpoint(url)

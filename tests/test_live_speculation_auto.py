@@ -22,7 +22,8 @@ from sgl_tts.experiment import RunConfig, run
 from sgl_tts.launch.decode_curve import curve_for_server
 from sgl_tts.launch.live_servers import settled_loads
 from sgl_tts.launch.verifier_slowdown import slowdown_for_servers
-from sgl_tts.search.speculation_cost import COSTS_MORE, SLOWS_VERIFIER, DecodeCurve
+from sgl_tts.search.speculation_cost import COSTS_MORE, SLOWS_VERIFIER
+from sgl_tts.server_costs import DecodeCurve
 
 pytestmark = pytest.mark.server
 
@@ -122,7 +123,7 @@ def _seed_measurements(generator: str, prm: str | None = None) -> Path:
     from sgl_tts.launch.decode_curve import (DEFAULT_BATCHES, DEFAULT_CONTEXT, MeasuredCurve, curve_dir, curve_key,
                                              server_identity)
     from sgl_tts.launch import verifier_slowdown as vs
-    from sgl_tts.search.speculation_cost import VerifierSlowdown
+    from sgl_tts.server_costs import VerifierSlowdown
 
     gen_id = server_identity(generator)
     path = curve_dir() / f"{curve_key(gen_id, DEFAULT_BATCHES, DEFAULT_CONTEXT, 16)}.json"

@@ -18,7 +18,9 @@ from programs.beam_search import beam_search
 from programs.dvts import dvts
 from sgl_tts.backends.local import admission_priority
 from sgl_tts.backends.request import RequestFields
-from sgl_tts.search.pipeline import OverlappedVerification, Speculation, StepPipeline, speculative_potential
+from sgl_tts.search.overlap import OverlappedVerification
+from sgl_tts.search.pipeline import StepPipeline
+from sgl_tts.search.speculation import Speculation, speculative_potential
 from sgl_tts.search import aggregate, derive_seed, expand, top_k
 from sgl_tts.testing import ScriptedBackend, ScriptedPRM
 
@@ -415,7 +417,7 @@ def test_families_release_a_family_when_its_last_sibling_is_ready_and_the_last_f
     (three) and a root beam (no parent); a candidate goes when its whole family is ready, a root beam
     at once, and once only one family still generates, its ready members go and later ones at once."""
     from sgl_tts.search.families import Families
-    from sgl_tts.search.pipeline import Beam, Candidate
+    from sgl_tts.search.beams import Beam, Candidate
 
     beams = [Beam(None, parent=0), Beam(None, parent=0), Beam(None, parent=1), Beam(None, parent=1),
              Beam(None, parent=1), Beam(None)]

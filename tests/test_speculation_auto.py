@@ -15,8 +15,9 @@ from sgl_tts.experiment import RunConfig, RunError
 from sgl_tts.experiment.driver import with_decode_curve, with_verifier_slowdown
 from sgl_tts.experiment.summary import summarize
 from sgl_tts.launch.decode_curve import MeasuredCurve, curve_key
-from sgl_tts.search.pipeline import Speculation
-from sgl_tts.search.speculation_cost import COSTS_MORE, NO_CURVE, DecodeCurve, VerifierSlowdown
+from sgl_tts.search.speculation import Speculation
+from sgl_tts.search.speculation_cost import COSTS_MORE, NO_CURVE
+from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown
 
 
 def _curve_file(tmp_path, points, name="curve.json"):

@@ -8,10 +8,10 @@ import pytest
 
 from programs.beam_search import beam_search
 from programs.dvts import dvts
-from sgl_tts.search.pipeline import SPECULATION_PRESETS, Speculation
+from sgl_tts.search.speculation import SPECULATION_PRESETS, Speculation
 from sgl_tts.search.speculation_cost import (COSTS_MORE, NO_CURVE, SLOWS_VERIFIER, STARTED, VERIFIER_SHARES,
-                                              DecodeCurve, SpeculationController, TakeOverChance,
-                                              VerifierSlowdown)
+                                             SpeculationController, TakeOverChance)
+from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown
 from test_speculation import QUESTIONS, SETTINGS, kept, run
 
 FLAT = DecodeCurve.of([(1, 0.02), (64, 0.02)])            # memory-bound: a row costs nothing

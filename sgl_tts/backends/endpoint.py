@@ -203,7 +203,7 @@ class SGLangEndpoint(RuntimeEndpoint):
         return self.control.set_class(group, cls, beams=beams, depth=depth, priority=priority)
 
     def decode_curve(self):
-        """This server's decode curve (a :class:`~sgl_tts.search.speculation_cost.DecodeCurve`: seconds
+        """This server's decode curve (a :class:`~sgl_tts.server_costs.DecodeCurve`: seconds
         per decode step against the running batch), what ``speculative="auto"`` decides on: measured
         the first time this process asks and cached on disk per server, as ``sgl-tts run`` caches it
         (:func:`sgl_tts.launch.decode_curve.server_curve`)."""

@@ -16,7 +16,7 @@ from sgl_tts import records, registry
 from sgl_tts.search import AGGREGATIONS, BOXED, STEP_DELIMITER
 from sgl_tts.search.options import (DEFAULT_AGGREGATION, DEFAULT_BUDGET, DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS,
                                     DEFAULT_STEP_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_WIDTH)
-from sgl_tts.search.pipeline import SPECULATION_PRESETS
+from sgl_tts.search.speculation import SPECULATION_PRESETS
 
 # kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
 PROGRAMS = registry.names()
@@ -219,7 +219,7 @@ class RunConfig:
             bad("speculation_curve, verifier_shares_device and verifier_slowdown are settings of speculative: auto",
                 "speculation_curve", "verifier_shares_device", "verifier_slowdown", "speculative")
         if self.verifier_slowdown not in ("measure", "none"):
-            from sgl_tts.search.speculation_cost import VerifierSlowdown
+            from sgl_tts.server_costs import VerifierSlowdown
 
             try:
                 VerifierSlowdown.load(self.verifier_slowdown)
@@ -228,7 +228,7 @@ class RunConfig:
                     "give measure, none or a JSON file with points: [[rows, seconds], ...] (rows 0 first)",
                     "verifier_slowdown")
         if self.speculation_curve not in ("measure", "none"):
-            from sgl_tts.search.speculation_cost import DecodeCurve
+            from sgl_tts.server_costs import DecodeCurve
 
             try:
                 DecodeCurve.load(self.speculation_curve)
@@ -297,8 +297,8 @@ class RunConfig:
         on the curve of ``speculation_curve`` (``none``: no curve, so nothing starts and the searches
         say why; ``measure`` left unresolved: the search measures its generator server's, and refuses
         a generator that is no server)."""
-        from sgl_tts.search.pipeline import Speculation
-        from sgl_tts.search.speculation_cost import DecodeCurve, VerifierSlowdown
+        from sgl_tts.search.speculation import Speculation
+        from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown
 
         curve = None if self.speculation_curve in ("measure", "none") else DecodeCurve.load(self.speculation_curve)
         slowdown = None if self.verifier_slowdown in ("measure", "none") else VerifierSlowdown.load(self.verifier_slowdown)

@@ -10,7 +10,7 @@ prompts of ``context`` token ids, prefilled for one token: a verification is a p
 with ``B`` generator requests decoding beside it (``rows``), each several times, keeping the minimum
 (other load only adds time). The generator's requests stream, so the PRM batch starts only once every
 one of them has produced a token (it is decoding, not queued); they are aborted by their rids right
-after. The result is a :class:`~sgl_tts.search.speculation_cost.VerifierSlowdown`, whose ``per_row``
+after. The result is a :class:`~sgl_tts.server_costs.VerifierSlowdown`, whose ``per_row``
 is what the controller's barrier rule uses.
 
 :func:`slowdown_for_servers` caches it as JSON beside the decode curves, keyed by what both servers

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from sgl_tts.search.pipeline import Beam, Candidate
+    from sgl_tts.search.beams import Beam, Candidate
 
 
 class Families:

@@ -83,7 +83,7 @@ class OptionTypeError(OptionError, TypeError):
 class TreeSearchOptions:
     """What beam search and DVTS share: N beams, M children per kept beam, the depth limit, the step
     limit (an int or a per-depth schedule), how step scores aggregate, and the two latency policies
-    (speculation: ``False``/``True``, a preset name or a :class:`~sgl_tts.search.pipeline.Speculation`;
+    (speculation: ``False``/``True``, a preset name or a :class:`~sgl_tts.search.speculation.Speculation`;
     overlapped verification, by beam or, ``overlap_by_family``, by family)."""
 
     num_beams: int = DEFAULT_BUDGET
@@ -112,7 +112,7 @@ class TreeSearchOptions:
         if self.overlap_by_family and not self.overlap_verification:
             raise OptionError("overlap_by_family is a way of overlapped verification: it needs "
                               "overlap_verification=True", "overlap_by_family", "overlap_verification")
-        from sgl_tts.search.pipeline import Speculation
+        from sgl_tts.search.speculation import Speculation
 
         try:
             Speculation.of(self.speculative)

@@ -18,8 +18,7 @@ pipeline, which only orchestrates them:
 
 Selection sees only each candidate's current step and its scores, so given the same samples and
 scores every policy keeps the beams the plain search keeps (tests/test_speculation.py proves it).
-The depth's state types live in :mod:`sgl_tts.search.beams`; this module re-exports them and the
-speculation policy's names, so ``from sgl_tts.search.pipeline import Beam, Speculation`` still works.
+The depth's state types live in :mod:`sgl_tts.search.beams`, each strategy in its own module.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ from sgl_tts.search import BOXED, STEP_DELIMITER, SearchTag, Step, advance, aggr
 from sgl_tts.search.beams import Beam, Branch, Candidate, Costs, end_state, joined
 from sgl_tts.search.lookahead import LookAhead
 from sgl_tts.search.overlap import OverlappedVerification
-from sgl_tts.search.speculation import (SPECULATION_MODES, SPECULATION_PRESETS, Speculation, Speculator,
-                                        speculative_potential)
+from sgl_tts.search.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -285,5 +283,4 @@ class StepPipeline:
             self.speculator.leave()
 
 
-__all__ = ["Beam", "Branch", "Candidate", "Costs", "LookAhead", "OverlappedVerification", "SPECULATION_MODES",
-           "SPECULATION_PRESETS", "Speculation", "Speculator", "StepPipeline", "speculative_potential"]
+__all__ = ["StepPipeline"]

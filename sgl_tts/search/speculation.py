@@ -36,8 +36,8 @@ import sgl_tts
 from sgl_tts.protocol import rid_prefix
 from sgl_tts.search import SearchTag, Step
 from sgl_tts.search.beams import Beam, Branch, Candidate, end_state
-from sgl_tts.search.speculation_cost import (DecodeCurve, RowsInFlight, SpeculationController, TakeOverChance,
-                                              VerifierSlowdown, rows_in_flight)
+from sgl_tts.search.speculation_cost import RowsInFlight, SpeculationController, TakeOverChance, rows_in_flight
+from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown
 
 if TYPE_CHECKING:
     from sgl_tts.search.pipeline import StepPipeline

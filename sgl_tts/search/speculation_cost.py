@@ -6,7 +6,7 @@ true where a decode step costs the same at any batch (memory-bound decoding on a
 medium batches), false on a CPU or at large batches, where every extra row makes every step of the
 depth slower. So the decision is made from a measured :class:`DecodeCurve`, the time of one decode
 step of the generator against its running batch, read through its non-decreasing fit (a measured
-batch that timed under a smaller one is noise, not free rows: :func:`centered_isotonic`).
+batch that timed under a smaller one is noise, not free rows: :func:`~sgl_tts.server_costs.centered_isotonic`).
 
 The rule (:meth:`SpeculationController.decide`), per decode step a branch runs:
 
@@ -54,7 +54,7 @@ import dataclasses
 import threading
 from typing import Any, Hashable
 
-from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown, centered_isotonic  # noqa: F401 (the controller's inputs)
+from sgl_tts.server_costs import DecodeCurve, VerifierSlowdown
 
 #: a decision's reasons (``SearchResult.stood_down`` counts those of the branches not started or stopped)
 COSTS_MORE = "costs more than it saves"
@@ -222,5 +222,5 @@ class SpeculationController:
         return BranchDecision(False, SLOWS_VERIFIER, saving, cost)
 
 
-__all__ = ["BranchDecision", "COSTS_MORE", "DecodeCurve", "centered_isotonic", "NO_CURVE", "RowsInFlight", "SLOWS_VERIFIER", "STARTED",
-           "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "VerifierSlowdown", "rows_in_flight"]
+__all__ = ["BranchDecision", "COSTS_MORE", "NO_CURVE", "RowsInFlight", "SLOWS_VERIFIER", "STARTED",
+           "SpeculationController", "TakeOverChance", "VERIFIER_SHARES", "rows_in_flight"]

@@ -326,7 +326,7 @@ class SearchResult:
     @classmethod
     def of(cls, answer: str | None, answers: dict[str, str | None], trajectories: list[Trajectory], costs: Any,
            seconds: float) -> "SearchResult":
-        """A result whose costs come from a :class:`sgl_tts.search.pipeline.Costs`."""
+        """A result whose costs come from a :class:`sgl_tts.search.beams.Costs`."""
         return cls(answer, answers, trajectories, costs.tokens_normal + costs.tokens_speculative, seconds,
                    costs.tokens_speculative, costs.tokens_reused, costs.seconds_generating,
                    costs.seconds_verifying, costs.prm_requests, branches_started=costs.branches_started,

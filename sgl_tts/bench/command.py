@@ -27,12 +27,14 @@ from typing import Sequence
 
 from sgl_tts.bench import server_counters
 from sgl_tts.plugin.scheduling.observer import SERVER_ENV as OBSERVER_ENV
+from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
 from sgl_tts.bench.errors import BenchError
 from sgl_tts.bench.goodput import measure_limit, run_side
+from sgl_tts.bench.goodput_load import finished_blocks, run_load_side
 from sgl_tts.bench.goodput_report import format_report, plot_report, summarize
 from sgl_tts.bench.goodput_settings import DEFAULT_N, DEFAULT_SERVER_ARGS, BenchSettings
 from sgl_tts.bench.goodput_store import RecordWriter
-from sgl_tts.bench.sides import (ALL_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES, is_stock, side_curve,
+from sgl_tts.bench.sides import (ALL_SIDES, LOAD_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES, is_stock, side_curve,
                                  side_slowdown)
 
 MODEL_CACHE = Path.home() / ".cache" / "sgl-tts" / "bench-models"
@@ -52,6 +54,7 @@ CPU_TRACE = {"median_tokens": 32.0, "sigma": 1.0, "max_tokens": 512}
 CPU_PROMPT_TOKENS = 64
 CPU_N = (8, 32, 64)
 CPU_PROBLEMS = 1
+LOAD_PROBLEMS = 8   # --arrivals: problems per (algorithm, n) and rate, arriving as a Poisson process
 # --pressure (issue 32; docs/benchmarks/LOG.md "CPU under memory pressure"): the CPU workload under which the
 # scheduler plugin must win. Every beam shares a 512-token prompt (a few-shot prefix worth keeping), and
 # each n gets a KV budget (both pools of a side) whose stock generator pool the search's live generator
@@ -110,15 +113,16 @@ def apply_device_defaults(args) -> None:
         args.stock_split = DEFAULT_STOCK_SPLIT
     if args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
+    load = bool(getattr(args, "arrivals", None))
     if args.sides is None:
-        args.sides = list(SIDES)
+        args.sides = list(LOAD_SIDES if load else SIDES)
     if cpu:
         args.generator = args.generator or CPU_MODELS["generator"]
         args.prm = args.prm or CPU_MODELS["prm"]
     if args.n is None:
         args.n = list(CPU_N if cpu else DEFAULT_N)
     if args.problems is None:
-        args.problems = CPU_PROBLEMS if cpu else 2
+        args.problems = LOAD_PROBLEMS if load else CPU_PROBLEMS if cpu else 2
     if args.prompt_tokens is None:
         args.prompt_tokens = CPU_PROMPT_TOKENS if cpu else 300
     if args.server_args is None:
@@ -159,7 +163,8 @@ def settings_from_args(args, context_default: int | None, planned_batch: int,
     return BenchSettings(tuple(args.algorithms), tuple(args.n), args.problems, args.beam_width, args.seed,
                          args.prompt_tokens, args.temperature, trace,
                          args.context_tokens or context_default, planned_batch, args.limit_tokens,
-                         tuple(banned_token_ids))
+                         tuple(banned_token_ids), arrivals=tuple(getattr(args, "arrivals", None) or ()),
+                         latency_bound=getattr(args, "latency_bound", None) or DEFAULT_LATENCY_BOUND)
 
 
 PROVENANCE = ("machine", "date", "command")
@@ -197,7 +202,12 @@ def measured_header(header: dict, records: Sequence[dict]) -> dict:
 
 
 def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> dict:
-    """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows."""
+    """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows
+    (the load mode: the cells, :func:`sgl_tts.bench.load_report.load_json`)."""
+    if settings.load:
+        from sgl_tts.bench.load_report import load_json
+
+        return load_json(records, settings, header)
     rows = summarize(records, settings)
     return {"header": header, "settings": settings.to_json(),
             "server_counters": server_counters.per_side(records),
@@ -208,6 +218,10 @@ def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> 
 
 def report(records: list[dict], settings: BenchSettings, output: Path, header: dict) -> str:
     """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown."""
+    if settings.load:
+        from sgl_tts.bench.load_report import write_load_report
+
+        return write_load_report(records, settings, output, header)
     rows = summarize(records, settings)
     table = format_report(rows)
     lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "",
@@ -379,8 +393,10 @@ def side_specs(args, setup: BenchSetup, output: Path) -> dict[str, list]:
     for side in args.sides:
         servers = "stock" if is_stock(side) else "sgl-tts"   # every sgl-tts side runs on the sgl-tts servers
         policy = STOCK_POLICIES.get(side)
+        # the load mode reads both servers' waiting queues from their /metrics
+        metered = ("generator", "prm") if setup.settings.load else ("generator",)
         flags = {name: extra_by[name] + (["--schedule-policy", policy] if policy else [])
-                 + ([server_counters.METRICS_FLAG] if name == "generator" else []) for name in extra_by}
+                 + ([server_counters.METRICS_FLAG] if name in metered else []) for name in extra_by}
         server_policy = SERVER_POLICIES.get(side)
         plugin = TTSSettings(**(server_policy or {"policy": "prefix-aware"}),
                              metrics_file=str(output.with_name(output.stem + ".plugin-metrics.jsonl"))
@@ -454,6 +470,10 @@ class SideRunner:
         """Every side's finished searches, the decode limits measured, and how many searches and
         measurements ``side`` has left."""
         settings, writer = self.setup.settings, self.writer
+        if settings.load:   # the load mode's unit is a block: (side, algorithm, n, rate)
+            done = finished_blocks(writer.records)
+            need = {(side, a, n, r) for a in settings.algorithms for n in settings.n for r in settings.arrivals}
+            return done, set(), len(need - done)
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}
         need = {(side, a, n, p) for a in settings.algorithms for n in settings.n for p in range(settings.problems)}
@@ -500,6 +520,12 @@ class SideRunner:
     def _run_side(self, side: str, urls: dict[str, str]) -> None:
         settings, writer, toks = self.setup.settings, self.writer, self.setup.tokenizers
         done, limits, _ = self._todo(side)
+        if settings.load:
+            self.left += run_load_side(side, urls, settings, prm_tokenizer=str(toks["prm"]),
+                                       generator_tokenizer=str(toks["generator"]), vocab=self.setup.vocab, done=done,
+                                       write=writer, flush=lambda: flush_caches(urls),
+                                       progress=not self.args.no_progress, deadline=self.deadline)
+            return
         if SIDE_OPTIONS[side].get("speculative") == "auto":
             # its decode curve and the PRM's slowdown (cached; run_side reads them back) are
             # measured before the side's counters start: their prompts are not the side's work

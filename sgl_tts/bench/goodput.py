@@ -68,23 +68,11 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     from tqdm.auto import tqdm
 
     from sgl_tts.bench.dummy_models import WORD_TAG
-    from sgl_tts.experiment import RunError, program_function
+    from sgl_tts.experiment import program_function
     from sgl_tts.prm import StepTagPRM
 
     trace = settings.step_trace()
-    try:    # every program's settings checked before the first search
-        configs = {(a, n): run_config(side, a, n, settings, trace) for a in settings.algorithms for n in settings.n}
-    except RunError as exc:
-        raise BenchError(f"side {side}: {exc}") from None
-    if SIDE_OPTIONS[side].get("speculative") == "auto":   # its decode curve, before the first search
-        measured = side_curve(side, generator_url, settings, trace)
-        write({"kind": "curve", "side": side, "points": [list(p) for p in measured.curve.points],
-               "context": measured.context, "date": measured.date, "path": measured.path})
-        slowdown = side_slowdown(side, generator_url, prm_url)
-        write({"kind": "slowdown", "side": side, "points": [list(p) for p in slowdown.slowdown.points],
-               "per_row": round(slowdown.slowdown.per_row, 6), "date": slowdown.date, "path": slowdown.path})
-        configs = {k: dataclasses.replace(c, speculation_curve=measured.path, verifier_slowdown=slowdown.path)
-                   for k, c in configs.items()}
+    configs = side_configs(side, generator_url, prm_url, settings, trace, write)
     registry = StepRegistry()
     gen = TraceEndpoint(generator_url, trace, registry, context_tokens=settings.context_tokens,
                         tokenizer_path=generator_tokenizer, banned_token_ids=settings.banned_token_ids)
@@ -116,8 +104,7 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
             cause = next(iter(end_stream_executors()), None) or error
             raise BenchError(f"search {group} failed: {cause!r}") from (cause if isinstance(cause, BaseException) else None)
         result = state.ret_value
-        kept = sorted([list(registry.node(t.steps[-1])[1]) if t.steps else [], bool(t.finished), int(t.tokens),
-                       round(float(t.score), 9)] for t in result.trajectories)
+        kept = kept_beams(registry, result)
         g, v = gen.take_meter(), prm_backend.take_meter()
         write({"kind": "search", "side": side, "algorithm": algorithm, "n": n, "problem": problem,
                "seconds": seconds, "verifier_seconds": verifier.seconds,
@@ -135,6 +122,35 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                "depth_tokens": [registry.depth_tokens.get(d, 0) for d in range(max(registry.depth_tokens) + 1)],
                "generator": dataclasses.asdict(g), "prm": dataclasses.asdict(v), "kept": kept})
     return 0
+
+
+def side_configs(side: str, generator_url: str, prm_url: str, settings: BenchSettings, trace,
+                 write: Callable[[dict], None]) -> dict:
+    """Each (algorithm, n)'s run settings on ``side`` (every one checked before the first search); an
+    ``auto`` side's decode curve and the PRM's slowdown measured (cached per server) and recorded first."""
+    from sgl_tts.experiment import RunError
+
+    try:
+        configs = {(a, n): run_config(side, a, n, settings, trace) for a in settings.algorithms for n in settings.n}
+    except RunError as exc:
+        raise BenchError(f"side {side}: {exc}") from None
+    if SIDE_OPTIONS[side].get("speculative") == "auto":   # its decode curve, before the first search
+        measured = side_curve(side, generator_url, settings, trace)
+        write({"kind": "curve", "side": side, "points": [list(p) for p in measured.curve.points],
+               "context": measured.context, "date": measured.date, "path": measured.path})
+        slowdown = side_slowdown(side, generator_url, prm_url)
+        write({"kind": "slowdown", "side": side, "points": [list(p) for p in slowdown.slowdown.points],
+               "per_row": round(slowdown.slowdown.per_row, 6), "date": slowdown.date, "path": slowdown.path})
+        configs = {k: dataclasses.replace(c, speculation_curve=measured.path, verifier_slowdown=slowdown.path)
+                   for k, c in configs.items()}
+    return configs
+
+
+def kept_beams(registry: StepRegistry, result) -> list:
+    """A search's kept trajectories, comparable across sides: each one's path of beam indices (not its
+    random text), whether it finished, its tokens and score, sorted."""
+    return sorted([list(registry.node(t.steps[-1])[1]) if t.steps else [], bool(t.finished), int(t.tokens),
+                   round(float(t.score), 9)] for t in result.trajectories)
 
 
 def measure_limit(generator_url: str, settings: BenchSettings, *, vocab: int = 32000,
@@ -159,4 +175,4 @@ def measure_limit(generator_url: str, settings: BenchSettings, *, vocab: int = 3
                "tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
 
 
-__all__ = ["measure_limit", "run_side"]
+__all__ = ["kept_beams", "measure_limit", "run_side", "side_configs"]

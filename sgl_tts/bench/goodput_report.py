@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench.goodput_settings import BenchSettings
-from sgl_tts.bench.sides import ALL_SIDES, is_stock
+from sgl_tts.bench.sides import ALL_SIDES, is_baseline
 
 
 @dataclasses.dataclass
@@ -115,7 +115,7 @@ def format_report(rows: Sequence[ReportRow]) -> str:
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for row in rows:
         # against the best stock side that ran (fcfs, lpm, dfs-weight): what a user would pick instead
-        stock = max((r for side, r in row.sides.items() if is_stock(side)), key=lambda r: r.goodput, default=None)
+        stock = max((r for side, r in row.sides.items() if is_baseline(side)), key=lambda r: r.goodput, default=None)
         for side in ALL_SIDES:
             r = row.sides.get(side)
             if r is None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 
+from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
 from sgl_tts.bench.trace import StepTrace
 
 ALGORITHMS = ("beam_search", "dvts")
@@ -34,6 +35,11 @@ class BenchSettings:
             tokenizer's specials, where a small vocabulary would write them into many steps.
         placement: how a step's trace path is keyed (``ordinal``: its place among its parent's
             children, as beam search's seeds since issue 18); records of another scheme do not resume.
+        arrivals: the load mode's offered rates, problems per second (``--arrivals``; empty: the
+            searches run one at a time). At each rate the ``problems`` of every (algorithm, n) arrive as
+            a Poisson process (:mod:`sgl_tts.bench.arrivals`) and run at once (:mod:`sgl_tts.bench.goodput_load`).
+        latency_bound: the load mode's maximum-sustainable-rate rule: p99 within this many times the
+            side's unloaded latency.
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -49,9 +55,16 @@ class BenchSettings:
     limit_tokens: int = 256
     banned_token_ids: tuple[int, ...] = ()
     placement: str = "ordinal"
+    arrivals: tuple[float, ...] = ()
+    latency_bound: float = DEFAULT_LATENCY_BOUND
 
     def __post_init__(self):
         self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
+        self.arrivals = tuple(float(x) for x in self.arrivals)
+        if any(r <= 0 for r in self.arrivals) or len(set(self.arrivals)) != len(self.arrivals):
+            raise ValueError(f"every arrival rate must be > 0 and given once, got {list(self.arrivals)}")
+        if self.latency_bound <= 1:
+            raise ValueError(f"the latency bound must be > 1 (times the unloaded latency), got {self.latency_bound}")
         self.banned_token_ids = tuple(int(x) for x in self.banned_token_ids)
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
         if bad or not self.algorithms:
@@ -74,8 +87,16 @@ class BenchSettings:
         rng = random.Random(f"bench-question/{self.seed}/{problem}")
         return " ".join(f"t{rng.randrange(vocab)}" for _ in range(self.prompt_tokens))
 
+    @property
+    def load(self) -> bool:
+        """The load mode: searches arrive at the offered rates and run at once."""
+        return bool(self.arrivals)
+
     def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        out = json.loads(json.dumps(dataclasses.asdict(self)))
+        if not self.arrivals:   # one search at a time: the records' header as before the load mode
+            del out["arrivals"], out["latency_bound"]
+        return out
 
 
 def search_group(algorithm: str, n: int, problem: int) -> str:

@@ -135,7 +135,14 @@ class TraceEndpoint(MeteredEndpoint):
         self.trace, self.registry, self.context_tokens = trace, registry, context_tokens
         # never sampled: far below any logit (SGLang adds logit_bias to the logits before sampling)
         self.logit_bias = {str(int(t)): -1e4 for t in banned_token_ids} or None
+        self._sent = 0   # step requests prepared for sending (streamed or not)
         super().__init__(base_url, tokenizer_path=tokenizer_path)
+
+    def take_sent(self) -> int:
+        """The step requests sent since the last call (every generation, streamed ones too)."""
+        with self._meter_lock:
+            got, self._sent = self._sent, 0
+        return got
 
     def prepare_request(self, s, data, fields):
         """The step's length from the trace: exactly that many tokens, no stop strings, no EOS."""
@@ -159,6 +166,8 @@ class TraceEndpoint(MeteredEndpoint):
             if tokens >= room - self.trace.min_tokens:   # the next step would not fit: end here
                 tokens, ends = min(tokens, room), True
         data["sampling_params"].update(max_new_tokens=tokens, ignore_eos=True, stop=[])
+        with self._meter_lock:
+            self._sent += 1
         if self.logit_bias:
             data["sampling_params"]["logit_bias"] = self.logit_bias
         return tag, path, before, tokens, ends

@@ -27,12 +27,12 @@ import hashlib
 import json
 import logging
 import math
-import random
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from sgl_tts.bench.arrivals import poisson_arrivals
 from sgl_tts.experiment import quantile
 from sgl_tts.records import RecordStore
 
@@ -126,16 +126,6 @@ def load_problems(s: LoadSettings) -> list:
     if len(probs) < s.problems:
         raise ValueError(f"{s.workload} holds {len(probs)} problems, the run asks for {s.problems}")
     return probs[:s.problems]
-
-
-def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
-    """``count`` arrival times (seconds from 0) of a Poisson process at ``rate`` per second."""
-    rng = random.Random(f"arrivals-{seed}-{rate}")
-    t, out = 0.0, []
-    for _ in range(count):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def side_config(side: str, s: LoadSettings):

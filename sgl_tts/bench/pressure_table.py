@@ -30,7 +30,7 @@ from pathlib import Path
 from sgl_tts.bench.command import CPU_PRESSURE_BUDGETS, CPU_PRESSURE_STOCK_SPLITS
 from sgl_tts.bench.goodput_report import summarize
 from sgl_tts.bench.goodput_settings import BenchSettings
-from sgl_tts.bench.sides import ALL_SIDES, is_stock
+from sgl_tts.bench.sides import ALL_SIDES, is_baseline, is_stock
 from sgl_tts.launch.memory import parse_bytes
 
 GOAL_GOODPUT = 1.5            # the best sgl-tts side's goodput over the best stock side's
@@ -161,7 +161,7 @@ def floors(runs: Sequence[BenchRun]) -> dict[tuple, Floor]:
     for run in floor_runs(runs):
         cells = {(r["algorithm"], r["n"]) for r in run.records if r.get("kind") == "search"}
         for algorithm, n in sorted(cells):
-            found = [prefilled(s) for side in ALL_SIDES if is_stock(side)
+            found = [prefilled(s) for side in ALL_SIDES if is_baseline(side)
                      if (s := _searches(run, algorithm, n, side))]
             if found:
                 key = search_key(run, algorithm, n)
@@ -183,12 +183,12 @@ def cell_rows(run: BenchRun, algorithm: str, n: int,
     """The rows of one (run, algorithm, n); none when the run has no stock side there to compare with."""
     report = next((r for r in summarize(run.records, dataclasses.replace(run.settings, algorithms=(algorithm,), n=(n,)))
                    if r.algorithm == algorithm and r.n == n), None)
-    if report is None or not any(is_stock(s) for s in report.sides):
+    if report is None or not any(is_baseline(s) for s in report.sides):
         return []
-    best = max(row.goodput for s, row in report.sides.items() if is_stock(s))
+    best = max(row.goodput for s, row in report.sides.items() if is_baseline(s))
     spent = {side: prefilled(_searches(run, algorithm, n, side)) for side in report.sides}
     again = {side: None if floor is None else p.total - floor.total for side, p in spent.items()}
-    least = None if floor is None else min(v for s, v in again.items() if is_stock(s))
+    least = None if floor is None else min(v for s, v in again.items() if is_baseline(s))
     rows = []
     for side, row in report.sides.items():
         vs = None if least is None or again[side] is None or least <= 0 else again[side] / least - 1

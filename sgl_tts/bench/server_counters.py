@@ -88,6 +88,36 @@ def server_counters(base_url: str, timeout: float = 30.0) -> dict[str, float | N
                            f"{METRICS_FLAG}") from None
 
 
+def metric_sum(text: str, metric: str) -> float | None:
+    """``metric`` in a Prometheus text answer, summed over its label sets (``None``: absent)."""
+    total = None
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            if head.split("{", 1)[0] == metric:
+                total = (total or 0.0) + float(value)
+    return total
+
+
+def gauge(base_url: str, metric: str, timeout: float = 5.0) -> float | None:
+    """``metric`` on the server's ``/metrics`` now, summed over its labels; ``None`` when the server did
+    not answer in time or has no such series (a sampler skips the reading)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as res:
+            return metric_sum(res.read().decode("utf-8", errors="replace"), metric)
+    except (OSError, ValueError):
+        return None
+
+
+#: requests the server received (SGLang's tokenizer manager counts each when it finishes)
+REQUESTS_COUNTER = "sglang:num_requests_total"
+
+
+def request_count(base_url: str, timeout: float = 30.0) -> float | None:
+    """The requests the server has counted so far (:data:`REQUESTS_COUNTER`; ``None``: not served)."""
+    return gauge(base_url, REQUESTS_COUNTER, timeout)
+
+
 def delta(before: Mapping[str, float | None], after: Mapping[str, float | None]) -> dict[str, float | None]:
     """What happened between two readings of the same server (``None`` where either has none)."""
     out: dict[str, float | None] = {}
@@ -151,5 +181,5 @@ def format_counters(counters: Mapping[str, Mapping[str, float | None]], order: I
 
 
 __all__ = ["ALL_COUNTERS", "BLOCK_TOKENS", "COUNTERS", "METRICS_FLAG", "OBSERVER_COUNTERS", "delta",
-           "format_counters", "ms_per_round", "parse_counters", "per_side", "recomputed_prompt_tokens",
-           "server_counters"]
+           "REQUESTS_COUNTER", "format_counters", "gauge", "metric_sum", "ms_per_round", "parse_counters", "per_side", "recomputed_prompt_tokens",
+           "request_count", "server_counters"]

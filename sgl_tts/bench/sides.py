@@ -17,7 +17,13 @@ SIDES = ("stock", "sgl-tts")   # the default sides
 # The stock sides: SGLang's own scheduling (the plugin observe-only), under each scheduling policy a user would try for prefix
 # reuse before a plugin (issue 32): its default (fcfs), lpm (longest prefix match first) and
 # dfs-weight (a depth-first walk of the radix tree, weighted by waiting requests). None: SGLang's default.
-STOCK_POLICIES: dict[str, str | None] = {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight"}
+# ``stock+overlap`` runs the sgl-tts client (overlapped verification) on the stock servers: what the
+# client alone wins, with no plugin (issue 64).
+STOCK_POLICIES: dict[str, str | None] = {"stock": None, "stock-lpm": "lpm", "stock-dfs-weight": "dfs-weight",
+                                         "stock+overlap": None}
+# The baselines: stock SGLang and its own client-free programs, what a user would pick instead of sgl-tts
+# (a report's "best stock" is the best of these)
+BASELINES = ("stock", "stock-lpm", "stock-dfs-weight")
 # Each side's run settings (issue 18's ablation, seed 000 Fig. 15): prefix-aware order (the plugin,
 # "sgl-tts"), then speculative beam extension (exact mode), then LookAhead verification, then
 # overlapped verification. Every sgl-tts side runs on the same servers' flags; only the program's
@@ -26,6 +32,7 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "stock": {},
     "stock-lpm": {},
     "stock-dfs-weight": {},
+    "stock+overlap": {"overlap_verification": True},
     "sgl-tts": {},
     "sgl-tts+spec": {"speculative": "exact-no-lookahead"},
     "sgl-tts+spec+lookahead": {"speculative": "exact"},
@@ -47,6 +54,7 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     # the same, a family's PRM requests sent together once its siblings' steps ended (the PRM's cache)
     "sgl-tts+locality+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
     "sgl-tts+locality-families+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
+    "sgl-tts+locality-families+overlap": {"overlap_verification": True},
 }
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
@@ -59,14 +67,26 @@ SERVER_POLICIES: dict[str, dict[str, str]] = {
     "sgl-tts+locality+overlap": {"policy": "locality"},
     "sgl-tts+locality+overlap-by-family": {"policy": "locality"},
     "sgl-tts+locality-families+overlap-by-family": {"policy": "locality", "locality_rules": "families"},
+    "sgl-tts+locality-families+overlap": {"policy": "locality", "locality_rules": "families"},
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
+# The load mode's sides (``--arrivals``, issue 64), which attribute a gain to its part: the baselines;
+# the sgl-tts client on stock servers; the plugin's orders alone (prefix-aware, locality, locality with
+# whole-family admission); each with overlapped verification; and the recommended setting.
+LOAD_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "stock+overlap", "sgl-tts", "sgl-tts+locality",
+              "sgl-tts+locality-families", "sgl-tts+overlap", "sgl-tts+locality+overlap",
+              "sgl-tts+locality-families+overlap", "sgl-tts+auto+overlap")
 
 
 def is_stock(side: str) -> bool:
     """A side on stock SGLang's servers (no scheduling plugin: sgl-tts observe-only), as opposed to
     the sgl-tts servers."""
     return side in STOCK_POLICIES
+
+
+def is_baseline(side: str) -> bool:
+    """A side with no part of sgl-tts in it (:data:`BASELINES`): stock servers, no client setting."""
+    return side in BASELINES
 
 
 def run_config(side: str, algorithm: str, n: int, settings: "BenchSettings", trace: "StepTrace"):

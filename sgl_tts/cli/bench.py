@@ -17,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.command import (CPU_MODELS, CPU_PRESSURE_BUDGETS, CPU_PRESSURE_PROMPT_TOKENS, CPU_PRESSURE_SIDES,
                                        DEVICES)
     from sgl_tts.bench.goodput_settings import ALGORITHMS
-    from sgl_tts.bench.sides import ALL_SIDES, SIDES
+    from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
+    from sgl_tts.bench.command import LOAD_PROBLEMS
+    from sgl_tts.bench.sides import ALL_SIDES, LOAD_SIDES, SIDES
 
     ap = argparse.ArgumentParser(
         prog="sgl-tts bench",
@@ -78,7 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
                         "-order): --tts-policy locality (or one of its rules alone) on both servers; "
                         "sgl-tts+locality+overlap: that policy with overlapped verification; "
-                        "sgl-tts+locality+overlap-by-family: overlapped by family (siblings' PRM requests together)")
+                        "sgl-tts+locality+overlap-by-family: overlapped by family (siblings' PRM requests together); "
+                        "stock+overlap: the sgl-tts client's overlapped verification on the stock servers")
+    b.add_argument("--arrivals", type=rates, default=None, metavar="R1,R2,...",
+                   help="the load mode (many searches at once): at each rate (searches / s) the --problems of "
+                        "every (algorithm, n) arrive as a Poisson process and run at once; reports latency from "
+                        "arrival to answer (p50/p99), throughput, both servers' waiting queues and each side's "
+                        f"maximum sustainable rate. Sides by default: {' '.join(LOAD_SIDES)}; "
+                        f"--problems {LOAD_PROBLEMS} by default")
+    b.add_argument("--latency-bound", type=float, default=None,
+                   help=f"with --arrivals: a rate is sustained when its p99 is within this many times the side's "
+                        f"unloaded latency (default {DEFAULT_LATENCY_BOUND:g}) and latencies do not grow")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
@@ -93,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
                          "table; the servers' logs go to stderr")
     return ap
+
+
+def rates(text: str) -> list[float]:
+    """``--arrivals``: comma-separated positive rates, each once, in increasing order."""
+    try:
+        got = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 0.05,0.1,0.2 (searches per second), got {text!r}") from None
+    if not got or any(r <= 0 for r in got) or len(set(got)) != len(got):
+        raise argparse.ArgumentTypeError(f"every rate must be > 0 and given once, got {text!r}")
+    return sorted(got)
 
 
 def _add_server_arguments(ap: argparse.ArgumentParser) -> None:
@@ -198,11 +221,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
         return 130
     show(writer.records)
-    rows = summarize(writer.records, settings)
+    if settings.load:
+        from sgl_tts.bench.load_report import summarize_load
+
+        differ = any(c.kept_beams_match is False for c in summarize_load(writer.records, settings.latency_bound))
+    else:
+        differ = any(r.match is False for r in summarize(writer.records, settings))
     if runner.left:
         print(f"sgl-tts bench: --stop-after reached with work left ({runner.left} searches or measurements); "
               f"run the same command again to go on from {output}", file=sys.stderr)
         return 3
-    if any(r.match is False for r in rows):
+    if differ:
         return fail("kept beams differ between the sides (see the report's last column)")
     return 0

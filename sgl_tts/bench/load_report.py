@@ -1,0 +1,290 @@
+"""The load mode's report (``sgl-tts bench --arrivals``): per (algorithm, n) a *cell* with every side's
+points (one per offered rate), its maximum sustainable rate (:mod:`sgl_tts.bench.arrivals`), and the
+three ratios that attribute a gain:
+
+- ``best_vs_best_stock``: the best side on the sgl-tts servers over the best baseline (``stock``,
+  ``stock-lpm``, ``stock-dfs-weight``), by maximum sustainable rate;
+- ``ordering_vs_lpm``: the best side on the sgl-tts servers without overlapped verification over
+  ``stock-lpm``: what the plugin's order (and admission) wins alone;
+- ``plugin_vs_client``: the best side on the sgl-tts servers over ``stock+overlap`` (the sgl-tts client
+  on stock servers): what the plugin adds to the client.
+
+A ratio is ``None`` when a side it needs did not run or sustained not even the lowest rate; it is a
+lower bound (``*_lower_bound: true``) when its numerator's side sustained every rate measured (its
+real maximum lies higher). Only searches of finished blocks count (:mod:`sgl_tts.bench.goodput_load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from sgl_tts.bench import server_counters
+from sgl_tts.bench.arrivals import RatePoint, latencies_growing, max_sustainable_rate, sustained, unloaded_latency
+from sgl_tts.bench.goodput_load import block_key
+from sgl_tts.bench.sides import ALL_SIDES, BASELINES, SIDE_OPTIONS, is_stock
+from sgl_tts.experiment import quantile
+
+CLIENT_SIDE = "stock+overlap"
+LPM_SIDE = "stock-lpm"
+
+
+@dataclasses.dataclass
+class LoadPoint:
+    """One side at one offered rate (one finished block)."""
+
+    rate: float
+    problems: int
+    span: float                  # first arrival to last answer, seconds
+    throughput: float            # searches per second over the span
+    goodput: float               # kept trajectories' tokens per second over the span
+    p50: float                   # latency from arrival to answer, seconds
+    p99: float
+    growing: bool                # later arrivals waited longer (:func:`latencies_growing`)
+    sustained: bool | None = None
+    tokens_generated: int = 0
+    recomputed_tokens: float | None = None   # the generator's observer: prompt tokens computed again
+    evicted_tokens: float | None = None
+    retracted_requests: float | None = None
+    queue: dict = dataclasses.field(default_factory=dict)   # per server: p50, max of the waiting queue
+    client_cpu_per_1k_tokens: float | None = None
+    requests_accounted: bool | None = None   # every step request sent was answered (and counted)
+
+
+@dataclasses.dataclass
+class SideCell:
+    side: str
+    points: list[LoadPoint]
+    unloaded: float | None       # p50 at the lowest rate
+    max_rate: float | None       # :func:`max_sustainable_rate`
+    saturated: bool              # some measured rate was not sustained (the maximum is measured, not a floor)
+
+
+@dataclasses.dataclass
+class LoadCell:
+    algorithm: str
+    n: int
+    sides: dict[str, SideCell]
+    kept_beams_match: bool | None
+    mismatched: list
+    ratios: dict
+
+
+def finished_searches(records: Sequence[dict]) -> dict[tuple, list[dict]]:
+    """Each finished block's searches (only the attempt its ``load_block`` record closed)."""
+    attempts = {block_key(r): r["attempt"] for r in records if r.get("kind") == "load_block"}
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("kind") == "load_search" and attempts.get(block_key(r)) == r["attempt"]:
+            out[block_key(r)].append(r)
+    return out
+
+
+def _point(block: dict, searches: list[dict]) -> LoadPoint:
+    ordered = sorted(searches, key=lambda r: r["arrival"])
+    latencies = [r["latency"] for r in ordered]
+    lat = sorted(latencies)
+    span = float(block["span"]) or 1e-9
+    gen = (block.get("counters") or {}).get("generator") or {}
+    tokens = sum(r["tokens_generated"] for r in searches)
+    req = block.get("requests") or {}
+    counted = (req.get("server_counted") or {}).get("generator")
+    accounted = req.get("generator_sent") == req.get("generator_answered") and len(searches) == block["problems"]
+    if counted is not None:
+        accounted = accounted and counted >= req.get("generator_sent", 0)
+    return LoadPoint(rate=float(block["rate"]), problems=len(searches), span=round(span, 3),
+                     throughput=len(searches) / span, goodput=sum(r["trajectory_tokens"] for r in searches) / span,
+                     p50=quantile(lat, 0.5), p99=quantile(lat, 0.99), growing=latencies_growing(latencies),
+                     tokens_generated=tokens, recomputed_tokens=server_counters.recomputed_prompt_tokens(gen),
+                     evicted_tokens=gen.get("evicted_tokens"), retracted_requests=gen.get("retracted_requests"),
+                     queue={name: {"p50": q.get("p50"), "max": q.get("max")}
+                            for name, q in (block.get("queue") or {}).items()},
+                     client_cpu_per_1k_tokens=(1000 * block["client_cpu_seconds"] / tokens) if tokens else None,
+                     requests_accounted=accounted)
+
+
+def _ratio(num: SideCell | None, den: SideCell | None) -> tuple[float | None, bool]:
+    """Max-rate ratio, and whether it is a lower bound (the numerator never saturated)."""
+    if num is None or den is None or num.max_rate is None or den.max_rate is None:
+        return None, False
+    return num.max_rate / den.max_rate, not num.saturated
+
+
+def _best(cells: dict[str, SideCell], sides) -> SideCell | None:
+    found = [cells[s] for s in sides if s in cells and cells[s].max_rate is not None]
+    return max(found, key=lambda c: (c.max_rate, -(c.points[-1].p99 if c.points else 0)), default=None)
+
+
+def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
+    """Every (algorithm, n) of the records, in order of first appearance."""
+    searches = finished_searches(records)
+    blocks = {block_key(r): r for r in records if r.get("kind") == "load_block"}
+    by_cell: dict[tuple, dict[str, list[LoadPoint]]] = {}
+    for key, block in blocks.items():
+        side, algorithm, n, rate = key
+        by_cell.setdefault((algorithm, n), {}).setdefault(side, []).append(_point(block, searches[key]))
+    cells = []
+    for (algorithm, n), per_side in by_cell.items():
+        sides = {}
+        for side in sorted(per_side, key=lambda s: ALL_SIDES.index(s) if s in ALL_SIDES else len(ALL_SIDES)):
+            points = sorted(per_side[side], key=lambda p: p.rate)
+            rate_points = [RatePoint(p.rate, p.p50, p.p99, p.growing) for p in points]
+            unloaded = unloaded_latency(rate_points)
+            for p, rp in zip(points, rate_points):
+                p.sustained = sustained(rp, unloaded, bound)
+            sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound),
+                                   saturated=not all(p.sustained for p in points))
+        # kept beams: the same problem at the same rate, every side alike
+        kept: dict[tuple, dict[str, list]] = defaultdict(dict)
+        for key, recs in searches.items():
+            if key[1:3] == (algorithm, n):
+                for r in recs:
+                    kept[(key[3], r["problem"])][key[0]] = r["kept"]
+        mismatched = sorted([rate, problem] for (rate, problem), by_side in kept.items()
+                            if len({json.dumps(v) for v in by_side.values()}) > 1)
+        compared = any(len(v) > 1 for v in kept.values())
+        plugin_sides = [s for s in sides if not is_stock(s)]
+        no_overlap = [s for s in plugin_sides if not SIDE_OPTIONS.get(s, {}).get("overlap_verification")]
+        best_plugin, best_stock = _best(sides, plugin_sides), _best(sides, BASELINES)
+        ratios = {}
+        for name, num, den in (("best_vs_best_stock", best_plugin, best_stock),
+                               ("ordering_vs_lpm", _best(sides, no_overlap), sides.get(LPM_SIDE)),
+                               ("plugin_vs_client", best_plugin, sides.get(CLIENT_SIDE))):
+            value, lower = _ratio(num, den)
+            ratios[name] = None if value is None else round(value, 3)
+            ratios[name + "_sides"] = [num.side if num else None, den.side if den else None]
+            ratios[name + "_lower_bound"] = lower
+        # latency at the best baseline's maximum rate: each side's p99 there, and the best plugin side's over it
+        at = best_stock.max_rate if best_stock else None
+        p99_at = {s: next((p.p99 for p in c.points if p.rate == at), None) for s, c in sides.items()} if at else {}
+        if at and best_plugin and p99_at.get(best_plugin.side) and p99_at.get(best_stock.side):
+            ratios["p99_best_stock_over_best"] = round(p99_at[best_stock.side] / p99_at[best_plugin.side], 3)
+        else:
+            ratios["p99_best_stock_over_best"] = None
+        ratios["at_rate"] = at
+        cells.append(LoadCell(algorithm, n, sides, (not mismatched) if compared else None, mismatched, ratios))
+    return cells
+
+
+def _f(value, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
+    """Markdown: per cell the sides' maximum rates and ratios, then every point."""
+    lines = []
+    for cell in cells:
+        r = cell.ratios
+        lines += [f"### {cell.algorithm}, n = {cell.n}", "",
+                  f"Maximum sustainable rate: p99 within {bound:g}x the side's unloaded latency (its p50 at the "
+                  "lowest rate) and latencies not growing, at that rate and every lower one; `>=`: sustained "
+                  "every rate measured.", "",
+                  "| side | unloaded p50 (s) | max sustainable rate (/s) | p99 at best stock's max rate (s) |",
+                  "|---|---|---|---|"]
+        at = r.get("at_rate")
+        for side, c in cell.sides.items():
+            p99 = next((p.p99 for p in c.points if p.rate == at), None) if at else None
+            rate = "-" if c.max_rate is None else ("" if c.saturated else ">= ") + f"{c.max_rate:g}"
+            lines.append(f"| {side} | {_f(c.unloaded)} | {rate} | {_f(p99)} |")
+        lines.append("")
+        for name in ("best_vs_best_stock", "ordering_vs_lpm", "plugin_vs_client"):
+            num, den = r[name + "_sides"]
+            value = "-" if r[name] is None else (">= " if r[name + "_lower_bound"] else "") + f"{r[name]:.2f}x"
+            lines.append(f"- `{name}`: {value} ({num} over {den})")
+        lines.append(f"- p99 of the best stock side over the best sgl-tts side's at {_f(at, 'g')}/s: "
+                     f"{_f(r['p99_best_stock_over_best'])}x")
+        lines.append(f"- kept beams: {'match' if cell.kept_beams_match else 'not compared' if cell.kept_beams_match is None else 'DIFFER at ' + json.dumps(cell.mismatched)}")
+        lines += ["", "| side | rate (/s) | searches | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | growing "
+                  "| sustained | gen queue p50 / max | PRM queue p50 / max | recomputed prompt tokens | evicted "
+                  "| retracted | client CPU s / 1k tok | requests accounted |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for side, c in cell.sides.items():
+            for p in c.points:
+                q = {k: f"{_f(v.get('p50'), '.0f')} / {_f(v.get('max'), '.0f')}" for k, v in p.queue.items()}
+                lines.append(f"| {side} | {p.rate:g} | {p.problems} | {p.throughput:.3f} | {p.goodput:.1f} | {p.p50:.2f} "
+                             f"| {p.p99:.2f} | {'yes' if p.growing else 'no'} | {'yes' if p.sustained else 'no'} "
+                             f"| {q.get('generator', '-')} | {q.get('prm', '-')} | {_f(p.recomputed_tokens, '.0f')} "
+                             f"| {_f(p.evicted_tokens, '.0f')} | {_f(p.retracted_requests, '.0f')} "
+                             f"| {_f(p.client_cpu_per_1k_tokens, '.3f')} | {'yes' if p.requests_accounted else 'NO'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_summary(cells: Sequence[LoadCell]) -> list[dict]:
+    """The cells as JSON (the summary file's ``cells``)."""
+    return [{"algorithm": c.algorithm, "n": c.n, "kept_beams_match": c.kept_beams_match, "mismatched": c.mismatched,
+             "ratios": c.ratios,
+             "sides": {s: {"unloaded_p50": v.unloaded, "max_sustainable_rate": v.max_rate, "saturated": v.saturated,
+                           "points": [dataclasses.asdict(p) for p in v.points]} for s, v in c.sides.items()}}
+            for c in cells]
+
+
+def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
+    """p99 latency against offered rate, one line per side, one panel per (algorithm, n)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        for side, c in cell.sides.items():
+            style = "--" if is_stock(side) else "-"
+            ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=side)
+        ax.set_xlabel("offered rate (searches / s)")
+        ax.set_ylabel("p99 latency, arrival to answer (s)")
+        ax.set_title(f"{cell.algorithm}, n = {cell.n}")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def load_json(records: Sequence[dict], settings, header: dict) -> dict:
+    """The load mode's ``.summary.json``: the header, the settings and the cells."""
+    return {"header": header, "settings": settings.to_json(),
+            "cells": load_summary(summarize_load(records, settings.latency_bound))}
+
+
+def write_load_report(records: Sequence[dict], settings, output: Path, header: dict) -> str:
+    """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown."""
+    cells = summarize_load(records, settings.latency_bound)
+    lines = [f"# sgl-tts bench, many searches at once: {header['generator']} + {header['prm']}", "",
+             f"- machine: {header['machine']}", f"- date: {header['date']}",
+             "- command: " + "; then ".join(f"`{c}`" for c in header.get("commands") or [header["command"]]),
+             f"- device: {header.get('device', 'cuda')}", f"- memory budget: {header['budget']}",
+             f"- offered rates (searches / s): {', '.join(f'{r:g}' for r in settings.arrivals)}; "
+             f"{settings.problems} Poisson arrivals per (algorithm, n) and rate, the same on every side"]
+    if header.get("rebuilt"):
+        r = header["rebuilt"]
+        lines.append(f"- report rebuilt from the records: {r['date']}, {r['machine']}, `{r['command']}`")
+    if header.get("differ"):
+        lines.append(f"- **the runs differ in {', '.join(header['differ'])}**: below is the first run's")
+    if header.get("pools"):
+        lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
+    if header.get("trace"):
+        lines.append(f"- trace: `{json.dumps(header['trace'])}`")
+    lines += [f"- settings: `{json.dumps(settings.to_json())}`", "",
+              "Latency runs from a search's arrival to its answer (queueing included); throughput and goodput "
+              "are over a block's span (first arrival to last answer); queues are SGLang's waiting-queue gauge "
+              "read every 0.25 s; recomputed prompt tokens are the generator's observer's (block-granular).", "",
+              format_load_report(cells, settings.latency_bound)]
+    text = "\n".join(lines)
+    output.with_suffix(".md").write_text(text)
+    output.with_suffix(".summary.json").write_text(json.dumps(load_json(records, settings, header), indent=1))
+    if cells:
+        plot_load(cells, output.with_suffix(".png"), f"{header['generator']} + {header['prm']}, {header['budget']}, "
+                                                     f"{header['machine']}")
+    return text
+
+
+__all__ = ["LoadCell", "LoadPoint", "SideCell", "finished_searches", "format_load_report", "load_json", "load_summary",
+           "plot_load", "summarize_load", "write_load_report"]

@@ -1,0 +1,143 @@
+"""The load mode of ``sgl-tts bench`` (``--arrivals``, issue 64): the arrival process, the maximum-
+sustainable-rate rule and the report's cells and ratios, against hand-worked cases."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import pytest
+
+from sgl_tts.bench.arrivals import (RatePoint, latencies_growing, max_sustainable_rate, poisson_arrivals, sustained,
+                                    unloaded_latency)
+from sgl_tts.bench.goodput_settings import BenchSettings
+from sgl_tts.bench.load_report import finished_searches, summarize_load
+from sgl_tts.cli.bench import rates
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_their_rate():
+    a = poisson_arrivals(0.5, 4000, seed=3)
+    assert a == poisson_arrivals(0.5, 4000, seed=3) and a != poisson_arrivals(0.5, 4000, seed=4)
+    assert a[:5] != poisson_arrivals(0.25, 5, seed=3)   # another rate, other times
+    gaps = [b - x for x, b in zip([0.0] + a, a)]
+    assert all(g > 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(2.0, rel=0.05)      # mean gap 1 / rate
+    assert statistics.stdev(gaps) == pytest.approx(2.0, rel=0.08)     # exponential: sd = mean
+    with pytest.raises(ValueError, match="rate > 0"):
+        poisson_arrivals(0.0, 3, seed=0)
+
+
+def test_latencies_grow_when_the_later_half_waits_longer():
+    assert latencies_growing([10, 10, 10, 10]) is False
+    assert latencies_growing([10, 10, 20, 30]) is True       # 25 > 1.5 * 10
+    assert latencies_growing([10, 10, 14, 15]) is False      # 14.5 <= 15
+    assert latencies_growing([10, 99, 14]) is False          # odd: the middle arrival in neither half
+    assert latencies_growing([10, 99, 16]) is True
+    assert latencies_growing([10]) is False and latencies_growing([]) is False
+
+
+def test_max_sustainable_rate_is_the_highest_rate_passing_with_every_lower_one():
+    light, mid, high = RatePoint(0.1, 10, 12, False), RatePoint(0.2, 14, 25, False), RatePoint(0.4, 20, 31, False)
+    assert unloaded_latency([high, light, mid]) == 10            # the median at the lowest rate
+    assert max_sustainable_rate([high, mid, light]) == 0.2       # 31 > 3 x 10
+    assert max_sustainable_rate([high, mid, light], bound=3.2) == 0.4
+    # a pass above a failure does not count
+    assert max_sustainable_rate([light, RatePoint(0.2, 20, 40, False), RatePoint(0.4, 10, 20, False)]) == 0.1
+    # within the bound but growing: not sustained
+    assert sustained(RatePoint(0.2, 12, 20, True), unloaded=10) is False
+    assert max_sustainable_rate([light, RatePoint(0.2, 12, 20, True), high]) == 0.1
+    # even the lowest fails: none
+    assert max_sustainable_rate([RatePoint(0.1, 10, 31, False)]) is None
+    assert max_sustainable_rate([]) is None
+
+
+def _block(side, rate, latencies, *, kept=None, attempt="a", algorithm="beam_search", n=16, problems=None):
+    """A finished block: its searches arrive one second apart, in order, with these latencies."""
+    out = [{"kind": "load_search", "side": side, "algorithm": algorithm, "n": n, "rate": rate, "problem": k,
+            "attempt": attempt, "arrival": float(k), "answered": k + lat, "latency": lat, "tokens_generated": 100,
+            "tokens_kept": 50, "trajectory_tokens": 40, "prm_requests": 3,
+            "kept": (kept or {}).get(k, [[[0, k], True, 40, 0.5]])} for k, lat in enumerate(latencies)]
+    span = max(k + lat for k, lat in enumerate(latencies))
+    out.append({"kind": "load_block", "side": side, "algorithm": algorithm, "n": n, "rate": rate, "attempt": attempt,
+                "problems": len(latencies) if problems is None else problems, "span": span,
+                "client_cpu_seconds": 2.0, "queue": {"generator": {"p50": 3, "max": 150}, "prm": {"p50": 0, "max": 9}},
+                "counters": {"generator": {"recomputed_blocks": 5, "evicted_tokens": 700, "retracted_requests": 1}},
+                "requests": {"generator_sent": 12, "generator_answered": 12, "prm_answered": 4,
+                             "server_counted": {"generator": 12, "prm": 4}}})
+    return out
+
+
+def _records():
+    rec = []
+    for side, per_rate in {
+        "stock": {0.1: [10] * 4, 0.2: [35] * 4},
+        "stock-lpm": {0.1: [10] * 4, 0.2: [12] * 4, 0.4: [40] * 4},
+        "stock+overlap": {0.1: [8] * 4, 0.2: [9] * 4, 0.4: [10, 10, 20, 20]},   # within 24 s but growing
+        "sgl-tts+locality": {0.1: [10] * 4, 0.2: [11] * 4, 0.4: [29] * 4},
+        "sgl-tts+locality+overlap": {0.1: [8] * 4, 0.2: [8] * 4, 0.4: [9] * 4},
+    }.items():
+        for rate, lat in per_rate.items():
+            kept = {1: [[[3, 1], True, 40, 0.5]]} if (side, rate) == ("sgl-tts+locality", 0.2) else None
+            rec += _block(side, rate, lat, kept=kept)
+    # an attempt the run did not finish (its block redone after a crash): never counted
+    rec.insert(0, {**rec[0], "attempt": "stale", "latency": 1000.0})
+    return rec
+
+
+def test_the_report_reads_max_rates_ratios_and_kept_beams_from_the_records():
+    [cell] = summarize_load(_records(), bound=3.0)
+    assert (cell.algorithm, cell.n) == ("beam_search", 16)
+    got = {side: (c.unloaded, c.max_rate, c.saturated) for side, c in cell.sides.items()}
+    assert got == {"stock": (10, 0.1, True), "stock-lpm": (10, 0.2, True), "stock+overlap": (8, 0.2, True),
+                   "sgl-tts+locality": (10, 0.4, False), "sgl-tts+locality+overlap": (8, 0.4, False)}
+    r = cell.ratios
+    # the best plugin side: both locality sides sustain 0.4; the one with the lower p99 there wins the tie
+    assert (r["best_vs_best_stock"], r["best_vs_best_stock_sides"], r["best_vs_best_stock_lower_bound"]) == (
+        2.0, ["sgl-tts+locality+overlap", "stock-lpm"], True)
+    assert (r["ordering_vs_lpm"], r["ordering_vs_lpm_sides"]) == (2.0, ["sgl-tts+locality", "stock-lpm"])
+    assert (r["plugin_vs_client"], r["plugin_vs_client_sides"]) == (2.0, ["sgl-tts+locality+overlap", "stock+overlap"])
+    # at the best stock side's maximum rate (0.2/s): stock-lpm's p99 12 s over the best side's 8 s
+    assert (r["at_rate"], r["p99_best_stock_over_best"]) == (0.2, 1.5)
+    assert cell.kept_beams_match is False and cell.mismatched == [[0.2, 1]]
+    lpm = cell.sides["stock-lpm"].points[2]
+    assert (lpm.rate, lpm.p99, lpm.sustained, lpm.growing) == (0.4, 40, False, False)
+    assert lpm.throughput == pytest.approx(4 / 43) and lpm.goodput == pytest.approx(160 / 43)
+    assert (lpm.recomputed_tokens, lpm.evicted_tokens, lpm.queue["generator"]["max"]) == (80, 700, 150)
+    assert lpm.client_cpu_per_1k_tokens == pytest.approx(5.0) and lpm.requests_accounted is True
+
+
+def test_the_report_drops_unfinished_attempts_and_flags_lost_searches():
+    records = _records()
+    assert all(r["attempt"] == "a" for recs in finished_searches(records).values() for r in recs)
+    [cell] = summarize_load(records, bound=3.0)
+    assert cell.sides["stock"].points[0].p99 == 10    # the stale 1000 s search is not there
+    # a block whose record names more problems than finished searches: not every request accounted for
+    lost = [r for r in _block("stock", 0.1, [10, 10], problems=3)]
+    [cell] = summarize_load(lost, bound=3.0)
+    assert cell.sides["stock"].points[0].requests_accounted is False
+    assert cell.kept_beams_match is None                # one side: nothing compared
+
+
+def test_a_ratio_is_none_when_a_side_it_needs_is_missing_or_never_sustained():
+    rec = _block("stock-lpm", 0.1, [10, 40]) + _block("sgl-tts", 0.1, [10, 10])
+    [cell] = summarize_load(rec, bound=3.0)
+    assert cell.sides["stock-lpm"].max_rate is None       # within 3 x 25 s, but the later arrival waited 4x longer
+    assert cell.ratios["ordering_vs_lpm"] is None and cell.ratios["plugin_vs_client"] is None
+    assert cell.ratios["best_vs_best_stock"] is None and cell.ratios["p99_best_stock_over_best"] is None
+
+
+def test_load_settings_keep_the_one_at_a_time_header_and_refuse_bad_rates():
+    plain = BenchSettings(n=(8,)).to_json()
+    assert "arrivals" not in plain and "latency_bound" not in plain   # earlier records still resume
+    load = BenchSettings(n=(8,), arrivals=(0.1, 0.2)).to_json()
+    assert load["arrivals"] == [0.1, 0.2] and load["latency_bound"] == 3.0
+    with pytest.raises(ValueError, match="arrival rate must be > 0"):
+        BenchSettings(n=(8,), arrivals=(0.1, 0.0))
+    with pytest.raises(ValueError, match="given once"):
+        BenchSettings(n=(8,), arrivals=(0.1, 0.1))
+    with pytest.raises(ValueError, match="latency bound must be > 1"):
+        BenchSettings(n=(8,), arrivals=(0.1,), latency_bound=1.0)
+    assert rates("0.2, 0.05,0.1") == [0.05, 0.1, 0.2]
+    for bad in ("0,1", "a,b", "0.1,0.1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            rates(bad)

@@ -971,17 +971,18 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
             policies[side, algorithm] = (Speculation.of(args.get("speculative", False)),
                                          args.get("overlap_verification", False) + args.get("overlap_by_family", False))
     for algorithm in cfg.algorithms:
-        # the three stock sides, then sgl-tts, its ablation, sgl-tts+locality, its two rules alone and
+        # the three stock sides, the sgl-tts client on stock servers (stock+overlap), then sgl-tts, its ablation, sgl-tts+locality, its two rules alone and
         # with whole families (server policies only), sgl-tts+auto (the controller; its curve is
         # measured when the side starts: none here, so the search is left to measure its server's) and sgl-tts+overlap (overlapped verification
         # alone), the two together, and overlap on the locality servers, by beam then by family, and by
-        # family with whole families (1: overlapped verification, 2: overlapped by family)
+        # family with whole families, then overlap beam by beam with whole families
+        # (1: overlapped verification, 2: overlapped by family)
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
-            (None, 0), (None, 0), (None, 0), (None, 0), (Speculation(lookahead=False), 0),
+            (None, 0), (None, 0), (None, 0), (None, 1), (None, 0), (Speculation(lookahead=False), 0),
             (Speculation(), 0), (Speculation(), 1), (None, 0), (None, 0), (None, 0), (None, 0),
             (Speculation(controlled=True, verifier_shares_device=True, measure_curve=True), 0), (None, 1),
             (Speculation(controlled=True, verifier_shares_device=True, measure_curve=True), 1), (None, 1),
-            (None, 2), (None, 2)]
+            (None, 2), (None, 2), (None, 1)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

@@ -8,10 +8,10 @@ import statistics
 
 import pytest
 
-from sgl_tts.bench.arrivals import (RatePoint, latencies_growing, max_sustainable_rate, poisson_arrivals, sustained,
-                                    unloaded_latency)
+from sgl_tts.bench.arrivals import (RatePoint, latencies_growing, max_sustainable_rate, poisson_arrivals,
+                                    scaled_poisson_arrivals, sustained, unloaded_latency)
 from sgl_tts.bench.goodput_settings import BenchSettings
-from sgl_tts.bench.load_report import finished_searches, summarize_load
+from sgl_tts.bench.load_report import finished_searches, in_flight_max, summarize_load
 from sgl_tts.cli.bench import rates
 
 
@@ -25,6 +25,16 @@ def test_poisson_arrivals_are_seeded_increasing_and_at_their_rate():
     assert statistics.stdev(gaps) == pytest.approx(2.0, rel=0.08)     # exponential: sd = mean
     with pytest.raises(ValueError, match="rate > 0"):
         poisson_arrivals(0.0, 3, seed=0)
+
+
+def test_scaled_arrivals_are_one_pattern_compressed_by_the_rate():
+    slow, fast = scaled_poisson_arrivals(0.1, 2000, seed=0), scaled_poisson_arrivals(0.4, 2000, seed=0)
+    assert fast == pytest.approx([t / 4 for t in slow])          # the same pattern, 4x denser
+    assert slow != scaled_poisson_arrivals(0.1, 2000, seed=1)
+    gaps = [b - x for x, b in zip([0.0] + fast, fast)]
+    assert statistics.mean(gaps) == pytest.approx(2.5, rel=0.06) and min(gaps) > 0
+    with pytest.raises(ValueError, match="rate > 0"):
+        scaled_poisson_arrivals(-1.0, 3, seed=0)
 
 
 def test_latencies_grow_when_the_later_half_waits_longer():
@@ -60,6 +70,7 @@ def _block(side, rate, latencies, *, kept=None, attempt="a", algorithm="beam_sea
     span = max(k + lat for k, lat in enumerate(latencies))
     out.append({"kind": "load_block", "side": side, "algorithm": algorithm, "n": n, "rate": rate, "attempt": attempt,
                 "problems": len(latencies) if problems is None else problems, "span": span,
+                "last_arrival": float(len(latencies) - 1) or 0.5,
                 "client_cpu_seconds": 2.0, "queue": {"generator": {"p50": 3, "max": 150}, "prm": {"p50": 0, "max": 9}},
                 "counters": {"generator": {"recomputed_blocks": 5, "evicted_tokens": 700, "retracted_requests": 1}},
                 "requests": {"generator_sent": 12, "generator_answered": 12, "prm_answered": 4,
@@ -101,6 +112,10 @@ def test_the_report_reads_max_rates_ratios_and_kept_beams_from_the_records():
     assert cell.kept_beams_match is False and cell.mismatched == [[0.2, 1]]
     lpm = cell.sides["stock-lpm"].points[2]
     assert (lpm.rate, lpm.p99, lpm.sustained, lpm.growing) == (0.4, 40, False, False)
+    assert lpm.offered == round(4 / 3, 4)    # four searches by the last arrival at 3 s
+    assert lpm.in_flight_max == 4            # each arrives before the first answer (at 40 s)
+    assert in_flight_max([{"arrival": 0, "answered": 2}, {"arrival": 2, "answered": 3},
+                          {"arrival": 2.5, "answered": 4}]) == 2   # the first left as the second came
     assert lpm.throughput == pytest.approx(4 / 43) and lpm.goodput == pytest.approx(160 / 43)
     assert (lpm.recomputed_tokens, lpm.evicted_tokens, lpm.queue["generator"]["max"]) == (80, 700, 150)
     assert lpm.client_cpu_per_1k_tokens == pytest.approx(5.0) and lpm.requests_accounted is True
@@ -141,3 +156,21 @@ def test_load_settings_keep_the_one_at_a_time_header_and_refuse_bad_rates():
     for bad in ("0,1", "a,b", "0.1,0.1", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             rates(bad)
+
+
+def test_vs_best_stock_is_against_the_baselines_not_the_sgl_tts_client_on_stock_servers():
+    """stock+overlap runs on the stock servers, but with the sgl-tts client: the goodput report's
+    ``vs best stock`` is against stock SGLang's own policies only."""
+    from sgl_tts.bench.goodput_report import ReportRow, SideRow, format_report
+    from sgl_tts.bench.sides import BASELINES, is_baseline, is_stock
+
+    assert is_stock("stock+overlap") and not is_baseline("stock+overlap")
+    assert all(is_stock(s) and is_baseline(s) for s in BASELINES) and not is_baseline("sgl-tts")
+
+    def side(goodput):
+        return SideRow(1, goodput, 1.0, 0.5, 0.5, 100, 50, 0.9, 0.8)
+
+    row = ReportRow("beam_search", 8, {"stock-lpm": side(10.0), "stock+overlap": side(20.0), "sgl-tts": side(15.0)},
+                    None, 8, True, [])
+    table = format_report([row])
+    assert "| sgl-tts | 1 | 15.0 | 1.50x |" in table and "| stock+overlap | 1 | 20.0 | 2.00x |" in table

@@ -1,4 +1,5 @@
-"""Open-loop load: when problems arrive (a seeded Poisson process, the same for every side of a run) and
+"""Open-loop load: when problems arrive (a seeded Poisson process, the same for every side of a run;
+:func:`scaled_poisson_arrivals` the same pattern at every rate) and
 the rule that reads a side's highest sustainable arrival rate off its measured latencies.
 
 The rule (:func:`max_sustainable_rate`): a rate is *sustained* when
@@ -37,6 +38,21 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
     for _ in range(count):
         t += rng.expovariate(rate)
         out.append(t)
+    return out
+
+
+def scaled_poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """``count`` arrival times of a Poisson process at ``rate``: one unit-rate process per ``seed``, its
+    times divided by ``rate``. Every rate gets the same pattern, compressed, so with a few dozen
+    arrivals a higher rate is never a lighter load than a lower one by the luck of the draw (with a
+    draw per rate, six arrivals at 0.05/s spanned 40 s and six at 0.1/s 108 s)."""
+    if rate <= 0 or count < 0:
+        raise ValueError(f"a Poisson process needs rate > 0 and count >= 0 (got rate {rate}, count {count})")
+    rng = random.Random(f"scaled-arrivals-{seed}")
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(1.0)
+        out.append(t / rate)
     return out
 
 
@@ -83,4 +99,4 @@ def max_sustainable_rate(points: Sequence[RatePoint], bound: float = DEFAULT_LAT
 
 
 __all__ = ["DEFAULT_GROWTH", "DEFAULT_LATENCY_BOUND", "RatePoint", "latencies_growing", "max_sustainable_rate",
-           "poisson_arrivals", "sustained", "unloaded_latency"]
+           "poisson_arrivals", "scaled_poisson_arrivals", "sustained", "unloaded_latency"]

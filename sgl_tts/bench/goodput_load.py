@@ -1,7 +1,8 @@
 """The load mode of ``sgl-tts bench`` (``--arrivals R1,R2,...``): many searches share one pair of servers.
 
 At each offered rate, the ``problems`` of every (algorithm, n) arrive as a Poisson process
-(:func:`sgl_tts.bench.arrivals.poisson_arrivals`, the same times on every side) and each search starts
+(:func:`sgl_tts.bench.arrivals.scaled_poisson_arrivals`: the same times on every side, the same
+pattern at every rate) and each search starts
 at its arrival, however many are still running: an open loop, as a service sees them. Every side serves
 the same problems with the same trace (:mod:`sgl_tts.bench.goodput_trace`), so the same kept beams.
 
@@ -26,7 +27,7 @@ import uuid
 from typing import Callable, Iterable
 
 from sgl_tts.bench import server_counters
-from sgl_tts.bench.arrivals import poisson_arrivals
+from sgl_tts.bench.arrivals import scaled_poisson_arrivals
 from sgl_tts.bench.errors import BenchError
 from sgl_tts.bench.goodput import kept_beams, side_configs
 from sgl_tts.bench.goodput_settings import BenchSettings, search_group
@@ -131,7 +132,7 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
     from sgl_tts.prm import StepTagPRM
 
     attempt = uuid.uuid4().hex[:12]
-    arrivals = poisson_arrivals(rate, settings.problems, settings.seed)
+    arrivals = scaled_poisson_arrivals(rate, settings.problems, settings.seed)
     registry.clear()
     gen.take_meter(), prm_backend.take_meter(), gen.take_sent()
     lock = threading.Lock()

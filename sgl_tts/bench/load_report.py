@@ -38,12 +38,14 @@ class LoadPoint:
 
     rate: float
     problems: int
+    offered: float               # the rate these arrivals really offered: searches over the last arrival's time
     span: float                  # first arrival to last answer, seconds
     throughput: float            # searches per second over the span
     goodput: float               # kept trajectories' tokens per second over the span
     p50: float                   # latency from arrival to answer, seconds
     p99: float
     growing: bool                # later arrivals waited longer (:func:`latencies_growing`)
+    in_flight_max: int = 0       # the most searches in flight at once (arrived, not yet answered)
     sustained: bool | None = None
     tokens_generated: int = 0
     recomputed_tokens: float | None = None   # the generator's observer: prompt tokens computed again
@@ -83,6 +85,17 @@ def finished_searches(records: Sequence[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
+def in_flight_max(searches: Sequence[dict]) -> int:
+    """The most searches between arrival and answer at one time (an answer at the instant of another's
+    arrival is counted first)."""
+    events = sorted([(r["arrival"], 1) for r in searches] + [(r["answered"], -1) for r in searches])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
 def _point(block: dict, searches: list[dict]) -> LoadPoint:
     ordered = sorted(searches, key=lambda r: r["arrival"])
     latencies = [r["latency"] for r in ordered]
@@ -95,9 +108,12 @@ def _point(block: dict, searches: list[dict]) -> LoadPoint:
     accounted = req.get("generator_sent") == req.get("generator_answered") and len(searches) == block["problems"]
     if counted is not None:
         accounted = accounted and counted >= req.get("generator_sent", 0)
-    return LoadPoint(rate=float(block["rate"]), problems=len(searches), span=round(span, 3),
+    last = float(block.get("last_arrival") or 0.0)
+    return LoadPoint(rate=float(block["rate"]), problems=len(searches),
+                     offered=round(block["problems"] / last, 4) if last > 0 else float(block["rate"]), span=round(span, 3),
                      throughput=len(searches) / span, goodput=sum(r["trajectory_tokens"] for r in searches) / span,
                      p50=quantile(lat, 0.5), p99=quantile(lat, 0.99), growing=latencies_growing(latencies),
+                     in_flight_max=in_flight_max(searches),
                      tokens_generated=tokens, recomputed_tokens=server_counters.recomputed_prompt_tokens(gen),
                      evicted_tokens=gen.get("evicted_tokens"), retracted_requests=gen.get("retracted_requests"),
                      queue={name: {"p50": q.get("p50"), "max": q.get("max")}
@@ -197,14 +213,14 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
         lines.append(f"- p99 of the best stock side over the best sgl-tts side's at {_f(at, 'g')}/s: "
                      f"{_f(r['p99_best_stock_over_best'])}x")
         lines.append(f"- kept beams: {'match' if cell.kept_beams_match else 'not compared' if cell.kept_beams_match is None else 'DIFFER at ' + json.dumps(cell.mismatched)}")
-        lines += ["", "| side | rate (/s) | searches | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | growing "
+        lines += ["", "| side | rate (/s) | offered (/s) | searches | most in flight | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | growing "
                   "| sustained | gen queue p50 / max | PRM queue p50 / max | recomputed prompt tokens | evicted "
                   "| retracted | client CPU s / 1k tok | requests accounted |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for side, c in cell.sides.items():
             for p in c.points:
                 q = {k: f"{_f(v.get('p50'), '.0f')} / {_f(v.get('max'), '.0f')}" for k, v in p.queue.items()}
-                lines.append(f"| {side} | {p.rate:g} | {p.problems} | {p.throughput:.3f} | {p.goodput:.1f} | {p.p50:.2f} "
+                lines.append(f"| {side} | {p.rate:g} | {p.offered:.3g} | {p.problems} | {p.in_flight_max} | {p.throughput:.3f} | {p.goodput:.1f} | {p.p50:.2f} "
                              f"| {p.p99:.2f} | {'yes' if p.growing else 'no'} | {'yes' if p.sustained else 'no'} "
                              f"| {q.get('generator', '-')} | {q.get('prm', '-')} | {_f(p.recomputed_tokens, '.0f')} "
                              f"| {_f(p.evicted_tokens, '.0f')} | {_f(p.retracted_requests, '.0f')} "
@@ -286,5 +302,5 @@ def write_load_report(records: Sequence[dict], settings, output: Path, header: d
     return text
 
 
-__all__ = ["LoadCell", "LoadPoint", "SideCell", "finished_searches", "format_load_report", "load_json", "load_summary",
+__all__ = ["LoadCell", "LoadPoint", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",
            "plot_load", "summarize_load", "write_load_report"]

@@ -174,3 +174,19 @@ def test_vs_best_stock_is_against_the_baselines_not_the_sgl_tts_client_on_stock_
                     None, 8, True, [])
     table = format_report([row])
     assert "| sgl-tts | 1 | 15.0 | 1.50x |" in table and "| stock+overlap | 1 | 20.0 | 2.00x |" in table
+
+
+def test_the_unloaded_block_sets_the_bound_and_is_not_a_rate_point():
+    """A side's unloaded latency is the median of its unloaded block (rate key 0: searches one after
+    another), not its p50 at the lowest rate; that block is no point of the p99 curve."""
+    rec = (_block("stock-lpm", 0.0, [3, 4]) + _block("stock-lpm", 0.1, [10] * 4) + _block("stock-lpm", 0.2, [12] * 4)
+           + _block("sgl-tts", 0.1, [10] * 4) + _block("sgl-tts", 0.2, [12] * 4))
+    [cell] = summarize_load(rec, bound=3.0)
+    lpm, tts = cell.sides["stock-lpm"], cell.sides["sgl-tts"]
+    assert [p.rate for p in lpm.points] == [0.1, 0.2]
+    # 3 x 3.5 s = 10.5 s: 0.1/s (p99 10 s) is sustained, 0.2/s (12 s) is not
+    assert (lpm.unloaded, lpm.unloaded_measured, lpm.max_rate, lpm.saturated) == (3.5, True, 0.1, True)
+    # no unloaded block: its p50 at the lowest rate (10 s), said so
+    assert (tts.unloaded, tts.unloaded_measured, tts.max_rate) == (10, False, 0.2)
+    assert cell.ratios["ordering_vs_lpm"] == 2.0
+    assert cell.kept_beams_match is True   # the unloaded block's searches are not compared by rate

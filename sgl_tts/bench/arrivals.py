@@ -5,8 +5,8 @@ the rule that reads a side's highest sustainable arrival rate off its measured l
 The rule (:func:`max_sustainable_rate`): a rate is *sustained* when
 
 - its p99 latency, from arrival to answer (queueing included), is within ``bound`` times the side's
-  unloaded latency (:func:`unloaded_latency`: its median latency at the lowest rate measured, where
-  searches rarely overlap), and
+  unloaded latency (``sgl-tts bench`` measures it: the median of a few searches run one after another,
+  alone on the servers; without that, :func:`unloaded_latency`: its median at the lowest rate), and
 - its latencies are not growing (:func:`latencies_growing`): the later half of the arrivals did not
   wait ``growth`` times longer on average than the earlier half. A server that keeps up serves both
   halves alike; one that falls behind makes every later arrival wait for the backlog of the earlier
@@ -86,10 +86,12 @@ def sustained(point: RatePoint, unloaded: float, bound: float = DEFAULT_LATENCY_
     return point.p99 <= bound * unloaded and not point.growing
 
 
-def max_sustainable_rate(points: Sequence[RatePoint], bound: float = DEFAULT_LATENCY_BOUND) -> float | None:
-    """The highest measured rate that, with every lower one, is :func:`sustained`; ``None`` when the
-    lowest is not (or nothing was measured)."""
-    unloaded = unloaded_latency(points)
+def max_sustainable_rate(points: Sequence[RatePoint], bound: float = DEFAULT_LATENCY_BOUND,
+                         unloaded: float | None = None) -> float | None:
+    """The highest measured rate that, with every lower one, is :func:`sustained` against ``unloaded``
+    (default :func:`unloaded_latency`); ``None`` when the lowest is not (or nothing was measured)."""
+    if unloaded is None:
+        unloaded = unloaded_latency(points)
     best = None
     for point in sorted(points, key=lambda p: p.rate):
         if not sustained(point, unloaded, bound):

@@ -30,7 +30,7 @@ from sgl_tts.plugin.scheduling.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
 from sgl_tts.bench.errors import BenchError
 from sgl_tts.bench.goodput import measure_limit, run_side
-from sgl_tts.bench.goodput_load import finished_blocks, run_load_side
+from sgl_tts.bench.goodput_load import block_rates, finished_blocks, run_load_side
 from sgl_tts.bench.goodput_report import format_report, plot_report, summarize
 from sgl_tts.bench.goodput_settings import DEFAULT_N, DEFAULT_SERVER_ARGS, BenchSettings
 from sgl_tts.bench.goodput_store import RecordWriter
@@ -472,7 +472,7 @@ class SideRunner:
         settings, writer = self.setup.settings, self.writer
         if settings.load:   # the load mode's unit is a block: (side, algorithm, n, rate)
             done = finished_blocks(writer.records)
-            need = {(side, a, n, r) for a in settings.algorithms for n in settings.n for r in settings.arrivals}
+            need = {(side, a, n, r) for a in settings.algorithms for n in settings.n for r in block_rates(settings)}
             return done, set(), len(need - done)
         done = {(r["side"], r["algorithm"], r["n"], r["problem"]) for r in writer.records if r.get("kind") == "search"}
         limits = {r["batch"] for r in writer.records if r.get("kind") == "limit"}

@@ -6,8 +6,10 @@ pattern at every rate) and each search starts
 at its arrival, however many are still running: an open loop, as a service sees them. Every side serves
 the same problems with the same trace (:mod:`sgl_tts.bench.goodput_trace`), so the same kept beams.
 
-One *block* is one (side, algorithm, n, rate). Before it both radix caches are flushed (every block
-starts cold). It writes one ``load_search`` record per search (arrival, answer, latency from arrival to
+One *block* is one (side, algorithm, n, rate). Each (side, algorithm, n) first runs an *unloaded* block
+(rate key 0): its first ``unloaded_problems`` problems one after another, one in flight, whose median
+latency is the side's unloaded latency (:mod:`sgl_tts.bench.arrivals`' rule). Before every block both
+radix caches are flushed (every block starts cold). It writes one ``load_search`` record per search (arrival, answer, latency from arrival to
 answer, tokens, kept beams) and then one ``load_block`` record: the block's span (first arrival to
 last answer), each server's counters over it (SGLang's evictions and retractions, the observer's
 recomputed prompt tokens: :mod:`sgl_tts.bench.server_counters`), each server's waiting queue
@@ -44,6 +46,14 @@ QUEUE_PERIOD = 0.25                     # seconds between two readings of it
 def block_key(record: dict) -> tuple:
     """``(side, algorithm, n, rate)`` of a load record."""
     return record["side"], record["algorithm"], int(record["n"]), float(record["rate"])
+
+
+UNLOADED = 0.0   # the rate key of the unloaded block: its problems one after another, one in flight
+
+
+def block_rates(settings: BenchSettings) -> tuple[float, ...]:
+    """The blocks of an (algorithm, n) in the order they run: the unloaded one, then the offered rates."""
+    return (UNLOADED, *settings.arrivals)
 
 
 def finished_blocks(records: Iterable[dict]) -> set[tuple]:
@@ -111,7 +121,7 @@ def run_load_side(side: str, urls: dict[str, str], settings: BenchSettings, *, p
     prm_backend = MeteredEndpoint(urls["prm"], tokenizer_path=prm_tokenizer)
     gen.tokenizer, prm_backend.tokenizer   # loaded now, not inside the first timed search
     done = set(done)
-    todo = [(a, n, r) for a in settings.algorithms for n in settings.n for r in settings.arrivals
+    todo = [(a, n, r) for a in settings.algorithms for n in settings.n for r in block_rates(settings)
             if (side, a, n, r) not in done]
     for k, (algorithm, n, rate) in enumerate(todo):
         if deadline is not None and time.monotonic() >= deadline:
@@ -132,13 +142,18 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
     from sgl_tts.prm import StepTagPRM
 
     attempt = uuid.uuid4().hex[:12]
-    arrivals = scaled_poisson_arrivals(rate, settings.problems, settings.seed)
+    unloaded = rate == UNLOADED
+    # unloaded: the first problems, each arriving as the one before is answered (their arrivals are
+    # set when they start); else the problems at their Poisson arrival times
+    arrivals = ([0.0] * settings.unloaded_problems if unloaded
+                else scaled_poisson_arrivals(rate, settings.problems, settings.seed))
     registry.clear()
     gen.take_meter(), prm_backend.take_meter(), gen.take_sent()
     lock = threading.Lock()
     failures: list[tuple[str, BaseException]] = []
     latencies: list[float] = []
-    bar = tqdm(total=len(arrivals), desc=f"{side} {algorithm} n={n} at {rate:g}/s", disable=not progress)
+    bar = tqdm(total=len(arrivals), desc=f"{side} {algorithm} n={n} " + ("unloaded" if unloaded else f"at {rate:g}/s"),
+               disable=not progress)
     before = {name: server_counters.server_counters(url) for name, url in urls.items()}
     requests_before = {name: server_counters.request_count(url) for name, url in urls.items()}
     cpu0 = _cpu_seconds()
@@ -177,6 +192,10 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
     stop = threading.Event()   # never set: a timed wait until the next arrival, no polling
     with QueueSampler(urls) as sampler:
         for problem, at in enumerate(arrivals):
+            if unloaded:
+                if threads:
+                    threads[-1].join()
+                arrivals[problem] = time.perf_counter() - t0
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 stop.wait(delay)
@@ -209,4 +228,4 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
            "prm": {"prompt_tokens": v.prompt_tokens, "cached_tokens": v.cached_tokens}})
 
 
-__all__ = ["QUEUE_GAUGE", "QueueSampler", "block_key", "finished_blocks", "run_load_side"]
+__all__ = ["QUEUE_GAUGE", "UNLOADED", "QueueSampler", "block_key", "block_rates", "finished_blocks", "run_load_side"]

@@ -40,6 +40,8 @@ class BenchSettings:
             a Poisson process (:mod:`sgl_tts.bench.arrivals`) and run at once (:mod:`sgl_tts.bench.goodput_load`).
         latency_bound: the load mode's maximum-sustainable-rate rule: p99 within this many times the
             side's unloaded latency.
+        unloaded_problems: the load mode's unloaded block: this many problems one after another, whose
+            median latency is a side's unloaded latency.
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -57,12 +59,15 @@ class BenchSettings:
     placement: str = "ordinal"
     arrivals: tuple[float, ...] = ()
     latency_bound: float = DEFAULT_LATENCY_BOUND
+    unloaded_problems: int = 2
 
     def __post_init__(self):
         self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
         self.arrivals = tuple(float(x) for x in self.arrivals)
         if any(r <= 0 for r in self.arrivals) or len(set(self.arrivals)) != len(self.arrivals):
             raise ValueError(f"every arrival rate must be > 0 and given once, got {list(self.arrivals)}")
+        if self.load and not 1 <= self.unloaded_problems <= self.problems:
+            raise ValueError(f"unloaded_problems must be 1 to problems ({self.problems}), got {self.unloaded_problems}")
         if self.latency_bound <= 1:
             raise ValueError(f"the latency bound must be > 1 (times the unloaded latency), got {self.latency_bound}")
         self.banned_token_ids = tuple(int(x) for x in self.banned_token_ids)
@@ -95,7 +100,7 @@ class BenchSettings:
     def to_json(self) -> dict:
         out = json.loads(json.dumps(dataclasses.asdict(self)))
         if not self.arrivals:   # one search at a time: the records' header as before the load mode
-            del out["arrivals"], out["latency_bound"]
+            del out["arrivals"], out["latency_bound"], out["unloaded_problems"]
         return out
 
 

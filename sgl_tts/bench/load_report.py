@@ -24,7 +24,7 @@ from typing import Sequence
 
 from sgl_tts.bench import server_counters
 from sgl_tts.bench.arrivals import RatePoint, latencies_growing, max_sustainable_rate, sustained, unloaded_latency
-from sgl_tts.bench.goodput_load import block_key
+from sgl_tts.bench.goodput_load import UNLOADED, block_key
 from sgl_tts.bench.sides import ALL_SIDES, BASELINES, SIDE_OPTIONS, is_stock
 from sgl_tts.experiment import quantile
 
@@ -63,6 +63,7 @@ class SideCell:
     unloaded: float | None       # p50 at the lowest rate
     max_rate: float | None       # :func:`max_sustainable_rate`
     saturated: bool              # some measured rate was not sustained (the maximum is measured, not a floor)
+    unloaded_measured: bool = True   # from the unloaded block (else: the p50 at the lowest rate)
 
 
 @dataclasses.dataclass
@@ -139,24 +140,34 @@ def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
     searches = finished_searches(records)
     blocks = {block_key(r): r for r in records if r.get("kind") == "load_block"}
     by_cell: dict[tuple, dict[str, list[LoadPoint]]] = {}
+    measured_unloaded: dict[tuple, float] = {}   # (algorithm, n, side) -> the unloaded block's median
     for key, block in blocks.items():
         side, algorithm, n, rate = key
-        by_cell.setdefault((algorithm, n), {}).setdefault(side, []).append(_point(block, searches[key]))
+        cell = by_cell.setdefault((algorithm, n), {}).setdefault(side, [])
+        if rate == UNLOADED:
+            lat = sorted(r["latency"] for r in searches[key])
+            if lat:
+                measured_unloaded[algorithm, n, side] = quantile(lat, 0.5)
+        else:
+            cell.append(_point(block, searches[key]))
     cells = []
     for (algorithm, n), per_side in by_cell.items():
         sides = {}
         for side in sorted(per_side, key=lambda s: ALL_SIDES.index(s) if s in ALL_SIDES else len(ALL_SIDES)):
             points = sorted(per_side[side], key=lambda p: p.rate)
             rate_points = [RatePoint(p.rate, p.p50, p.p99, p.growing) for p in points]
-            unloaded = unloaded_latency(rate_points)
+            unloaded = measured_unloaded.get((algorithm, n, side))
+            measured = unloaded is not None
+            if not measured:
+                unloaded = unloaded_latency(rate_points)
             for p, rp in zip(points, rate_points):
-                p.sustained = sustained(rp, unloaded, bound)
-            sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound),
-                                   saturated=not all(p.sustained for p in points))
+                p.sustained = unloaded is not None and sustained(rp, unloaded, bound)
+            sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound, unloaded),
+                                   saturated=not all(p.sustained for p in points), unloaded_measured=measured)
         # kept beams: the same problem at the same rate, every side alike
         kept: dict[tuple, dict[str, list]] = defaultdict(dict)
         for key, recs in searches.items():
-            if key[1:3] == (algorithm, n):
+            if key[1:3] == (algorithm, n) and key[3] != UNLOADED:
                 for r in recs:
                     kept[(key[3], r["problem"])][key[0]] = r["kept"]
         mismatched = sorted([rate, problem] for (rate, problem), by_side in kept.items()
@@ -195,16 +206,17 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
     for cell in cells:
         r = cell.ratios
         lines += [f"### {cell.algorithm}, n = {cell.n}", "",
-                  f"Maximum sustainable rate: p99 within {bound:g}x the side's unloaded latency (its p50 at the "
-                  "lowest rate) and latencies not growing, at that rate and every lower one; `>=`: sustained "
-                  "every rate measured.", "",
-                  "| side | unloaded p50 (s) | max sustainable rate (/s) | p99 at best stock's max rate (s) |",
+                  f"Maximum sustainable rate: p99 within {bound:g}x the side's unloaded latency (the median of "
+                  "searches run one at a time, alone) and latencies not growing, at that rate and every lower "
+                  "one; `-`: not even the lowest; `>=`: sustained every rate measured.", "",
+                  "| side | unloaded (s) | max sustainable rate (/s) | p99 at best stock's max rate (s) |",
                   "|---|---|---|---|"]
         at = r.get("at_rate")
         for side, c in cell.sides.items():
             p99 = next((p.p99 for p in c.points if p.rate == at), None) if at else None
             rate = "-" if c.max_rate is None else ("" if c.saturated else ">= ") + f"{c.max_rate:g}"
-            lines.append(f"| {side} | {_f(c.unloaded)} | {rate} | {_f(p99)} |")
+            unloaded = _f(c.unloaded) + ("" if c.unloaded_measured else " (p50 at the lowest rate)")
+            lines.append(f"| {side} | {unloaded} | {rate} | {_f(p99)} |")
         lines.append("")
         for name in ("best_vs_best_stock", "ordering_vs_lpm", "plugin_vs_client"):
             num, den = r[name + "_sides"]
@@ -233,7 +245,8 @@ def load_summary(cells: Sequence[LoadCell]) -> list[dict]:
     """The cells as JSON (the summary file's ``cells``)."""
     return [{"algorithm": c.algorithm, "n": c.n, "kept_beams_match": c.kept_beams_match, "mismatched": c.mismatched,
              "ratios": c.ratios,
-             "sides": {s: {"unloaded_p50": v.unloaded, "max_sustainable_rate": v.max_rate, "saturated": v.saturated,
+             "sides": {s: {"unloaded": v.unloaded, "unloaded_measured": v.unloaded_measured,
+                           "max_sustainable_rate": v.max_rate, "saturated": v.saturated,
                            "points": [dataclasses.asdict(p) for p in v.points]} for s, v in c.sides.items()}}
             for c in cells]
 

@@ -176,17 +176,24 @@ def test_vs_best_stock_is_against_the_baselines_not_the_sgl_tts_client_on_stock_
     assert "| sgl-tts | 1 | 15.0 | 1.50x |" in table and "| stock+overlap | 1 | 20.0 | 2.00x |" in table
 
 
-def test_the_unloaded_block_sets_the_bound_and_is_not_a_rate_point():
-    """A side's unloaded latency is the median of its unloaded block (rate key 0: searches one after
-    another), not its p50 at the lowest rate; that block is no point of the p99 curve."""
-    rec = (_block("stock-lpm", 0.0, [3, 4]) + _block("stock-lpm", 0.1, [10] * 4) + _block("stock-lpm", 0.2, [12] * 4)
-           + _block("sgl-tts", 0.1, [10] * 4) + _block("sgl-tts", 0.2, [12] * 4))
+def test_the_unloaded_block_sets_each_search_s_stretch_and_is_not_a_rate_point():
+    """With an unloaded block (rate key 0: each problem alone, one after another) the rule reads each
+    search's stretch, its latency over its own problem's alone; that block is no point of the curve."""
+    rec = (_block("stock-lpm", 0.0, [3, 4, 3.5, 3.5]) + _block("stock-lpm", 0.1, [9] * 4)
+           + _block("stock-lpm", 0.2, [12] * 4) + _block("sgl-tts", 0.1, [10] * 4) + _block("sgl-tts", 0.2, [12] * 4))
     [cell] = summarize_load(rec, bound=3.0)
     lpm, tts = cell.sides["stock-lpm"], cell.sides["sgl-tts"]
     assert [p.rate for p in lpm.points] == [0.1, 0.2]
-    # 3 x 3.5 s = 10.5 s: 0.1/s (p99 10 s) is sustained, 0.2/s (12 s) is not
+    # at 0.1/s the stretches are 9/3, 9/4, 9/3.5, 9/3.5: p99 2.987 <= 3; at 0.2/s 12/3 = 4 > 3
+    first, second = lpm.points
+    assert first.stretch_p99 == pytest.approx(9 / 3.5 + 0.97 * (3 - 9 / 3.5))   # linear between ranks
+    assert (first.sustained, second.sustained, second.stretch_p50) == (True, False, pytest.approx(12 / 3.5))
     assert (lpm.unloaded, lpm.unloaded_measured, lpm.max_rate, lpm.saturated) == (3.5, True, 0.1, True)
-    # no unloaded block: its p50 at the lowest rate (10 s), said so
+    # no unloaded block: its latencies against its p50 at the lowest rate (10 s), said so
     assert (tts.unloaded, tts.unloaded_measured, tts.max_rate) == (10, False, 0.2)
+    assert tts.points[0].stretch_p99 is None
     assert cell.ratios["ordering_vs_lpm"] == 2.0
     assert cell.kept_beams_match is True   # the unloaded block's searches are not compared by rate
+    # a problem missing from the unloaded block is taken at its median
+    [cell] = summarize_load(_block("stock", 0.0, [2, 4]) + _block("stock", 0.1, [6, 6, 6]), bound=3.0)
+    assert cell.sides["stock"].points[0].stretch_p50 == pytest.approx(2.0)   # 6/2, 6/4, 6/3 -> median 2

@@ -44,27 +44,30 @@ def test_bench_arrivals_serves_searches_at_once_and_accounts_for_every_request(t
         assert [p["rate"] for p in c["points"]] == list(RATES), side
         for p in c["points"]:
             assert p["problems"] == PROBLEMS and p["requests_accounted"] is True, (side, p)
+            assert p["stretch_p99"] > 0 and p["sustained"] in (True, False)
             assert 0 < p["p50"] <= p["p99"] and p["throughput"] > 0 and p["goodput"] > 0
             assert p["queue"]["generator"]["max"] is not None and p["queue"]["prm"]["max"] is not None
             assert p["client_cpu_per_1k_tokens"] > 0 and p["recomputed_tokens"] is not None
         assert c["unloaded_measured"] is True and c["unloaded"] > 0
     # the ratios that need stock+overlap and a baseline are there (their values are the run's)
     ratios = cell["ratios"]
-    assert ratios["plugin_vs_client_sides"] == ["sgl-tts+overlap", "stock+overlap"]
+    # (the sgl-tts side is named where it sustained the lowest rate: a few one-second searches are noisy)
+    assert ratios["plugin_vs_client_sides"][0] in (None, "sgl-tts+overlap")
+    assert ratios["plugin_vs_client_sides"][1] == "stock+overlap"
     assert ratios["best_vs_best_stock_sides"][1] in (None, "stock")
     assert ratios["ordering_vs_lpm"] is None   # no stock-lpm side ran
 
     records = [json.loads(x) for x in out.read_text().splitlines()][1:]
     blocks = [r for r in records if r["kind"] == "load_block"]
-    # each side: the unloaded block (rate key 0: two searches one after another), then each rate
+    # each side: the unloaded block (rate key 0: every problem alone, one after another), then each rate
     assert sorted((r["side"], r["rate"]) for r in blocks) == sorted((s, r) for s in SIDES for r in (0.0, *RATES))
     for block in blocks:
         searches = [r for r in records if r["kind"] == "load_search" and r["attempt"] == block["attempt"]]
         # every arrival answered, at or after its arrival; the same problems on every side
-        assert sorted(r["problem"] for r in searches) == list(range(2 if block["rate"] == 0 else PROBLEMS))
+        assert sorted(r["problem"] for r in searches) == list(range(PROBLEMS))
         if block["rate"] == 0:   # one in flight: each arrived once the one before was answered
-            first, second = sorted(searches, key=lambda r: r["problem"])
-            assert second["arrival"] >= first["answered"]
+            alone = sorted(searches, key=lambda r: r["problem"])
+            assert all(b["arrival"] >= a["answered"] for a, b in zip(alone, alone[1:]))
         assert all(r["answered"] >= r["arrival"] >= 0 and r["latency"] > 0 for r in searches)
         req = block["requests"]
         # every step request the client sent was answered, and the generator counted each one

@@ -5,8 +5,9 @@ the rule that reads a side's highest sustainable arrival rate off its measured l
 The rule (:func:`max_sustainable_rate`): a rate is *sustained* when
 
 - its p99 latency, from arrival to answer (queueing included), is within ``bound`` times the side's
-  unloaded latency (``sgl-tts bench`` measures it: the median of a few searches run one after another,
-  alone on the servers; without that, :func:`unloaded_latency`: its median at the lowest rate), and
+  unloaded latency (``sgl-tts bench`` reads it per search: each search's *stretch*, its latency over
+  its own problem's latency alone on the servers, so a mix of long and short problems does not move
+  the bound; without that, :func:`unloaded_latency`: its median at the lowest rate), and
 - its latencies are not growing (:func:`latencies_growing`): the later half of the arrivals did not
   wait ``growth`` times longer on average than the earlier half. A server that keeps up serves both
   halves alike; one that falls behind makes every later arrival wait for the backlog of the earlier

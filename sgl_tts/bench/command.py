@@ -164,7 +164,8 @@ def settings_from_args(args, context_default: int | None, planned_batch: int,
                          args.prompt_tokens, args.temperature, trace,
                          args.context_tokens or context_default, planned_batch, args.limit_tokens,
                          tuple(banned_token_ids), arrivals=tuple(getattr(args, "arrivals", None) or ()),
-                         latency_bound=getattr(args, "latency_bound", None) or DEFAULT_LATENCY_BOUND)
+                         latency_bound=getattr(args, "latency_bound", None) or DEFAULT_LATENCY_BOUND,
+                         unloaded_problems=getattr(args, "unloaded_problems", None))
 
 
 PROVENANCE = ("machine", "date", "command")

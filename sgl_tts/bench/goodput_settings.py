@@ -40,8 +40,9 @@ class BenchSettings:
             a Poisson process (:mod:`sgl_tts.bench.arrivals`) and run at once (:mod:`sgl_tts.bench.goodput_load`).
         latency_bound: the load mode's maximum-sustainable-rate rule: p99 within this many times the
             side's unloaded latency.
-        unloaded_problems: the load mode's unloaded block: this many problems one after another, whose
-            median latency is a side's unloaded latency.
+        unloaded_problems: the load mode's unloaded block: this many problems (None: every one) run one
+            after another, alone: each one's latency alone, over which its latencies under load are read
+            as a stretch (:mod:`sgl_tts.bench.load_report`).
     """
 
     algorithms: tuple[str, ...] = ALGORITHMS
@@ -59,13 +60,15 @@ class BenchSettings:
     placement: str = "ordinal"
     arrivals: tuple[float, ...] = ()
     latency_bound: float = DEFAULT_LATENCY_BOUND
-    unloaded_problems: int = 2
+    unloaded_problems: int | None = None
 
     def __post_init__(self):
         self.algorithms, self.n = tuple(self.algorithms), tuple(int(x) for x in self.n)
         self.arrivals = tuple(float(x) for x in self.arrivals)
         if any(r <= 0 for r in self.arrivals) or len(set(self.arrivals)) != len(self.arrivals):
             raise ValueError(f"every arrival rate must be > 0 and given once, got {list(self.arrivals)}")
+        if self.unloaded_problems is None:
+            self.unloaded_problems = self.problems
         if self.load and not 1 <= self.unloaded_problems <= self.problems:
             raise ValueError(f"unloaded_problems must be 1 to problems ({self.problems}), got {self.unloaded_problems}")
         if self.latency_bound <= 1:

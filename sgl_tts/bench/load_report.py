@@ -54,6 +54,10 @@ class LoadPoint:
     queue: dict = dataclasses.field(default_factory=dict)   # per server: p50, max of the waiting queue
     client_cpu_per_1k_tokens: float | None = None
     requests_accounted: bool | None = None   # every step request sent was answered (and counted)
+    # each search's latency over its problem's latency alone (the unloaded block): the rule reads these
+    stretch_p50: float | None = None
+    stretch_p99: float | None = None
+    stretch_growing: bool | None = None
 
 
 @dataclasses.dataclass
@@ -97,9 +101,15 @@ def in_flight_max(searches: Sequence[dict]) -> int:
     return most
 
 
-def _point(block: dict, searches: list[dict]) -> LoadPoint:
+def _point(block: dict, searches: list[dict], unloaded: dict[int, float] | None = None) -> LoadPoint:
+    """One block's point; ``unloaded``: each problem's latency alone (its stretch is latency over it; a
+    problem not in it is taken at their median)."""
     ordered = sorted(searches, key=lambda r: r["arrival"])
     latencies = [r["latency"] for r in ordered]
+    stretch = None
+    if unloaded:
+        middle = quantile(sorted(unloaded.values()), 0.5)
+        stretch = [r["latency"] / unloaded.get(r["problem"], middle) for r in ordered]
     lat = sorted(latencies)
     span = float(block["span"]) or 1e-9
     gen = (block.get("counters") or {}).get("generator") or {}
@@ -120,7 +130,10 @@ def _point(block: dict, searches: list[dict]) -> LoadPoint:
                      queue={name: {"p50": q.get("p50"), "max": q.get("max")}
                             for name, q in (block.get("queue") or {}).items()},
                      client_cpu_per_1k_tokens=(1000 * block["client_cpu_seconds"] / tokens) if tokens else None,
-                     requests_accounted=accounted)
+                     requests_accounted=accounted,
+                     stretch_p50=quantile(sorted(stretch), 0.5) if stretch else None,
+                     stretch_p99=quantile(sorted(stretch), 0.99) if stretch else None,
+                     stretch_growing=latencies_growing(stretch) if stretch else None)
 
 
 def _ratio(num: SideCell | None, den: SideCell | None) -> tuple[float | None, bool]:
@@ -140,29 +153,30 @@ def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
     searches = finished_searches(records)
     blocks = {block_key(r): r for r in records if r.get("kind") == "load_block"}
     by_cell: dict[tuple, dict[str, list[LoadPoint]]] = {}
-    measured_unloaded: dict[tuple, float] = {}   # (algorithm, n, side) -> the unloaded block's median
+    # (algorithm, n, side) -> each problem's latency in the unloaded block
+    alone = {(key[1], key[2], key[0]): {r["problem"]: r["latency"] for r in searches[key]}
+             for key in blocks if key[3] == UNLOADED and searches[key]}
     for key, block in blocks.items():
         side, algorithm, n, rate = key
         cell = by_cell.setdefault((algorithm, n), {}).setdefault(side, [])
-        if rate == UNLOADED:
-            lat = sorted(r["latency"] for r in searches[key])
-            if lat:
-                measured_unloaded[algorithm, n, side] = quantile(lat, 0.5)
-        else:
-            cell.append(_point(block, searches[key]))
+        if rate != UNLOADED:
+            cell.append(_point(block, searches[key], alone.get((algorithm, n, side))))
     cells = []
     for (algorithm, n), per_side in by_cell.items():
         sides = {}
         for side in sorted(per_side, key=lambda s: ALL_SIDES.index(s) if s in ALL_SIDES else len(ALL_SIDES)):
             points = sorted(per_side[side], key=lambda p: p.rate)
-            rate_points = [RatePoint(p.rate, p.p50, p.p99, p.growing) for p in points]
-            unloaded = measured_unloaded.get((algorithm, n, side))
-            measured = unloaded is not None
-            if not measured:
-                unloaded = unloaded_latency(rate_points)
+            solo = alone.get((algorithm, n, side))
+            measured = bool(solo)
+            if measured:   # the rule on each search's stretch: its latency over its own problem's alone
+                rate_points = [RatePoint(p.rate, p.stretch_p50, p.stretch_p99, p.stretch_growing) for p in points]
+                unloaded, rule_unit = quantile(sorted(solo.values()), 0.5), 1.0
+            else:          # no unloaded block: latencies against the p50 at the lowest rate
+                rate_points = [RatePoint(p.rate, p.p50, p.p99, p.growing) for p in points]
+                unloaded = rule_unit = unloaded_latency(rate_points)
             for p, rp in zip(points, rate_points):
-                p.sustained = unloaded is not None and sustained(rp, unloaded, bound)
-            sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound, unloaded),
+                p.sustained = rule_unit is not None and sustained(rp, rule_unit, bound)
+            sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound, rule_unit),
                                    saturated=not all(p.sustained for p in points), unloaded_measured=measured)
         # kept beams: the same problem at the same rate, every side alike
         kept: dict[tuple, dict[str, list]] = defaultdict(dict)
@@ -206,10 +220,11 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
     for cell in cells:
         r = cell.ratios
         lines += [f"### {cell.algorithm}, n = {cell.n}", "",
-                  f"Maximum sustainable rate: p99 within {bound:g}x the side's unloaded latency (the median of "
-                  "searches run one at a time, alone) and latencies not growing, at that rate and every lower "
-                  "one; `-`: not even the lowest; `>=`: sustained every rate measured.", "",
-                  "| side | unloaded (s) | max sustainable rate (/s) | p99 at best stock's max rate (s) |",
+                  f"Maximum sustainable rate: the p99 of the searches' stretch (a search's latency over its "
+                  f"problem's latency alone, from the unloaded block) within {bound:g}x, and stretches not "
+                  "growing, at that rate and every lower one; `-`: not even the lowest; `>=`: sustained every "
+                  "rate measured.", "",
+                  "| side | unloaded, median (s) | max sustainable rate (/s) | p99 at best stock's max rate (s) |",
                   "|---|---|---|---|"]
         at = r.get("at_rate")
         for side, c in cell.sides.items():
@@ -225,15 +240,15 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
         lines.append(f"- p99 of the best stock side over the best sgl-tts side's at {_f(at, 'g')}/s: "
                      f"{_f(r['p99_best_stock_over_best'])}x")
         lines.append(f"- kept beams: {'match' if cell.kept_beams_match else 'not compared' if cell.kept_beams_match is None else 'DIFFER at ' + json.dumps(cell.mismatched)}")
-        lines += ["", "| side | rate (/s) | offered (/s) | searches | most in flight | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | growing "
+        lines += ["", "| side | rate (/s) | offered (/s) | searches | most in flight | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | p99 stretch | growing "
                   "| sustained | gen queue p50 / max | PRM queue p50 / max | recomputed prompt tokens | evicted "
                   "| retracted | client CPU s / 1k tok | requests accounted |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for side, c in cell.sides.items():
             for p in c.points:
                 q = {k: f"{_f(v.get('p50'), '.0f')} / {_f(v.get('max'), '.0f')}" for k, v in p.queue.items()}
                 lines.append(f"| {side} | {p.rate:g} | {p.offered:.3g} | {p.problems} | {p.in_flight_max} | {p.throughput:.3f} | {p.goodput:.1f} | {p.p50:.2f} "
-                             f"| {p.p99:.2f} | {'yes' if p.growing else 'no'} | {'yes' if p.sustained else 'no'} "
+                             f"| {p.p99:.2f} | {_f(p.stretch_p99)} | {'yes' if (p.growing if p.stretch_growing is None else p.stretch_growing) else 'no'} | {'yes' if p.sustained else 'no'} "
                              f"| {q.get('generator', '-')} | {q.get('prm', '-')} | {_f(p.recomputed_tokens, '.0f')} "
                              f"| {_f(p.evicted_tokens, '.0f')} | {_f(p.retracted_requests, '.0f')} "
                              f"| {_f(p.client_cpu_per_1k_tokens, '.3f')} | {'yes' if p.requests_accounted else 'NO'} |")

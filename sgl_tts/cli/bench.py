@@ -89,8 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"maximum sustainable rate. Sides by default: {' '.join(LOAD_SIDES)}; "
                         f"--problems {LOAD_PROBLEMS} by default")
     b.add_argument("--latency-bound", type=float, default=None,
-                   help=f"with --arrivals: a rate is sustained when its p99 is within this many times the side's "
-                        f"unloaded latency (default {DEFAULT_LATENCY_BOUND:g}) and latencies do not grow")
+                   help=f"with --arrivals: a rate is sustained when the p99 of its searches' stretch (latency over "
+                        f"the same problem's alone) is within this (default {DEFAULT_LATENCY_BOUND:g}) and "
+                        "stretches do not grow")
+    b.add_argument("--unloaded-problems", type=int, default=None,
+                   help="with --arrivals: problems of the unloaded block, run one after another, alone, before "
+                        "the rates (default: every one); a search's stretch under load is its latency over its "
+                        "problem's there")
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")

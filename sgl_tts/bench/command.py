@@ -31,7 +31,8 @@ from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
 from sgl_tts.bench.errors import BenchError
 from sgl_tts.bench.goodput import measure_limit, run_side
 from sgl_tts.bench.goodput_load import block_rates, finished_blocks, run_load_side
-from sgl_tts.bench.goodput_report import format_report, plot_report, summarize
+from sgl_tts.bench.goodput_report import (format_report, plot_report, plot_title, provenance_lines, summarize,
+                                          write_report_files)
 from sgl_tts.bench.goodput_settings import DEFAULT_N, DEFAULT_SERVER_ARGS, BenchSettings
 from sgl_tts.bench.goodput_store import RecordWriter
 from sgl_tts.bench.sides import (ALL_SIDES, LOAD_SIDES, SERVER_POLICIES, SIDE_OPTIONS, SIDES, STOCK_POLICIES, is_stock, side_curve,
@@ -225,26 +226,7 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
         return write_load_report(records, settings, output, header)
     rows = summarize(records, settings)
     table = format_report(rows)
-    lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "",
-             f"- machine: {header['machine']}", f"- date: {header['date']}",
-             "- command: " + "; then ".join(f"`{c}`" for c in header.get("commands") or [header["command"]]),
-             f"- device: {header.get('device', 'cuda')}", f"- memory budget: {header['budget']}"]
-    if header.get("rebuilt"):
-        r = header["rebuilt"]
-        lines.append(f"- report rebuilt from the records: {r['date']}, {r['machine']}, `{r['command']}`")
-    if header.get("differ"):
-        lines.append(f"- **the runs differ in {', '.join(header['differ'])}**: below is the first run's; "
-                     "the figures mix settings")
-    if header.get("workload") is not None:
-        lines.append(f"- planner workload: {header['workload']}")
-    if header.get("splits"):
-        lines.append("- KV split (generator share): " + ", ".join(
-            f"{side} {v['generator_share']} ({'planned' if v['planned'] else 'fixed'})"
-            for side, v in header["splits"].items()))
-    if header.get("pools"):
-        lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
-    if header.get("trace"):
-        lines.append(f"- trace: `{json.dumps(header['trace'])}`")
+    lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "", *provenance_lines(header)]
     lines += [f"- settings: `{json.dumps(settings.to_json())}`", "", table, ""]
     counters = server_counters.format_counters(server_counters.per_side(records), ALL_SIDES)
     if counters:
@@ -254,13 +236,8 @@ def report(records: list[dict], settings: BenchSettings, output: Path, header: d
                   "computed (block-granular: whole 16-token blocks), prompt tokens prefilled, and the "
                   "scheduler's own time per round forming a batch (`-`: not observed).",
                   "", counters, ""]
-    text = "\n".join(lines)
-    output.with_suffix(".md").write_text(text)
-    output.with_suffix(".summary.json").write_text(json.dumps(summary_json(records, settings, header), indent=1))
-    if rows:
-        plot_report(rows, output.with_suffix(".png"), f"{header['generator']} + {header['prm']}, "
-                                                      f"{header['budget']}, {header['machine']}")
-    return text
+    return write_report_files(output, "\n".join(lines), summary_json(records, settings, header),
+                              (lambda path: plot_report(rows, path, plot_title(header))) if rows else None)
 
 
 @dataclasses.dataclass

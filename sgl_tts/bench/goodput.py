@@ -67,10 +67,6 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     after ``deadline`` (``time.monotonic()``); returns how many were left for a later run."""
     from tqdm.auto import tqdm
 
-    from sgl_tts.bench.dummy_models import WORD_TAG
-    from sgl_tts.experiment import program_function
-    from sgl_tts.prm import StepTagPRM
-
     trace = settings.step_trace()
     configs = side_configs(side, generator_url, prm_url, settings, trace, write)
     registry = StepRegistry()
@@ -88,15 +84,10 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
         group = search_group(algorithm, n, problem)
         registry.clear()
         gen.take_meter(), prm_backend.take_meter()
-        verifier = TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
+        verifier = trace_verifier(prm_backend, registry, trace)
         t0 = time.perf_counter()
-        try:
-            state = program_function(algorithm).run(
-                **configs[algorithm, n].program_arguments(settings.question(problem, vocab), verifier),
-                search_group=group, backend=gen)
-            error = state.error()
-        except Exception as exc:  # noqa: BLE001 - reported with the search that failed
-            error = exc
+        state, error = run_search(algorithm, configs[algorithm, n], settings.question(problem, vocab), verifier,
+                                  group, gen)
         seconds = time.perf_counter() - t0
         if error is not None:
             # a fork's own error (an HTTP error, a BenchError) only reaches the program as a missing
@@ -122,6 +113,27 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
                "depth_tokens": [registry.depth_tokens.get(d, 0) for d in range(max(registry.depth_tokens) + 1)],
                "generator": dataclasses.asdict(g), "prm": dataclasses.asdict(v), "kept": kept})
     return 0
+
+
+def trace_verifier(prm_backend, registry: StepRegistry, trace) -> TraceScores:
+    """A search's verifier: the step-tag PRM on the PRM server, answering with the trace's scores."""
+    from sgl_tts.bench.dummy_models import WORD_TAG
+    from sgl_tts.prm import StepTagPRM
+
+    return TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
+
+
+def run_search(algorithm: str, config, question: str, verifier, group: str, backend) -> tuple:
+    """One search of ``algorithm`` with its run settings: ``(state, error)``, the error the program's
+    state reports or the exception it raised (``None`` when it finished)."""
+    from sgl_tts.experiment import program_function
+
+    try:
+        state = program_function(algorithm).run(**config.program_arguments(question, verifier),
+                                                search_group=group, backend=backend)
+        return state, state.error()
+    except Exception as exc:  # noqa: BLE001 - reported with the search that failed
+        return None, exc
 
 
 def side_configs(side: str, generator_url: str, prm_url: str, settings: BenchSettings, trace,
@@ -175,4 +187,4 @@ def measure_limit(generator_url: str, settings: BenchSettings, *, vocab: int = 3
                "tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
 
 
-__all__ = ["kept_beams", "measure_limit", "run_side", "side_configs"]
+__all__ = ["kept_beams", "measure_limit", "run_search", "run_side", "side_configs", "trace_verifier"]

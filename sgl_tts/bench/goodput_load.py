@@ -31,9 +31,9 @@ from typing import Callable, Iterable
 from sgl_tts.bench import server_counters
 from sgl_tts.bench.arrivals import scaled_poisson_arrivals
 from sgl_tts.bench.errors import BenchError
-from sgl_tts.bench.goodput import kept_beams, side_configs
+from sgl_tts.bench.goodput import kept_beams, run_search, side_configs, trace_verifier
 from sgl_tts.bench.goodput_settings import BenchSettings, search_group
-from sgl_tts.bench.goodput_trace import MeteredEndpoint, StepRegistry, TraceEndpoint, TraceScores
+from sgl_tts.bench.goodput_trace import MeteredEndpoint, StepRegistry, TraceEndpoint
 from sgl_tts.experiment import quantile
 from sgl_tts.frontend import end_stream_executors
 
@@ -137,10 +137,6 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
                progress, tqdm) -> None:
     """One block: the problems start at their arrival times, each on its own thread; then the block's
     record. A failed search stops the benchmark once every started search has ended."""
-    from sgl_tts.bench.dummy_models import WORD_TAG
-    from sgl_tts.experiment import program_function
-    from sgl_tts.prm import StepTagPRM
-
     attempt = uuid.uuid4().hex[:12]
     unloaded = rate == UNLOADED
     # unloaded: the first problems, each arriving as the one before is answered (their arrivals are
@@ -161,15 +157,9 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
 
     def serve(problem: int) -> None:
         group = search_group(algorithm, n, problem)
-        verifier = TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
+        verifier = trace_verifier(prm_backend, registry, trace)
         arrival = t0 + arrivals[problem]   # when it arrived: a late start counts against the latency
-        try:
-            state = program_function(algorithm).run(
-                **config.program_arguments(settings.question(problem, vocab), verifier),
-                search_group=group, backend=gen)
-            error = state.error()
-        except Exception as exc:  # noqa: BLE001 - reported with the search that failed
-            error = exc
+        state, error = run_search(algorithm, config, settings.question(problem, vocab), verifier, group, gen)
         answered = time.perf_counter()
         if error is not None:
             with lock:

@@ -5,6 +5,7 @@ that every side kept the same beams, and the generator-bound limit), the Markdow
 from __future__ import annotations
 
 import dataclasses
+import json
 import textwrap
 from pathlib import Path
 from typing import Sequence
@@ -188,4 +189,43 @@ def plot_report(rows: Sequence[ReportRow], path: str | Path, title: str = "") ->
     return path
 
 
-__all__ = ["ReportRow", "SideRow", "format_report", "plot_report", "summarize"]
+def provenance_lines(header: dict) -> list[str]:
+    """A report's first lines: machine, date, every command, device, budget; a rebuilt report, runs
+    that differ, the planner's workload, the split, the pools and the trace where the header has them."""
+    lines = [f"- machine: {header['machine']}", f"- date: {header['date']}",
+             "- command: " + "; then ".join(f"`{c}`" for c in header.get("commands") or [header["command"]]),
+             f"- device: {header.get('device', 'cuda')}", f"- memory budget: {header['budget']}"]
+    if header.get("rebuilt"):
+        r = header["rebuilt"]
+        lines.append(f"- report rebuilt from the records: {r['date']}, {r['machine']}, `{r['command']}`")
+    if header.get("differ"):
+        lines.append(f"- **the runs differ in {', '.join(header['differ'])}**: below is the first run's; "
+                     "the figures mix settings")
+    if header.get("workload") is not None:
+        lines.append(f"- planner workload: {header['workload']}")
+    if header.get("splits"):
+        lines.append("- KV split (generator share): " + ", ".join(
+            f"{side} {v['generator_share']} ({'planned' if v['planned'] else 'fixed'})"
+            for side, v in header["splits"].items()))
+    if header.get("pools"):
+        lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
+    if header.get("trace"):
+        lines.append(f"- trace: `{json.dumps(header['trace'])}`")
+    return lines
+
+
+def plot_title(header: dict) -> str:
+    return f"{header['generator']} + {header['prm']}, {header['budget']}, {header['machine']}"
+
+
+def write_report_files(output: Path, text: str, summary: dict, plot=None) -> str:
+    """Write the Markdown (``.md``), the summary (``.summary.json``) and, when ``plot`` is given, the plot
+    (``plot(path)`` draws ``.png``) beside ``output``; return the Markdown."""
+    output.with_suffix(".md").write_text(text)
+    output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1))
+    if plot is not None:
+        plot(output.with_suffix(".png"))
+    return text
+
+
+__all__ = ["plot_title", "provenance_lines", "write_report_files", "ReportRow", "SideRow", "format_report", "plot_report", "summarize"]

@@ -25,6 +25,7 @@ from typing import Sequence
 from sgl_tts.bench import server_counters
 from sgl_tts.bench.arrivals import RatePoint, latencies_growing, max_sustainable_rate, sustained, unloaded_latency
 from sgl_tts.bench.goodput_load import UNLOADED, block_key
+from sgl_tts.bench.goodput_report import plot_title, provenance_lines, write_report_files
 from sgl_tts.bench.sides import ALL_SIDES, BASELINES, SIDE_OPTIONS, is_stock
 from sgl_tts.experiment import quantile
 
@@ -302,32 +303,16 @@ def write_load_report(records: Sequence[dict], settings, output: Path, header: d
     """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown."""
     cells = summarize_load(records, settings.latency_bound)
     lines = [f"# sgl-tts bench, many searches at once: {header['generator']} + {header['prm']}", "",
-             f"- machine: {header['machine']}", f"- date: {header['date']}",
-             "- command: " + "; then ".join(f"`{c}`" for c in header.get("commands") or [header["command"]]),
-             f"- device: {header.get('device', 'cuda')}", f"- memory budget: {header['budget']}",
+             *provenance_lines(header),
              f"- offered rates (searches / s): {', '.join(f'{r:g}' for r in settings.arrivals)}; "
              f"{settings.problems} Poisson arrivals per (algorithm, n) and rate, the same on every side"]
-    if header.get("rebuilt"):
-        r = header["rebuilt"]
-        lines.append(f"- report rebuilt from the records: {r['date']}, {r['machine']}, `{r['command']}`")
-    if header.get("differ"):
-        lines.append(f"- **the runs differ in {', '.join(header['differ'])}**: below is the first run's")
-    if header.get("pools"):
-        lines.append(f"- KV pools (tokens): {json.dumps(header['pools'])}")
-    if header.get("trace"):
-        lines.append(f"- trace: `{json.dumps(header['trace'])}`")
     lines += [f"- settings: `{json.dumps(settings.to_json())}`", "",
               "Latency runs from a search's arrival to its answer (queueing included); throughput and goodput "
               "are over a block's span (first arrival to last answer); queues are SGLang's waiting-queue gauge "
               "read every 0.25 s; recomputed prompt tokens are the generator's observer's (block-granular).", "",
               format_load_report(cells, settings.latency_bound)]
-    text = "\n".join(lines)
-    output.with_suffix(".md").write_text(text)
-    output.with_suffix(".summary.json").write_text(json.dumps(load_json(records, settings, header), indent=1))
-    if cells:
-        plot_load(cells, output.with_suffix(".png"), f"{header['generator']} + {header['prm']}, {header['budget']}, "
-                                                     f"{header['machine']}")
-    return text
+    return write_report_files(output, "\n".join(lines), load_json(records, settings, header),
+                              (lambda path: plot_load(cells, path, plot_title(header))) if cells else None)
 
 
 __all__ = ["LoadCell", "LoadPoint", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",

@@ -99,6 +99,12 @@ class QueueSampler:
                        "samples": len(v), "missed": self.missed[name]} for name, v in self.samples.items()}
 
 
+def _readings(urls: dict[str, str]) -> dict[str, tuple]:
+    """Each server's counters (:func:`server_counters.server_counters`) and requests counted so far."""
+    return {name: (server_counters.server_counters(url), server_counters.request_count(url))
+            for name, url in urls.items()}
+
+
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -147,11 +153,9 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
     gen.take_meter(), prm_backend.take_meter(), gen.take_sent()
     lock = threading.Lock()
     failures: list[tuple[str, BaseException]] = []
-    latencies: list[float] = []
     bar = tqdm(total=len(arrivals), desc=f"{side} {algorithm} n={n} " + ("unloaded" if unloaded else f"at {rate:g}/s"),
                disable=not progress)
-    before = {name: server_counters.server_counters(url) for name, url in urls.items()}
-    requests_before = {name: server_counters.request_count(url) for name, url in urls.items()}
+    before = _readings(urls)
     cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
 
@@ -175,7 +179,6 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
                   "prm_requests": int(result.prm_requests), "kept": kept_beams(registry, result)}
         with lock:
             write(record)
-            latencies.append(record["latency"])
             bar.update(1)
 
     threads = []
@@ -202,17 +205,16 @@ def _run_block(side, algorithm, n, rate, settings, config, gen, prm_backend, reg
         cause = next(iter(end_stream_executors()), None) or error
         raise BenchError(f"search {group} at {rate:g}/s failed: {cause!r} ({len(failures)} of "
                          f"{len(arrivals)} searches failed)") from (cause if isinstance(cause, BaseException) else None)
-    after = {name: server_counters.server_counters(url) for name, url in urls.items()}
-    requests_after = {name: server_counters.request_count(url) for name, url in urls.items()}
+    after = _readings(urls)
     g, v = gen.take_meter(), prm_backend.take_meter()
     write({"kind": "load_block", "side": side, "algorithm": algorithm, "n": n, "rate": rate, "attempt": attempt,
            "problems": len(arrivals), "last_arrival": round(arrivals[-1], 4), "span": round(span, 4),
            "client_cpu_seconds": round(cpu, 4), "queue": sampler.stats(),
-           "counters": {name: server_counters.delta(before[name], after[name]) for name in urls},
+           "counters": {name: server_counters.delta(before[name][0], after[name][0]) for name in urls},
            "requests": {"generator_sent": gen.take_sent(), "generator_answered": g.requests,
                         "prm_answered": v.requests,
-                        "server_counted": {name: None if requests_before[name] is None or requests_after[name] is None
-                                           else requests_after[name] - requests_before[name] for name in urls}},
+                        "server_counted": {name: None if before[name][1] is None or after[name][1] is None
+                                           else after[name][1] - before[name][1] for name in urls}},
            "generator": {"prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens,
                          "completion_tokens": g.completion_tokens},
            "prm": {"prompt_tokens": v.prompt_tokens, "cached_tokens": v.cached_tokens}})

@@ -17,9 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.command import (CPU_MODELS, CPU_PRESSURE_BUDGETS, CPU_PRESSURE_PROMPT_TOKENS, CPU_PRESSURE_SIDES,
                                        DEVICES)
     from sgl_tts.bench.goodput_settings import ALGORITHMS
-    from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
-    from sgl_tts.bench.command import LOAD_PROBLEMS
-    from sgl_tts.bench.sides import ALL_SIDES, LOAD_SIDES, SIDES
+    from sgl_tts.bench.sides import ALL_SIDES, SIDES
 
     ap = argparse.ArgumentParser(
         prog="sgl-tts bench",
@@ -75,27 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory planner's split on both models' measured CPU profiles (the default; the "
                         "report's header says which split each side used and whether it was planned)")
     b.add_argument("--sides", nargs="+", default=None, choices=ALL_SIDES,
-                   help=f"{' and '.join(SIDES)} by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix policies "
-                        "(--schedule-policy lpm / dfs-weight); sgl-tts+spec...: speculative beam extension, then LookAhead, "
-                        "then overlapped verification on the sgl-tts servers (the ablation); sgl-tts+locality(-eviction/"
-                        "-order): --tts-policy locality (or one of its rules alone) on both servers; "
-                        "sgl-tts+locality+overlap: that policy with overlapped verification; "
-                        "sgl-tts+locality+overlap-by-family: overlapped by family (siblings' PRM requests together); "
-                        "stock+overlap: the sgl-tts client's overlapped verification on the stock servers")
-    b.add_argument("--arrivals", type=rates, default=None, metavar="R1,R2,...",
-                   help="the load mode (many searches at once): at each rate (searches / s) the --problems of "
-                        "every (algorithm, n) arrive as a Poisson process and run at once; reports latency from "
-                        "arrival to answer (p50/p99), throughput, both servers' waiting queues and each side's "
-                        f"maximum sustainable rate. Sides by default: {' '.join(LOAD_SIDES)}; "
-                        f"--problems {LOAD_PROBLEMS} by default")
-    b.add_argument("--latency-bound", type=float, default=None,
-                   help=f"with --arrivals: a rate is sustained when the p99 of its searches' stretch (latency over "
-                        f"the same problem's alone) is within this (default {DEFAULT_LATENCY_BOUND:g}) and "
-                        "stretches do not grow")
-    b.add_argument("--unloaded-problems", type=int, default=None,
-                   help="with --arrivals: problems of the unloaded block, run one after another, alone, before "
-                        "the rates (default: every one); a search's stretch under load is its latency over its "
-                        "problem's there")
+                   help=f"{' and '.join(SIDES)} by default; stock-lpm/-dfs-weight: stock SGLang under its own prefix "
+                        "policies; stock+overlap: the sgl-tts client's overlapped verification on stock servers; "
+                        "sgl-tts+spec...: speculation, LookAhead, overlap (the ablation); sgl-tts+locality(-eviction/"
+                        "-order/-families): --tts-policy locality (or its rules) on both servers; +overlap: with "
+                        "overlapped verification (-by-family: siblings' PRM requests together)")
+    _add_load_arguments(b)
     b.add_argument("--output", default=None,
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
@@ -110,6 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
                          "table; the servers' logs go to stderr")
     return ap
+
+
+def _add_load_arguments(b) -> None:
+    """The load mode's flags (``--arrivals`` and what reads it) in the benchmark group ``b``."""
+    from sgl_tts.bench.arrivals import DEFAULT_LATENCY_BOUND
+    from sgl_tts.bench.command import LOAD_PROBLEMS
+    from sgl_tts.bench.sides import LOAD_SIDES
+
+    b.add_argument("--arrivals", type=rates, default=None, metavar="R1,R2,...",
+                   help="the load mode (many searches at once): at each rate (searches / s) the --problems of "
+                        "every (algorithm, n) arrive as a Poisson process and run at once; reports latency from "
+                        "arrival to answer (p50/p99), throughput, both servers' waiting queues and each side's "
+                        f"maximum sustainable rate. Sides by default: {' '.join(LOAD_SIDES)}; "
+                        f"--problems {LOAD_PROBLEMS} by default")
+    b.add_argument("--latency-bound", type=float, default=None,
+                   help=f"with --arrivals: a rate is sustained when the p99 of its searches' stretch (latency over "
+                        f"the same problem's alone) is within this (default {DEFAULT_LATENCY_BOUND:g}) and "
+                        "stretches do not grow")
+    b.add_argument("--unloaded-problems", type=int, default=None,
+                   help="with --arrivals: problems of the unloaded block, run one after another, alone, before "
+                        "the rates (default: every one); a search's stretch under load is its latency over its "
+                        "problem's there")
 
 
 def rates(text: str) -> list[float]:
@@ -154,12 +159,22 @@ def print_dry_run(sides: Sequence[str], settings, specs: dict[str, list]) -> Non
             print(f"# {side}: on the {group[0]} servers, started once; both radix caches flushed before it")
 
 
+def _kept_beams_differ(records, settings) -> bool:
+    """Whether some search kept other beams on one side than on another."""
+    if settings.load:
+        from sgl_tts.bench.load_report import summarize_load
+
+        return any(c.kept_beams_match is False for c in summarize_load(records, settings.latency_bound))
+    from sgl_tts.bench.goodput_report import summarize
+
+    return any(r.match is False for r in summarize(records, settings))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
     from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, measured_header, prepare,
                                        report, run_record, server_groups, side_specs, summary_json)
     from sgl_tts.bench.errors import BenchError
-    from sgl_tts.bench.goodput_report import summarize
     from sgl_tts.bench.goodput_store import RecordWriter, read_records
     from sgl_tts.frontend import end_stream_executors
     from sgl_tts.launch.serve import ServerFailed, sigterm_stops_servers
@@ -226,12 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sgl-tts bench: stopped; finished searches are kept in {output}", file=sys.stderr)
         return 130
     show(writer.records)
-    if settings.load:
-        from sgl_tts.bench.load_report import summarize_load
-
-        differ = any(c.kept_beams_match is False for c in summarize_load(writer.records, settings.latency_bound))
-    else:
-        differ = any(r.match is False for r in summarize(writer.records, settings))
+    differ = _kept_beams_differ(writer.records, settings)
     if runner.left:
         print(f"sgl-tts bench: --stop-after reached with work left ({runner.left} searches or measurements); "
               f"run the same command again to go on from {output}", file=sys.stderr)

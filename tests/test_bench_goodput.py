@@ -331,6 +331,29 @@ def test_records_resume_only_for_the_same_settings_and_a_torn_line_is_dropped(tm
         read_records(out, BenchSettings(n=(16,), problems=1))
 
 
+def test_a_run_that_adds_algorithms_or_n_extends_the_records_and_anything_else_is_refused(tmp_path):
+    """--algorithms beam_search dvts on an output of beam_search (issue 64's second cell): the settings
+    line is widened, the records kept (the resume skips them); a run that drops an algorithm or
+    changes another setting is still refused, and the file is left as it was."""
+    cfg = BenchSettings(algorithms=("beam_search",), n=(16,), problems=2)
+    out = tmp_path / "run.jsonl"
+    RecordWriter(out, cfg)({"kind": "limit", "batch": 8, "tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0})
+    before = out.read_bytes()
+    for other in (BenchSettings(algorithms=("dvts",), n=(16,), problems=2),          # beam_search dropped
+                  BenchSettings(algorithms=("beam_search", "dvts"), n=(16,), problems=3)):
+        with pytest.raises(BenchError, match="holds a run of other settings"):
+            read_records(out, other)
+        assert out.read_bytes() == before
+    wider = BenchSettings(algorithms=("beam_search", "dvts"), n=(16, 64), problems=2)
+    assert [r["batch"] for r in read_records(out, wider)] == [8]
+    header = json.loads(out.read_text().splitlines()[0])
+    assert header["settings"] == json.loads(json.dumps(wider.to_json()))
+    assert out.read_bytes().split(b"\n", 1)[1] == before.split(b"\n", 1)[1]
+    assert not list(tmp_path.glob("*.widening"))
+    with pytest.raises(BenchError, match=r"algorithms: \['beam_search', 'dvts'\] there, \['beam_search'\] here"):
+        read_records(out, cfg)                   # and no narrowing back
+
+
 def _dry(capsys, *extra):
     code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
                        "0.4*24GiB", "--n", "8", "64", "--dry-run", *extra])
@@ -437,6 +460,29 @@ def test_the_locality_sides_run_the_policy_or_one_rule_on_both_servers(tmp_path,
         got = cmd.split("--tts-locality-rules ")[1].split()[0] if "--tts-locality-rules" in cmd else None
         assert got == rules[side], name
         assert ("--tts-metrics-file" in cmd) == (server == "generator"), name
+
+
+def test_the_search_first_sides_order_by_search_on_both_servers_without_aging(tmp_path, capsys):
+    """sgl-tts+search-first (issue 64) runs --tts-admission search with the prefix-aware policy and no
+    aging on both servers (the PRM's queue holds many searches too), on the sgl-tts pools; its
+    +overlap twin the same servers, started for it (a server policy side never shares)."""
+    code = bench_main(["--device", "cpu", "--models-dir", str(tmp_path), "--dry-run", "--sgl-tts-split", "0.5",
+                       "--sides", "sgl-tts", "sgl-tts+search-first", "sgl-tts+search-first+overlap"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    cmds = dict(zip(lines[1::2], lines[2::2]))
+    assert list(cmds) == [f"# {side} {server}" for side in ("sgl-tts", "sgl-tts+search-first",
+                                                            "sgl-tts+search-first+overlap")
+                          for server in ("generator", "prm")]
+    for name, cmd in cmds.items():
+        searched = "search-first" in name
+        assert ("--tts-admission search" in cmd) == searched, name
+        assert ("--tts-max-wait off" in cmd) == searched, name
+        if searched or name.endswith("generator"):
+            assert "--tts-policy prefix-aware " in cmd, name
+        else:
+            assert "--tts-policy" not in cmd, name       # the plain sgl-tts side's PRM runs no order
 
 
 def test_pressure_runs_the_measured_budget_of_its_n_the_shared_prompt_and_every_policy(tmp_path, capsys):
@@ -975,14 +1021,14 @@ def test_each_side_s_program_arguments_come_from_the_registry_as_sgl_tts_run_giv
         # with whole families (server policies only), sgl-tts+auto (the controller; its curve is
         # measured when the side starts: none here, so the search is left to measure its server's) and sgl-tts+overlap (overlapped verification
         # alone), the two together, and overlap on the locality servers, by beam then by family, and by
-        # family with whole families, then overlap beam by beam with whole families
-        # (1: overlapped verification, 2: overlapped by family)
+        # family with whole families, then overlap beam by beam with whole families, then the oldest
+        # search first without and with overlap (1: overlapped verification, 2: overlapped by family)
         assert [policies[side, algorithm] for side in ALL_SIDES] == [
             (None, 0), (None, 0), (None, 0), (None, 1), (None, 0), (Speculation(lookahead=False), 0),
             (Speculation(), 0), (Speculation(), 1), (None, 0), (None, 0), (None, 0), (None, 0),
             (Speculation(controlled=True, verifier_shares_device=True, measure_curve=True), 0), (None, 1),
             (Speculation(controlled=True, verifier_shares_device=True, measure_curve=True), 1), (None, 1),
-            (None, 2), (None, 2), (None, 1)]
+            (None, 2), (None, 2), (None, 1), (None, 0), (None, 1)]
 
 
 def test_sglang_s_own_counters_are_read_from_its_exposition():

@@ -418,6 +418,62 @@ def test_an_adversarial_flood_cannot_starve_another_search_past_max_wait(max_wai
         assert admitted_at == 3.0 and state.last_aged == 1
 
 
+# ------------------------------------------------------------------ 10: the oldest search first
+@pytest.mark.parametrize("admission", ["request", "search"])
+def test_search_admission_puts_every_request_of_the_search_seen_first_before_a_later_one(admission):
+    """Search O is seen first, then N. N's requests continue the running batch's last request, so the
+    prefix walk (--tts-admission request) starts with them; with ``search`` all of O's go first, each
+    search's families still together in key order. Aged requests (here N's waited longest): oldest
+    first with ``request``, the oldest search's first with ``search``."""
+    now = [0.0]
+    cache = Cache()
+    pol = SchedulePolicy("fcfs", cache.tree, False, False, False)
+    state = tts_policy.enable(pol, TTSSettings("prefix-aware", 10_000, max_wait=5.0, admission=admission))
+    state.clock = lambda: now[0]
+    old, new = [3] * 30, [7] * 30
+    pol.calc_priority([make_req("o-first", old + [5], SearchTag("o", 0, -1, 0))])   # O's rank: seen first
+    n_reqs = [make_req(f"n{b}", new + [0, b], SearchTag("n", 1, 0, b)) for b in range(2)]
+    pol.calc_priority(n_reqs[:])                                                     # N's, seen at 0
+    now[0] = 1.0
+    o_reqs = [make_req(f"o{b}", old + [b // 2, b], SearchTag("o", 1, b // 2, b)) for b in range(3)]
+    anchor = ScheduleBatch(reqs=[make_req("n-run", new + [9])])
+    queue = o_reqs[::-1] + n_reqs[::-1]
+    pol.calc_priority(queue, anchor)
+    fresh = ["n0", "n1", "o0", "o1", "o2"] if admission == "request" else ["o0", "o1", "o2", "n0", "n1"]
+    assert rids(queue) == fresh and state.last_aged == 0
+    now[0] = 5.5                                  # N's waited 5.5 s (aged), O's 4.5 s
+    pol.calc_priority(queue, anchor)
+    assert rids(queue) == ["n0", "n1", "o0", "o1", "o2"] and state.last_aged == 2
+    now[0] = 6.5                                  # all aged: by age, or by search
+    pol.calc_priority(queue, anchor)
+    assert rids(queue) == (["n0", "n1", "o0", "o1", "o2"] if admission == "request" else fresh)
+    assert state.last_aged == 5
+
+
+def test_search_admission_is_a_flag_of_the_ordering_policies_only(monkeypatch):
+    from sglang.srt.server_args import prepare_server_args
+
+    settings = TTSSettings("locality", admission="search")
+    assert settings.by_search and "--tts-admission search" in " ".join(settings.args())
+    assert TTSSettings.from_env(settings.env()) == settings
+    assert "--tts-admission" not in TTSSettings("prefix-aware").args()
+    with pytest.raises(ValueError, match="--tts-admission search orders the waiting queue and needs --tts-policy "
+                                         "prefix-aware or locality \\(the server runs --tts-policy off\\)"):
+        TTSSettings(admission="search")
+    with pytest.raises(ValueError, match="--tts-admission must be one of request, search, got 'family'"):
+        TTSSettings("prefix-aware", admission="family")
+    # launch_server's own parser: the flag lands on ServerArgs and in the children's environment
+    for var in TTSSettings().env():
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    sa = prepare_server_args(["--model-path", "dummy", "--tts-policy", "prefix-aware", "--tts-admission", "search"])
+    assert TTSSettings.of(sa) == TTSSettings("prefix-aware", admission="search")
+    assert os.environ["SGLANG_TTS_ADMISSION"] == "search"
+    monkeypatch.delenv("SGLANG_TTS_POLICY")           # (the first server's mirror would be the default)
+    with pytest.raises(ValueError, match="--tts-admission search orders the waiting queue"):
+        prepare_server_args(["--model-path", "dummy", "--tts-admission", "search"])
+
+
 # ------------------------------------------------------------------------- 12: mixed-depth queues
 def test_siblings_stay_together_when_a_deeper_request_shares_more_with_one_of_them():
     cache = Cache()

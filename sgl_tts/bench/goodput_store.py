@@ -1,16 +1,23 @@
 """The goodput benchmark's records file: the settings line, then one fsynced JSON line per record; a run
-of the same settings resumes from it (:func:`read_records`), one of other settings is refused. The
-file is a :class:`sgl_tts.records.RecordStore` (one rule for a torn last line, shared with ``run`` and
-``load``)."""
+of the same settings resumes from it (:func:`read_records`), one that only adds algorithms or beam
+counts extends it (its settings line widened), one of other settings is refused. The file is a
+:class:`sgl_tts.records.RecordStore` (one rule for a torn last line, shared with ``run`` and ``load``)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.bench.errors import BenchError
 from sgl_tts.bench.goodput_settings import BenchSettings
-from sgl_tts.records import KeyMismatch, RecordStore, StoreError
+from sgl_tts.records import HEADER_KIND, KeyMismatch, RecordStore, StoreError
+
+logger = logging.getLogger(__name__)
+# the settings a run may add to: its records are per (algorithm, n), each one's as it would be alone
+GRID = ("algorithms", "n")
 
 
 def _record_store(path: Path, settings: BenchSettings) -> RecordStore:
@@ -24,12 +31,41 @@ def read_records(path: Path, settings: BenchSettings) -> list[dict]:
     try:
         return _record_store(path, settings).read()
     except KeyMismatch as exc:
+        if _adds_to(exc.theirs, exc.ours):
+            _widen(path, exc.ours)
+            logger.info("%s: extended with %s", path, "; ".join(f"{k} {exc.ours[k]}" for k in GRID))
+            return _record_store(path, settings).read()
         command = next((r["command"] for r in exc.records if r.get("kind") == "run" and r.get("command")), None)
         again = f"; it was written by `{command}`: give that command's flags again" if command else ""
         raise BenchError(f"{path} holds a run of other settings ({exc.differences()}){again} (--report-only "
                          "rebuilds its report with them), or pick another --output") from None
     except StoreError as exc:
         raise BenchError(f"{exc}; move the file away or pick another --output") from None
+
+
+def _adds_to(theirs, ours) -> bool:
+    """Whether settings ``ours`` are ``theirs`` with algorithms or beam counts added (nothing else
+    differs, nothing is taken away)."""
+    if not (isinstance(theirs, dict) and isinstance(ours, dict)) or theirs.keys() != ours.keys():
+        return False
+    rest = [k for k in ours if k not in GRID]
+    return (all(theirs[k] == ours[k] for k in rest)
+            and all(isinstance(theirs[k], list) and set(theirs[k]) <= set(ours[k]) for k in GRID))
+
+
+def _widen(path: Path, key: dict) -> None:
+    """Give ``path``'s settings line ``key``, the records after it untouched: written to a file beside
+    it, fsynced, then put in its place (a crash leaves the old file or the new one, whole)."""
+    data = path.read_bytes()
+    first = data.find(b"\n") + 1
+    header = json.loads(data[:first])
+    header[HEADER_KIND] = key
+    tmp = path.with_name(path.name + ".widening")
+    with tmp.open("wb") as fh:
+        fh.write((json.dumps(header) + "\n").encode() + data[first:])
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 class RecordWriter:

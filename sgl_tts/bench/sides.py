@@ -55,11 +55,15 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "sgl-tts+locality+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
     "sgl-tts+locality-families+overlap-by-family": {"overlap_verification": True, "overlap_by_family": True},
     "sgl-tts+locality-families+overlap": {"overlap_verification": True},
+    # many searches at once (issue 64): the oldest search's requests first on both servers
+    # (--tts-admission search), without and with overlapped verification
+    "sgl-tts+search-first": {},
+    "sgl-tts+search-first+overlap": {"overlap_verification": True},
 }
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
 # servers (the PRM's queue and radix cache are under the same pressure as the generator's, issue 32).
-SERVER_POLICIES: dict[str, dict[str, str]] = {
+SERVER_POLICIES: dict[str, dict[str, Any]] = {
     "sgl-tts+locality": {"policy": "locality"},
     "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
     "sgl-tts+locality-order": {"policy": "locality", "locality_rules": "order"},
@@ -68,14 +72,19 @@ SERVER_POLICIES: dict[str, dict[str, str]] = {
     "sgl-tts+locality+overlap-by-family": {"policy": "locality"},
     "sgl-tts+locality-families+overlap-by-family": {"policy": "locality", "locality_rules": "families"},
     "sgl-tts+locality-families+overlap": {"policy": "locality", "locality_rules": "families"},
+    # no aging: a request of a newer search that waited max_wait would go before the older searches'
+    # (which are what holds it back, and end)
+    "sgl-tts+search-first": {"policy": "prefix-aware", "admission": "search", "max_wait": None},
+    "sgl-tts+search-first+overlap": {"policy": "prefix-aware", "admission": "search", "max_wait": None},
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
 # The load mode's sides (``--arrivals``, issue 64), which attribute a gain to its part: the baselines;
 # the sgl-tts client on stock servers; the plugin's orders alone (prefix-aware, locality, locality with
-# whole-family admission); each with overlapped verification; and the recommended setting.
+# whole-family admission, the oldest search first); each with overlapped verification; and the
+# recommended setting.
 LOAD_SIDES = ("stock", "stock-lpm", "stock-dfs-weight", "stock+overlap", "sgl-tts", "sgl-tts+locality",
-              "sgl-tts+locality-families", "sgl-tts+overlap", "sgl-tts+locality+overlap",
-              "sgl-tts+locality-families+overlap", "sgl-tts+auto+overlap")
+              "sgl-tts+locality-families", "sgl-tts+search-first", "sgl-tts+overlap", "sgl-tts+locality+overlap",
+              "sgl-tts+locality-families+overlap", "sgl-tts+search-first+overlap", "sgl-tts+auto+overlap")
 
 
 def is_stock(side: str) -> bool:

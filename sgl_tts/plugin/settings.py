@@ -21,6 +21,9 @@ CPU_ATTENTION = ("native", "ragged")   # --tts-cpu-attention (sgl_tts.plugin.att
 # rules (both), one alone to measure what each contributes (the ablation of issue 32), or both plus
 # whole-family admission (families)
 LOCALITY_RULES = ("both", "eviction", "order", "families")
+# --tts-admission: what comes first within a request class (sgl_tts.plugin.scheduling.policy): the requests'
+# own order (request), or the oldest search's requests before a newer search's (search, issue 64)
+ADMISSIONS = ("request", "search")
 # --tts-sparse-attention (sgl_tts.plugin.attention.sparse_attention): seed 003's asynchronous selection, the
 # same selection with the current query (synchronous), Quest's pages with the current query
 SPARSE_MODES = ("off", "async", "sync", "quest")
@@ -168,6 +171,12 @@ class TTSSettings:
             ``torch_native`` (the CPU); elsewhere nothing changes.
         sparse: :class:`SparseSettings` (``--tts-sparse-*``), query-aware sparse decode attention
             where the server runs ``torch_native``; it implies ``ragged`` for the dense part.
+        admission: with ``prefix-aware`` or ``locality``, ``request`` (default: within a class the
+            order above, across searches) or ``search``: within a class (and priority) every waiting
+            request of the search seen first goes before any of a search seen later, each search's
+            requests in the order above; aged requests go first as ever, oldest search first. Many
+            searches on one server then finish one after another instead of all slowing together,
+            and the pool holds the older searches' trees (issue 64).
     """
 
     policy: str = "off"
@@ -178,6 +187,7 @@ class TTSSettings:
     cpu_attention: str = "native"
     locality_rules: str = "both"
     sparse: SparseSettings = SparseSettings()
+    admission: str = "request"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -195,6 +205,16 @@ class TTSSettings:
         if self.locality_rules != "both" and self.policy != "locality":
             raise ValueError(f"--tts-locality-rules {self.locality_rules} acts only with --tts-policy locality "
                              f"(the server runs --tts-policy {self.policy})")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"--tts-admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        if self.admission != "request" and not self.active:
+            raise ValueError(f"--tts-admission {self.admission} orders the waiting queue and needs --tts-policy "
+                             f"prefix-aware or locality (the server runs --tts-policy {self.policy})")
+
+    @property
+    def by_search(self) -> bool:
+        """Whether the oldest search's requests go first within a class (``--tts-admission search``)."""
+        return self.admission == "search"
 
     @property
     def active(self) -> bool:
@@ -239,6 +259,8 @@ class TTSSettings:
             out += ["--tts-cpu-attention", self.cpu_attention]
         if self.locality_rules != d.locality_rules:
             out += ["--tts-locality-rules", self.locality_rules]
+        if self.admission != d.admission:
+            out += ["--tts-admission", self.admission]
         return out + self.sparse.args()
 
     def env(self) -> dict[str, str]:
@@ -251,6 +273,7 @@ class TTSSettings:
         env["SGLANG_TTS_CPU_ATTENTION"] = self.cpu_attention
         env["SGLANG_TTS_LOCALITY_RULES"] = self.locality_rules
         env["SGLANG_TTS_SPARSE"] = self.sparse.to_json()
+        env["SGLANG_TTS_ADMISSION"] = self.admission
         return env
 
     @classmethod
@@ -267,7 +290,7 @@ class TTSSettings:
                    env.get("SGLANG_TTS_CPU_ATTENTION", cls.cpu_attention),
                    env.get("SGLANG_TTS_LOCALITY_RULES", cls.locality_rules),
                    SparseSettings.from_json(env["SGLANG_TTS_SPARSE"]) if env.get("SGLANG_TTS_SPARSE")
-                   else SparseSettings())
+                   else SparseSettings(), env.get("SGLANG_TTS_ADMISSION", cls.admission))
 
     @classmethod
     def of(cls, server_args: Any) -> "TTSSettings":
@@ -279,7 +302,8 @@ class TTSSettings:
                        getattr(server_args, "tts_max_wait", cls.max_wait),
                        getattr(server_args, "tts_cpu_attention", cls.cpu_attention),
                        getattr(server_args, "tts_locality_rules", cls.locality_rules),
-                       getattr(server_args, "tts_sparse", None) or SparseSettings())
+                       getattr(server_args, "tts_sparse", None) or SparseSettings(),
+                       getattr(server_args, "tts_admission", cls.admission))
         return cls.from_env()
 
 
@@ -380,6 +404,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "order (admit families whose prefix is cached first); families: both, and "
                             "while anything runs a family is admitted only when all of it fits without "
                             "evicting the cached prefix of a family waiting after it")
+    group.add_argument("--tts-admission", choices=ADMISSIONS,
+                       default=os.environ.get("SGLANG_TTS_ADMISSION", "request"),
+                       help="with --tts-policy prefix-aware or locality: request (default) orders a class's "
+                            "waiting requests across searches; search puts every waiting request of the "
+                            "search seen first before any of a later search (many searches at once then "
+                            "finish one after another instead of all slowing together)")
     _add_sparse_arguments(group)
 
 
@@ -448,7 +478,7 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
                            getattr(args, "tts_max_wait", TTSSettings.max_wait),
                            getattr(args, "tts_cpu_attention", TTSSettings.cpu_attention),
                            getattr(args, "tts_locality_rules", TTSSettings.locality_rules),
-                           sparse_from_args(args))
+                           sparse_from_args(args), getattr(args, "tts_admission", TTSSettings.admission))
     if settings.active and getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--tts-policy prefix-aware orders requests by their cached prefixes and needs "
                          "the radix cache: drop --disable-radix-cache (or use --tts-policy off)")
@@ -463,9 +493,10 @@ def apply(server_args: Any, args: argparse.Namespace) -> TTSSettings:
     server_args.tts_cpu_attention = settings.cpu_attention
     server_args.tts_locality_rules = settings.locality_rules
     server_args.tts_sparse = settings.sparse
+    server_args.tts_admission = settings.admission
     os.environ.update(settings.env())
     return settings
 
 
-__all__ = ["CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SPARSE_STAND_DOWN", "SPARSE_WORKERS", "SparseSettings", "TTSSettings",
+__all__ = ["ADMISSIONS", "CPU_ATTENTION", "LOCALITY_RULES", "POLICIES", "SPARSE_FRAMES", "SPARSE_MODES", "SPARSE_STAND_DOWN", "SPARSE_WORKERS", "SparseSettings", "TTSSettings",
            "add_arguments", "apply", "sparse_from_args"]

@@ -10,7 +10,9 @@ waiting requests):
    ``max_wait`` plus the time FCFS would make it wait: see docs/SCHEDULER_PLUGIN.md);
 2. then buckets: the request class (boosted, normal, speculative: speculative requests thus only
    get slots no normal request can use), and within a class SGLang's ``priority`` when the server
-   runs ``--enable-priority-scheduling`` (its sign convention: ``--schedule-low-priority-values-first``);
+   runs ``--enable-priority-scheduling`` (its sign convention: ``--schedule-low-priority-values-first``),
+   and with ``--tts-admission search`` the search (first seen first: an older search's requests
+   before a newer one's, aged requests too);
 3. within a bucket, :func:`~sgl_tts.plugin.scheduling.ordering.family_order`: siblings (one search, depth and
    parent) contiguous, families and siblings in the greedy longest-shared-prefix order with the key
    (search group in first-seen order, depth, parent beam, beam), anchored on the last request of the
@@ -332,7 +334,10 @@ class TTSPolicyState:
         anchor = None
         if anchor_req is not None:
             anchor = tokens_of(anchor_req)
-        walk: list[tuple] = [(infos[i], queue[i]) for i in sorted(aged, key=lambda i: (infos[i].since, infos[i].key))]
+        # aged: oldest first, or the oldest search's first (--tts-admission search; key[0]: its rank)
+        by_search = self.settings.by_search
+        walk: list[tuple] = [(infos[i], queue[i]) for i in sorted(
+            aged, key=lambda i: (infos[i].key[0] if by_search else 0, infos[i].since, infos[i].key))]
         shared: list[int] = []
         prev = anchor
         for info, _ in walk:
@@ -392,13 +397,14 @@ class TTSPolicyState:
             walks.add(item, f.seq, f.key, f.family)
         return [buckets[b] for b in sorted(buckets)]
 
-    @staticmethod
-    def _bucket_of(req: Any, info: RequestInfo, sign: int) -> tuple[int, int]:
+    def _bucket_of(self, req: Any, info: RequestInfo, sign: int) -> tuple[int, ...]:
+        """(class rank, priority), and with ``--tts-admission search`` the search's first-seen rank:
+        each search its own bucket, the oldest first."""
         prio = 0
         if sign:
             p = getattr(req, "priority", None)
             prio = 0 if p is None else p * sign
-        return info.rank, prio
+        return (info.rank, prio, info.key[0]) if self.settings.by_search else (info.rank, prio)
 
     def _local_plan(self, policy: Any, base: _Plan, running_batch: Any = None) -> _Plan:
         """Policy ``locality``: under KV pressure, ``base`` with resident families first, and the

@@ -63,6 +63,9 @@ SIDE_OPTIONS: dict[str, dict[str, Any]] = {
 # The plugin's policy on an sgl-tts side's servers (:class:`~sgl_tts.plugin.settings.TTSSettings` fields):
 # ``prefix-aware`` on the generator unless named here; a side named here runs these settings on both
 # servers (the PRM's queue and radix cache are under the same pressure as the generator's, issue 32).
+# --tts-admission search without aging: a request of a newer search that waited max_wait would go
+# before the older searches' (which are what holds it back, and end)
+_SEARCH_FIRST: dict[str, Any] = {"policy": "prefix-aware", "admission": "search", "max_wait": None}
 SERVER_POLICIES: dict[str, dict[str, Any]] = {
     "sgl-tts+locality": {"policy": "locality"},
     "sgl-tts+locality-eviction": {"policy": "locality", "locality_rules": "eviction"},
@@ -72,10 +75,8 @@ SERVER_POLICIES: dict[str, dict[str, Any]] = {
     "sgl-tts+locality+overlap-by-family": {"policy": "locality"},
     "sgl-tts+locality-families+overlap-by-family": {"policy": "locality", "locality_rules": "families"},
     "sgl-tts+locality-families+overlap": {"policy": "locality", "locality_rules": "families"},
-    # no aging: a request of a newer search that waited max_wait would go before the older searches'
-    # (which are what holds it back, and end)
-    "sgl-tts+search-first": {"policy": "prefix-aware", "admission": "search", "max_wait": None},
-    "sgl-tts+search-first+overlap": {"policy": "prefix-aware", "admission": "search", "max_wait": None},
+    "sgl-tts+search-first": _SEARCH_FIRST,
+    "sgl-tts+search-first+overlap": _SEARCH_FIRST,
 }
 ALL_SIDES = tuple(SIDE_OPTIONS)
 # The load mode's sides (``--arrivals``, issue 64), which attribute a gain to its part: the baselines;

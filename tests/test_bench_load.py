@@ -197,3 +197,77 @@ def test_the_unloaded_block_sets_each_search_s_stretch_and_is_not_a_rate_point()
     # a problem missing from the unloaded block is taken at its median
     [cell] = summarize_load(_block("stock", 0.0, [2, 4]) + _block("stock", 0.1, [6, 6, 6]), bound=3.0)
     assert cell.sides["stock"].points[0].stretch_p50 == pytest.approx(2.0)   # 6/2, 6/4, 6/3 -> median 2
+
+
+def _header(budget, command):
+    return {"generator": "g", "prm": "p", "machine": "2-core CPU", "date": "2026-12-03", "command": command,
+            "budget": budget}
+
+
+def test_a_load_report_adds_the_cells_of_other_records_files_each_under_its_regime(tmp_path):
+    import json
+
+    from sgl_tts.bench.goodput_store import RecordWriter, read_with_settings
+    from sgl_tts.bench.load_report import LoadSource, write_load_report
+
+    s16 = BenchSettings(algorithms=("beam_search",), n=(16,), problems=4, arrivals=(0.1, 0.2, 0.4))
+    s64 = BenchSettings(algorithms=("beam_search",), n=(64,), problems=4, arrivals=(0.05, 0.1))
+    # n = 64 in its own file (another budget and rates): lpm holds 0.05, the plugin side both rates
+    r64 = (_block("stock-lpm", 0.05, [10] * 4, n=64) + _block("stock-lpm", 0.1, [50] * 4, n=64)
+           + _block("sgl-tts+locality", 0.05, [10] * 4, n=64) + _block("sgl-tts+locality", 0.1, [12] * 4, n=64))
+    path = tmp_path / "n64.jsonl"
+    write = RecordWriter(path, s64)
+    for r in [{"kind": "run", **_header("64 MiB of KV; split 0.5", "bench --n 64")}, *r64]:
+        write(r)
+    settings, records = read_with_settings(path)
+    assert settings == s64 and records == [{"kind": "run", **_header("64 MiB of KV; split 0.5", "bench --n 64")}, *r64]
+    extra = LoadSource(path.name, settings, _header("64 MiB of KV; split 0.5", "bench --n 64"), records)
+    out = tmp_path / "load.jsonl"
+    md = write_load_report(_records(), s16, out, _header("16 MiB of KV", "bench --n 16"), [extra])
+    cells = json.loads(out.with_suffix(".summary.json").read_text())["cells"]
+    assert [(c["algorithm"], c["n"], c["source"]["records"]) for c in cells] == [
+        ("beam_search", 16, "load.jsonl"), ("beam_search", 64, "n64.jsonl")]
+    assert cells[0]["source"]["budget"] == "16 MiB of KV" and cells[0]["source"]["arrivals"] == [0.1, 0.2, 0.4]
+    src = cells[1]["source"]
+    assert (src["budget"], src["arrivals"], src["problems"], src["commands"]) == (
+        "64 MiB of KV; split 0.5", [0.05, 0.1], 4, ["bench --n 64"])
+    # the n = 64 cell's ratios from its own records: 0.1 (never saturated) over lpm's 0.05
+    r = cells[1]["ratios"]
+    assert (r["best_vs_best_stock"], r["best_vs_best_stock_lower_bound"], r["at_rate"]) == (2.0, True, 0.05)
+    assert cells[0]["ratios"]["best_vs_best_stock"] == 2.0   # the first file's cell as alone
+    assert "\n## The cells of `n64.jsonl`\n" in md and "- command: `bench --n 64`" in md
+    assert "- offered rates (searches / s): 0.05, 0.1; 4 Poisson arrivals" in md
+    assert md.index("### beam_search, n = 16") < md.index("## The cells of") < md.index("### beam_search, n = 64")
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    # one cell per (algorithm, n): a file whose cell the report already holds is refused
+    twin = LoadSource("twin.jsonl", s16, _header("16 MiB of KV", "bench"), _records())
+    with pytest.raises(ValueError, match=r"^beam_search, n = 16 is in both load.jsonl and twin.jsonl: a report "
+                                         r"holds one cell per \(algorithm, n\)$"):
+        write_load_report(_records(), s16, out, _header("16 MiB of KV", "bench --n 16"), [twin])
+
+
+def test_with_records_is_for_a_rebuilt_load_report_and_reads_only_benchmark_records(tmp_path, capsys):
+    from sgl_tts.bench.errors import BenchError
+    from sgl_tts.bench.goodput_store import read_with_settings
+    from sgl_tts.cli.bench import main
+
+    for argv in (["--device", "cpu", "--arrivals", "0.1", "--with-records", "x.jsonl"],
+                 ["--device", "cpu", "--report-only", "--with-records", "x.jsonl"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "--with-records needs --report-only and --arrivals" in capsys.readouterr().err
+    with pytest.raises(BenchError, match=r"missing.jsonl: no such records file$"):
+        read_with_settings(tmp_path / "missing.jsonl")
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"kind": "note"}\n')
+    with pytest.raises(BenchError, match=r"notes.jsonl does not start with a benchmark's settings line"):
+        read_with_settings(notes)
+    from sgl_tts.bench.command import measured_header
+    from sgl_tts.bench.goodput_store import RecordWriter
+    from sgl_tts.cli.bench import _other_records
+
+    one_at_a_time = tmp_path / "goodput.jsonl"
+    RecordWriter(one_at_a_time, BenchSettings(algorithms=("beam_search",), n=(16,)))({"kind": "run"})
+    with pytest.raises(BenchError, match=r"goodput.jsonl holds searches run one at a time, not the load mode"):
+        _other_records([one_at_a_time], _header("x", "bench"), measured_header)

@@ -203,13 +203,14 @@ def measured_header(header: dict, records: Sequence[dict]) -> dict:
     return out
 
 
-def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> dict:
+def summary_json(records: list[dict], settings: BenchSettings, header: dict, output: Path | None = None,
+                 extra: Sequence = ()) -> dict:
     """What ``.summary.json`` holds (and ``--json`` prints): the header, the settings and the rows
-    (the load mode: the cells, :func:`sgl_tts.bench.load_report.load_json`)."""
+    (the load mode: the cells, with ``extra``'s: :func:`sgl_tts.bench.load_report.load_json`)."""
     if settings.load:
         from sgl_tts.bench.load_report import load_json
 
-        return load_json(records, settings, header)
+        return load_json(records, settings, header, extra, output.name if output else "")
     rows = summarize(records, settings)
     return {"header": header, "settings": settings.to_json(),
             "server_counters": server_counters.per_side(records),
@@ -218,12 +219,13 @@ def summary_json(records: list[dict], settings: BenchSettings, header: dict) -> 
                       "sides": {k: vars(v) for k, v in r.sides.items()}} for r in rows]}
 
 
-def report(records: list[dict], settings: BenchSettings, output: Path, header: dict) -> str:
-    """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown."""
+def report(records: list[dict], settings: BenchSettings, output: Path, header: dict, extra: Sequence = ()) -> str:
+    """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown (the load
+    mode: with the cells of ``extra``, :class:`sgl_tts.bench.load_report.LoadSource` s)."""
     if settings.load:
         from sgl_tts.bench.load_report import write_load_report
 
-        return write_load_report(records, settings, output, header)
+        return write_load_report(records, settings, output, header, extra)
     rows = summarize(records, settings)
     table = format_report(rows)
     lines = [f"# sgl-tts bench: {header['generator']} + {header['prm']}", "", *provenance_lines(header)]

@@ -43,6 +43,20 @@ def read_records(path: Path, settings: BenchSettings) -> list[dict]:
         raise BenchError(f"{exc}; move the file away or pick another --output") from None
 
 
+def read_with_settings(path: Path) -> tuple[BenchSettings, list[dict]]:
+    """Another run's records with the settings they were written with (its first line), for a report
+    that shows them beside this run's (``--with-records``)."""
+    try:
+        with path.open("rb") as fh:
+            first = json.loads(fh.readline() or b"null")
+        settings = BenchSettings(**first[HEADER_KIND])
+    except FileNotFoundError:
+        raise BenchError(f"{path}: no such records file") from None
+    except (ValueError, TypeError, KeyError) as exc:   # not JSON, no settings line, settings of another shape
+        raise BenchError(f"{path} does not start with a benchmark's settings line ({exc})") from None
+    return settings, read_records(path, settings)
+
+
 def _adds_to(theirs, ours) -> bool:
     """Whether settings ``ours`` are ``theirs`` with algorithms or beam counts added (nothing else
     differs, nothing is taken away)."""
@@ -84,4 +98,4 @@ class RecordWriter:
         self.records.append(record)
 
 
-__all__ = ["RecordWriter", "read_records"]
+__all__ = ["RecordWriter", "read_records", "read_with_settings"]

@@ -79,6 +79,47 @@ class LoadCell:
     kept_beams_match: bool | None
     mismatched: list
     ratios: dict
+    source: dict | None = None   # the records file it came from and its regime (:meth:`LoadSource.describe`)
+
+
+@dataclasses.dataclass
+class LoadSource:
+    """One records file of the load mode: its records with its own settings and header, so one report
+    can hold regimes of different budgets, rates or problems (e.g. n = 16 and n = 64, each with pools
+    that hold the same share of the trees in flight)."""
+
+    name: str
+    settings: object           # :class:`sgl_tts.bench.goodput_settings.BenchSettings`
+    header: dict               # the runs' header (:func:`sgl_tts.bench.command.measured_header`)
+    records: Sequence[dict]
+
+    def describe(self) -> dict:
+        h = self.header
+        return {"records": self.name, "budget": h.get("budget"), "pools": h.get("pools"),
+                "arrivals": list(self.settings.arrivals), "problems": self.settings.problems,
+                "latency_bound": self.settings.latency_bound, "machine": h.get("machine"), "date": h.get("date"),
+                "commands": list(h.get("commands") or [h.get("command")])}
+
+    def cells(self) -> list[LoadCell]:
+        cells = summarize_load(self.records, self.settings.latency_bound)
+        for cell in cells:
+            cell.source = self.describe()
+        return cells
+
+
+def source_cells(sources: Sequence[LoadSource]) -> list[tuple[LoadSource, list[LoadCell]]]:
+    """Each source with its cells, in order; an (algorithm, n) in two sources is refused (one cell each)."""
+    out, seen = [], {}
+    for src in sources:
+        cells = src.cells()
+        for cell in cells:
+            key = (cell.algorithm, cell.n)
+            if key in seen:
+                raise ValueError(f"{cell.algorithm}, n = {cell.n} is in both {seen[key]} and {src.name}: "
+                                 "a report holds one cell per (algorithm, n)")
+            seen[key] = src.name
+        out.append((src, cells))
+    return out
 
 
 def finished_searches(records: Sequence[dict]) -> dict[tuple, list[dict]]:
@@ -264,7 +305,7 @@ def load_summary(cells: Sequence[LoadCell]) -> list[dict]:
              "sides": {s: {"unloaded": v.unloaded, "unloaded_measured": v.unloaded_measured,
                            "max_sustainable_rate": v.max_rate, "saturated": v.saturated,
                            "points": [dataclasses.asdict(p) for p in v.points]} for s, v in c.sides.items()}}
-            for c in cells]
+            | ({"source": c.source} if c.source else {}) for c in cells]
 
 
 def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
@@ -274,6 +315,8 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # cells of several records files: each panel names its own budget (the title names the first's)
+    several = len({json.dumps(c.source) for c in cells}) > 1
     fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for side, c in cell.sides.items():
@@ -281,7 +324,8 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
             ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=side)
         ax.set_xlabel("offered rate (searches / s)")
         ax.set_ylabel("p99 latency, arrival to answer (s)")
-        ax.set_title(f"{cell.algorithm}, n = {cell.n}")
+        budget = str(cell.source["budget"]).split(";")[0] if several else None
+        ax.set_title(f"{cell.algorithm}, n = {cell.n}" + (f"\n{budget}" if budget else ""), fontsize=9)
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
@@ -293,27 +337,43 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
     return path
 
 
-def load_json(records: Sequence[dict], settings, header: dict) -> dict:
-    """The load mode's ``.summary.json``: the header, the settings and the cells."""
-    return {"header": header, "settings": settings.to_json(),
-            "cells": load_summary(summarize_load(records, settings.latency_bound))}
+def load_json(records: Sequence[dict], settings, header: dict, extra: Sequence[LoadSource] = (),
+              name: str = "") -> dict:
+    """The load mode's ``.summary.json``: the header, the settings and the cells (``extra``'s after
+    those of this file, ``name``; each cell names its source)."""
+    own = LoadSource(name, settings, header, records)
+    return {"header": header, "settings": settings.to_json(), "cells": load_summary([c for _, cells in source_cells([own, *extra]) for c in cells])}
 
 
-def write_load_report(records: Sequence[dict], settings, output: Path, header: dict) -> str:
-    """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown."""
-    cells = summarize_load(records, settings.latency_bound)
+def _regime_lines(settings) -> list[str]:
+    return [f"- offered rates (searches / s): {', '.join(f'{r:g}' for r in settings.arrivals)}; "
+            f"{settings.problems} Poisson arrivals per (algorithm, n) and rate, the same on every side",
+            f"- settings: `{json.dumps(settings.to_json())}`"]
+
+
+def write_load_report(records: Sequence[dict], settings, output: Path, header: dict,
+                      extra: Sequence[LoadSource] = ()) -> str:
+    """Write ``.md``, ``.summary.json`` and ``.png`` beside ``output``; return the Markdown. ``extra``:
+    other records files whose cells the report adds after this file's, each under its own header."""
+    own = LoadSource(output.name, settings, header, records)
+    per_source = source_cells([own, *extra])
+    cells = [c for _, mine in per_source for c in mine]
     lines = [f"# sgl-tts bench, many searches at once: {header['generator']} + {header['prm']}", "",
-             *provenance_lines(header),
-             f"- offered rates (searches / s): {', '.join(f'{r:g}' for r in settings.arrivals)}; "
-             f"{settings.problems} Poisson arrivals per (algorithm, n) and rate, the same on every side"]
-    lines += [f"- settings: `{json.dumps(settings.to_json())}`", "",
-              "Latency runs from a search's arrival to its answer (queueing included); throughput and goodput "
+             *provenance_lines(header), *_regime_lines(settings)]
+    if extra:
+        lines.append("- also the cells of " + ", ".join(f"`{src.name}`" for src in extra)
+                     + " (their own runs, budgets and rates: each under its header below)")
+    lines += ["", "Latency runs from a search's arrival to its answer (queueing included); throughput and goodput "
               "are over a block's span (first arrival to last answer); queues are SGLang's waiting-queue gauge "
-              "read every 0.25 s; recomputed prompt tokens are the generator's observer's (block-granular).", "",
-              format_load_report(cells, settings.latency_bound)]
-    return write_report_files(output, "\n".join(lines), load_json(records, settings, header),
+              "read every 0.25 s; recomputed prompt tokens are the generator's observer's (block-granular).", ""]
+    for src, mine in per_source:
+        if src is not own:
+            lines += [f"## The cells of `{src.name}`", "", *provenance_lines(src.header), *_regime_lines(src.settings), ""]
+        lines.append(format_load_report(mine, src.settings.latency_bound))
+    summary = {"header": header, "settings": settings.to_json(), "cells": load_summary(cells)}
+    return write_report_files(output, "\n".join(lines), summary,
                               (lambda path: plot_load(cells, path, plot_title(header))) if cells else None)
 
 
-__all__ = ["LoadCell", "LoadPoint", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",
+__all__ = ["LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",
            "plot_load", "summarize_load", "write_load_report"]

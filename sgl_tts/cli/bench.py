@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_arguments(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the settings and both sides' commands, then exit")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
+    ap.add_argument("--with-records", nargs="+", type=Path, default=(), metavar="RECORDS",
+                    help="with --report-only and --arrivals: add the cells of these load records files (each "
+                         "with its own runs, budget and rates, e.g. another n's regime) to the report")
     ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                     help="start no search after this many seconds: stop the servers, write the report and "
                          "exit 3 (run again to go on; for machines that limit a command's time)")
@@ -159,6 +162,21 @@ def print_dry_run(sides: Sequence[str], settings, specs: dict[str, list]) -> Non
             print(f"# {side}: on the {group[0]} servers, started once; both radix caches flushed before it")
 
 
+def _other_records(paths: Sequence[Path], header: dict, measured_header) -> list:
+    """``--with-records``: each file's records as a :class:`~sgl_tts.bench.load_report.LoadSource`."""
+    from sgl_tts.bench.errors import BenchError
+    from sgl_tts.bench.goodput_store import read_with_settings
+    from sgl_tts.bench.load_report import LoadSource
+
+    out = []
+    for path in paths:
+        settings, records = read_with_settings(path)
+        if not settings.load:
+            raise BenchError(f"{path} holds searches run one at a time, not the load mode (--arrivals)")
+        out.append(LoadSource(path.name, settings, measured_header(header, records), records))
+    return out
+
+
 def _kept_beams_differ(records, settings) -> bool:
     """Whether some search kept other beams on one side than on another."""
     if settings.load:
@@ -182,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.with_records and not (args.report_only and args.arrivals):
+        ap.error("--with-records needs --report-only and --arrivals: it adds load cells to a rebuilt load report")
     if args.device != "cpu" and not (args.generator and args.prm):
         ap.error("--generator and --prm are required with --device cuda")
     try:
@@ -205,11 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_dry_run(args.sides, settings, specs)
         return 0
 
-    def show(records) -> None:
+    def show(records, extra=()) -> None:
         """The report on stdout: the Markdown table, or with --json the summary."""
         shown = measured_header(header, records)
-        text = report(records, settings, output, shown)
-        print(json.dumps(summary_json(records, settings, shown), indent=1) if args.json else text, flush=True)
+        text = report(records, settings, output, shown, extra)
+        print(json.dumps(summary_json(records, settings, shown, output, extra), indent=1) if args.json else text,
+              flush=True)
 
     try:
         records = read_records(output, settings)
@@ -218,7 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         if not records:
             return fail(f"{output} holds no records to report")
-        show(records)
+        try:
+            show(records, _other_records(args.with_records, header, measured_header))
+        except (BenchError, ValueError) as exc:
+            return fail(str(exc))
         return 0
     writer = RecordWriter(output, settings, records)
     writer(run_record(header))

@@ -354,6 +354,27 @@ def test_a_run_that_adds_algorithms_or_n_extends_the_records_and_anything_else_i
         read_records(out, cfg)                   # and no narrowing back
 
 
+def test_a_load_run_that_adds_rates_extends_the_records_and_one_that_drops_one_is_refused(tmp_path):
+    """The load mode: --arrivals 0.1,0.2,0.4 on an output of 0.1,0.2 (DVTS n = 16 never saturated
+    there) widens the settings line and keeps the blocks; dropping a rate or leaving the load mode is
+    refused, the file untouched."""
+    load = BenchSettings(algorithms=("dvts",), n=(16,), problems=2, arrivals=(0.1, 0.2))
+    out = tmp_path / "load.jsonl"
+    block = {"kind": "load_block", "side": "stock", "algorithm": "dvts", "n": 16, "rate": 0.1, "attempt": "a"}
+    RecordWriter(out, load)(block)
+    before = out.read_bytes()
+    for other in (BenchSettings(algorithms=("dvts",), n=(16,), problems=2, arrivals=(0.2, 0.4)),   # 0.1 dropped
+                  BenchSettings(algorithms=("dvts",), n=(16,), problems=2),                        # one at a time
+                  BenchSettings(algorithms=("dvts",), n=(16,), problems=2, arrivals=(0.1, 0.2, 0.4),
+                                latency_bound=2.0)):
+        with pytest.raises(BenchError, match="holds a run of other settings"):
+            read_records(out, other)
+        assert out.read_bytes() == before
+    more = BenchSettings(algorithms=("dvts",), n=(16,), problems=2, arrivals=(0.1, 0.2, 0.4))
+    assert read_records(out, more) == [block]
+    assert json.loads(out.read_text().splitlines()[0])["settings"]["arrivals"] == [0.1, 0.2, 0.4]
+
+
 def _dry(capsys, *extra):
     code = bench_main(["--generator", "qwen2.5-math-1.5b", "--prm", "skywork-prm-1.5b", "--gpu-memory",
                        "0.4*24GiB", "--n", "8", "64", "--dry-run", *extra])

@@ -1,6 +1,6 @@
 """The goodput benchmark's records file: the settings line, then one fsynced JSON line per record; a run
-of the same settings resumes from it (:func:`read_records`), one that only adds algorithms or beam
-counts extends it (its settings line widened), one of other settings is refused. The file is a
+of the same settings resumes from it (:func:`read_records`), one that only adds algorithms, beam
+counts or (the load mode) offered rates extends it (its settings line widened), one of other settings is refused. The file is a
 :class:`sgl_tts.records.RecordStore` (one rule for a torn last line, shared with ``run`` and ``load``)."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from sgl_tts.bench.goodput_settings import BenchSettings
 from sgl_tts.records import HEADER_KIND, KeyMismatch, RecordStore, StoreError
 
 logger = logging.getLogger(__name__)
-# the settings a run may add to: its records are per (algorithm, n), each one's as it would be alone
-GRID = ("algorithms", "n")
+# the settings a run may add to: its records are per (algorithm, n) and, in the load mode, per offered
+# rate (each rate's arrivals are one seeded pattern compressed by it), each one's as it would be alone
+GRID = ("algorithms", "n", "arrivals")
 
 
 def _record_store(path: Path, settings: BenchSettings) -> RecordStore:
@@ -33,7 +34,7 @@ def read_records(path: Path, settings: BenchSettings) -> list[dict]:
     except KeyMismatch as exc:
         if _adds_to(exc.theirs, exc.ours):
             _widen(path, exc.ours)
-            logger.info("%s: extended with %s", path, "; ".join(f"{k} {exc.ours[k]}" for k in GRID))
+            logger.info("%s: extended to %s", path, "; ".join(f"{k} {exc.ours[k]}" for k in GRID if k in exc.ours))
             return _record_store(path, settings).read()
         command = next((r["command"] for r in exc.records if r.get("kind") == "run" and r.get("command")), None)
         again = f"; it was written by `{command}`: give that command's flags again" if command else ""
@@ -58,13 +59,13 @@ def read_with_settings(path: Path) -> tuple[BenchSettings, list[dict]]:
 
 
 def _adds_to(theirs, ours) -> bool:
-    """Whether settings ``ours`` are ``theirs`` with algorithms or beam counts added (nothing else
-    differs, nothing is taken away)."""
+    """Whether settings ``ours`` are ``theirs`` with algorithms, beam counts or offered rates added
+    (nothing else differs, nothing is taken away; a one-at-a-time run has no rates)."""
     if not (isinstance(theirs, dict) and isinstance(ours, dict)) or theirs.keys() != ours.keys():
         return False
-    rest = [k for k in ours if k not in GRID]
-    return (all(theirs[k] == ours[k] for k in rest)
-            and all(isinstance(theirs[k], list) and set(theirs[k]) <= set(ours[k]) for k in GRID))
+    grid = [k for k in GRID if k in ours]
+    return (all(theirs[k] == ours[k] for k in ours if k not in grid)
+            and all(isinstance(theirs[k], list) and set(theirs[k]) <= set(ours[k]) for k in grid))
 
 
 def _widen(path: Path, key: dict) -> None:

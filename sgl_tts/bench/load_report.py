@@ -317,18 +317,22 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
 
     # cells of several records files: each panel names its own budget (the title names the first's)
     several = len({json.dumps(c.source) for c in cells}) > 1
+    # one colour per side in every panel, in the sides' registry order
+    sides = sorted({s for c in cells for s in c.sides}, key=lambda s: (*ALL_SIDES, s).index(s))
+    colour = {s: f"C{k % 10}" for k, s in enumerate(sides)}
     fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for side, c in cell.sides.items():
             style = "--" if is_stock(side) else "-"
-            ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=side)
+            ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=side,
+                    color=colour[side])
         ax.set_xlabel("offered rate (searches / s)")
         ax.set_ylabel("p99 latency, arrival to answer (s)")
-        budget = str(cell.source["budget"]).split(";")[0] if several else None
-        ax.set_title(f"{cell.algorithm}, n = {cell.n}" + (f"\n{budget}" if budget else ""), fontsize=9)
+        where = f"{str(cell.source['budget']).split(';')[0]}, {cell.source['machine']}" if several else None
+        ax.set_title(f"{cell.algorithm}, n = {cell.n}" + (f"\n{where}" if where else ""), fontsize=9)
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -371,8 +375,9 @@ def write_load_report(records: Sequence[dict], settings, output: Path, header: d
             lines += [f"## The cells of `{src.name}`", "", *provenance_lines(src.header), *_regime_lines(src.settings), ""]
         lines.append(format_load_report(mine, src.settings.latency_bound))
     summary = {"header": header, "settings": settings.to_json(), "cells": load_summary(cells)}
+    title = f"{header['generator']} + {header['prm']}" if extra else plot_title(header)   # several budgets
     return write_report_files(output, "\n".join(lines), summary,
-                              (lambda path: plot_load(cells, path, plot_title(header))) if cells else None)
+                              (lambda path: plot_load(cells, path, title)) if cells else None)
 
 
 __all__ = ["LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",

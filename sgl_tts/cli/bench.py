@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records (JSONL; resumed if it exists): default bench-out/<generator>+<prm>.jsonl; "
                         "the report goes beside it (.md, .summary.json, .png)")
     _add_server_arguments(ap)
+    _add_run_arguments(ap)
+    return ap
+
+
+def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """What a run does besides measuring: a dry run, a rebuilt report, a time limit, the output's form."""
     ap.add_argument("--dry-run", action="store_true", help="print the settings and both sides' commands, then exit")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
     ap.add_argument("--with-records", nargs="+", type=Path, default=(), metavar="RECORDS",
@@ -95,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true",
                     help="print the summary (what .summary.json holds) on stdout instead of the Markdown "
                          "table; the servers' logs go to stderr")
-    return ap
 
 
 def _add_load_arguments(b) -> None:
@@ -162,6 +167,20 @@ def print_dry_run(sides: Sequence[str], settings, specs: dict[str, list]) -> Non
             print(f"# {side}: on the {group[0]} servers, started once; both radix caches flushed before it")
 
 
+def _check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Flags that only work together, then the device's defaults (``ap.error`` exits 2 naming the cause)."""
+    from sgl_tts.bench.command import apply_device_defaults
+
+    if args.with_records and not (args.report_only and args.arrivals):
+        ap.error("--with-records needs --report-only and --arrivals: it adds load cells to a rebuilt load report")
+    if args.device != "cpu" and not (args.generator and args.prm):
+        ap.error("--generator and --prm are required with --device cuda")
+    try:
+        apply_device_defaults(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
 def _other_records(paths: Sequence[Path], header: dict, measured_header) -> list:
     """``--with-records``: each file's records as a :class:`~sgl_tts.bench.load_report.LoadSource`."""
     from sgl_tts.bench.errors import BenchError
@@ -190,8 +209,8 @@ def _kept_beams_differ(records, settings) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``sgl-tts bench``."""
-    from sgl_tts.bench.command import (SideRunner, apply_device_defaults, bench_header, measured_header, prepare,
-                                       report, run_record, server_groups, side_specs, summary_json)
+    from sgl_tts.bench.command import (SideRunner, bench_header, measured_header, prepare, report, run_record,
+                                       server_groups, side_specs, summary_json)
     from sgl_tts.bench.errors import BenchError
     from sgl_tts.bench.goodput_store import RecordWriter, read_records
     from sgl_tts.frontend import end_stream_executors
@@ -200,14 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.with_records and not (args.report_only and args.arrivals):
-        ap.error("--with-records needs --report-only and --arrivals: it adds load cells to a rebuilt load report")
-    if args.device != "cpu" and not (args.generator and args.prm):
-        ap.error("--generator and --prm are required with --device cuda")
-    try:
-        apply_device_defaults(args)
-    except ValueError as exc:
-        ap.error(str(exc))
+    _check_args(ap, args)
 
     def fail(msg: str) -> int:
         print(f"sgl-tts bench: error: {msg}", file=sys.stderr)

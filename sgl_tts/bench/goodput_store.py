@@ -1,7 +1,7 @@
 """The goodput benchmark's records file: the settings line, then one fsynced JSON line per record; a run
 of the same settings resumes from it (:func:`read_records`), one that only adds algorithms, beam
-counts or (the load mode) offered rates extends it (its settings line widened), one of other settings is refused. The file is a
-:class:`sgl_tts.records.RecordStore` (one rule for a torn last line, shared with ``run`` and ``load``)."""
+counts or (the load mode) offered rates extends it (its settings line widened), one of other settings
+is refused. The file is a :class:`sgl_tts.records.RecordStore` (one rule for a torn last line, shared with ``run`` and ``load``)."""
 
 from __future__ import annotations
 

@@ -315,7 +315,7 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # cells of several records files: each panel names its own budget (the title names the first's)
+    # cells of several records files: each panel names its own budget and machine
     several = len({json.dumps(c.source) for c in cells}) > 1
     # one colour per side in every panel, in the sides' registry order
     sides = sorted({s for c in cells for s in c.sides}, key=lambda s: (*ALL_SIDES, s).index(s))

@@ -239,11 +239,58 @@ def test_a_load_report_adds_the_cells_of_other_records_files_each_under_its_regi
     assert "- offered rates (searches / s): 0.05, 0.1; 4 Poisson arrivals" in md
     assert md.index("### beam_search, n = 16") < md.index("## The cells of") < md.index("### beam_search, n = 64")
     assert out.with_suffix(".png").stat().st_size > 10_000
-    # one cell per (algorithm, n): a file whose cell the report already holds is refused
-    twin = LoadSource("twin.jsonl", s16, _header("16 MiB of KV", "bench"), _records())
-    with pytest.raises(ValueError, match=r"^beam_search, n = 16 is in both load.jsonl and twin.jsonl: a report "
-                                         r"holds one cell per \(algorithm, n\)$"):
-        write_load_report(_records(), s16, out, _header("16 MiB of KV", "bench --n 16"), [twin])
+    # one colour per side in every panel, in the sides' registry order, whichever panel a side is in
+    from sgl_tts.bench.load_report import side_colours, summarize_load
+
+    both = summarize_load(_records(), 3.0) + summarize_load(r64, 3.0)
+    assert side_colours(both) == {"stock": "C0", "stock-lpm": "C1", "stock+overlap": "C2",
+                                  "sgl-tts+locality": "C3", "sgl-tts+locality+overlap": "C4"}
+    assert side_colours(summarize_load(r64, 3.0)) == {"stock-lpm": "C0", "sgl-tts+locality": "C1"}
+
+
+def test_a_file_repeating_a_cell_is_another_run_of_it_with_its_beams_compared_to_the_first(tmp_path):
+    """A records file of the same settings holding an (algorithm, n) the report holds (a repeat, or the
+    sgl-tts servers under another KV split) is another run of that cell: its sides keep their own
+    maxima, its beams are compared with the first run's; other settings are refused."""
+    import dataclasses
+    import json
+
+    from sgl_tts.bench.load_report import LoadSource, write_load_report
+
+    s16 = BenchSettings(algorithms=("beam_search",), n=(16,), problems=4, arrivals=(0.1, 0.2, 0.4))
+    header = {**_header("16 MiB of KV", "bench --n 16"), "splits": {"sgl-tts": {"generator_share": 0.5, "planned": False}}}
+    # the split-0.3 run: one side, two of the rates (the grid may differ); at 0.2 its p99 30 s passes 3x its
+    # 8 s p50 at the lowest rate. Problem 2 at 0.2 kept other beams than every side of the first run kept;
+    # problem 1 at 0.2 kept what stock kept there (the first run's own sides disagree on it: not this run's doing)
+    run = (_block("sgl-tts+locality+overlap", 0.1, [8] * 4)
+           + _block("sgl-tts+locality+overlap", 0.2, [30] * 4, kept={2: [[[9, 9], True, 40, 0.5]]}))
+    s03 = BenchSettings(algorithms=("beam_search",), n=(16,), problems=4, arrivals=(0.1, 0.2))
+    header03 = {**_header("16 MiB of KV", "bench --sgl-tts-split 0.3"), "date": "2026-12-04",
+                "splits": {"sgl-tts": {"generator_share": 0.3, "planned": False}}}
+    out = tmp_path / "load.jsonl"
+    md = write_load_report(_records(), s16, out, header, [LoadSource("split03.jsonl", s03, header03, run)])
+    [cell] = json.loads(out.with_suffix(".summary.json").read_text())["cells"]
+    assert cell["source"]["records"] == "load.jsonl" and cell["ratios"]["best_vs_best_stock"] == 2.0   # the first run's
+    [r] = cell["runs"]
+    assert (r["source"]["records"], r["source"]["splits"]["sgl-tts"]["generator_share"]) == ("split03.jsonl", 0.3)
+    assert (r["same_beams_as_first"], r["differ_from_first"], r["kept_beams_match"]) == (False, [[0.2, 2]], None)
+    side = r["sides"]["sgl-tts+locality+overlap"]
+    assert (side["max_sustainable_rate"], side["saturated"]) == (0.1, True)
+    assert r["ratios"]["best_vs_best_stock"] is None   # no stock side in this run
+    assert ("| `load.jsonl` | 0.5 (given) | 2-core CPU, 2026-12-03 | sgl-tts+locality+overlap | >= 0.4 | "
+            "0.1: -, 0.2: -, 0.4: - | 0.1: 80, 0.2: 80, 0.4: 80 | (first) |") in md
+    assert ("| `split03.jsonl` | 0.3 (given) | 2-core CPU, 2026-12-04 | sgl-tts+locality+overlap | 0.1 | "
+            "0.1: -, 0.2: - | 0.1: 80, 0.2: 80 | DIFFER at [[0.2, 2]] |") in md
+    assert "## Other runs" in md and "### `split03.jsonl`" in md and "## The cells of" not in md
+    # the same beams everywhere: the run is the same as the first
+    same = LoadSource("repeat.jsonl", s03, header03, _block("sgl-tts+locality+overlap", 0.1, [8] * 4))
+    md = write_load_report(_records(), s16, out, header, [same])
+    assert "| sgl-tts+locality+overlap | >= 0.1 | 0.1: - | 0.1: 80 | same |" in md
+    # other problems (or trace, seeds) are not a run of the same cell
+    other = LoadSource("other.jsonl", dataclasses.replace(s03, seed=1), header03, run)
+    with pytest.raises(ValueError, match=r"^beam_search, n = 16 of other.jsonl is not another run of load.jsonl's "
+                                         r"cell: their settings differ in seed$"):
+        write_load_report(_records(), s16, out, header, [other])
 
 
 def test_with_records_is_for_a_rebuilt_load_report_and_reads_only_benchmark_records(tmp_path, capsys):
@@ -263,11 +310,10 @@ def test_with_records_is_for_a_rebuilt_load_report_and_reads_only_benchmark_reco
     notes.write_text('{"kind": "note"}\n')
     with pytest.raises(BenchError, match=r"notes.jsonl does not start with a benchmark's settings line"):
         read_with_settings(notes)
-    from sgl_tts.bench.command import measured_header
     from sgl_tts.bench.goodput_store import RecordWriter
     from sgl_tts.cli.bench import _other_records
 
     one_at_a_time = tmp_path / "goodput.jsonl"
     RecordWriter(one_at_a_time, BenchSettings(algorithms=("beam_search",), n=(16,)))({"kind": "run"})
     with pytest.raises(BenchError, match=r"goodput.jsonl holds searches run one at a time, not the load mode"):
-        _other_records([one_at_a_time], _header("x", "bench"), measured_header)
+        _other_records([one_at_a_time], _header("x", "bench"))

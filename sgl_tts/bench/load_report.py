@@ -12,6 +12,12 @@ three ratios that attribute a gain:
 A ratio is ``None`` when a side it needs did not run or sustained not even the lowest rate; it is a
 lower bound (``*_lower_bound: true``) when its numerator's side sustained every rate measured (its
 real maximum lies higher). Only searches of finished blocks count (:mod:`sgl_tts.bench.goodput_load`).
+
+One report can hold several records files (:class:`LoadSource`). A file whose (algorithm, n) the report
+already holds, with the same settings, is *another run* of that cell (:class:`CellRun`): a repeat, or the
+sgl-tts servers under another KV split. Its sides keep their own maxima and ratios, and its kept beams
+are compared with the cell's first run, problem by problem, since the same problems, arrivals, trace and
+seeds must keep the same beams whatever the pools.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Sequence
 from sgl_tts.bench import server_counters
 from sgl_tts.bench.arrivals import RatePoint, latencies_growing, max_sustainable_rate, sustained, unloaded_latency
 from sgl_tts.bench.goodput_load import UNLOADED, block_key
+from sgl_tts.bench.goodput_store import GRID
 from sgl_tts.bench.goodput_report import plot_title, provenance_lines, write_report_files
 from sgl_tts.bench.sides import ALL_SIDES, BASELINES, SIDE_OPTIONS, is_stock
 from sgl_tts.experiment import quantile
@@ -72,6 +79,18 @@ class SideCell:
 
 
 @dataclasses.dataclass
+class CellRun:
+    """Another run of a cell, from another records file of the same settings (a repeat, another split)."""
+
+    source: dict                 # :meth:`LoadSource.describe`
+    sides: dict[str, SideCell]
+    ratios: dict                 # its own, from its own sides (:func:`summarize_load`)
+    kept_beams_match: bool | None            # within the run, side against side
+    same_beams_as_first: bool | None = None  # against the cell's first run, same (rate, problem); None: none shared
+    differ_from_first: list = dataclasses.field(default_factory=list)   # [rate, problem] whose beams differ
+
+
+@dataclasses.dataclass
 class LoadCell:
     algorithm: str
     n: int
@@ -80,6 +99,7 @@ class LoadCell:
     mismatched: list
     ratios: dict
     source: dict | None = None   # the records file it came from and its regime (:meth:`LoadSource.describe`)
+    runs: list[CellRun] = dataclasses.field(default_factory=list)   # other files' runs of this (algorithm, n)
 
 
 @dataclasses.dataclass
@@ -95,7 +115,7 @@ class LoadSource:
 
     def describe(self) -> dict:
         h = self.header
-        return {"records": self.name, "budget": h.get("budget"), "pools": h.get("pools"),
+        return {"records": self.name, "budget": h.get("budget"), "pools": h.get("pools"), "splits": h.get("splits"),
                 "arrivals": list(self.settings.arrivals), "problems": self.settings.problems,
                 "latency_bound": self.settings.latency_bound, "machine": h.get("machine"), "date": h.get("date"),
                 "commands": list(h.get("commands") or [h.get("command")])}
@@ -106,20 +126,61 @@ class LoadSource:
             cell.source = self.describe()
         return cells
 
+    def regime(self) -> dict:
+        """The settings a cell's runs must share: all but the grid (algorithms, n, offered rates)."""
+        return {k: v for k, v in self.settings.to_json().items() if k not in GRID}
+
 
 def source_cells(sources: Sequence[LoadSource]) -> list[tuple[LoadSource, list[LoadCell]]]:
-    """Each source with its cells, in order; an (algorithm, n) in two sources is refused (one cell each)."""
-    out, seen = [], {}
+    """Each source with its new cells, in order. An (algorithm, n) that an earlier source holds becomes
+    another run of that cell (:class:`CellRun`), its kept beams compared with the first run's; refused
+    when the two files' settings differ (other problems, trace or seeds are not a run of the same cell)."""
+    out, first = [], {}
     for src in sources:
-        cells = src.cells()
-        for cell in cells:
+        mine = []
+        for cell in src.cells():
             key = (cell.algorithm, cell.n)
-            if key in seen:
-                raise ValueError(f"{cell.algorithm}, n = {cell.n} is in both {seen[key]} and {src.name}: "
-                                 "a report holds one cell per (algorithm, n)")
-            seen[key] = src.name
-        out.append((src, cells))
+            if key not in first:
+                first[key] = (src, cell)
+                mine.append(cell)
+                continue
+            held_src, held = first[key]
+            differ = sorted(k for k in src.regime().keys() | held_src.regime().keys()
+                            if src.regime().get(k) != held_src.regime().get(k))
+            if differ:
+                raise ValueError(f"{cell.algorithm}, n = {cell.n} of {src.name} is not another run of "
+                                 f"{held_src.name}'s cell: their settings differ in {', '.join(differ)}")
+            run = CellRun(src.describe(), cell.sides, cell.ratios, cell.kept_beams_match)
+            theirs, ours = kept_beams(src.records, *key), kept_beams(held_src.records, *key)
+            shared = theirs.keys() & ours.keys()
+            # differ: a side of this run kept, at a (rate, problem) both ran, beams no side of the first run kept
+            run.differ_from_first = sorted([rate, problem] for rate, problem in shared
+                                           if not _among(theirs[rate, problem], ours[rate, problem]))
+            run.same_beams_as_first = (not run.differ_from_first) if shared else None
+            held.runs.append(run)
+        out.append((src, mine))
     return out
+
+
+def _distinct(by_side: dict[str, list]) -> int:
+    """How many different kept-beam lists these sides hold."""
+    return len({json.dumps(v) for v in by_side.values()})
+
+
+def _among(by_side: dict[str, list], first: dict[str, list]) -> bool:
+    """Whether every side's kept beams here are beams some side kept in ``first``."""
+    held = {json.dumps(v) for v in first.values()}
+    return all(json.dumps(v) in held for v in by_side.values())
+
+
+def kept_beams(records: Sequence[dict], algorithm: str, n: int) -> dict[tuple, dict[str, list]]:
+    """(rate, problem) -> each side's kept beams, over the finished blocks at an offered rate."""
+    kept: dict[tuple, dict[str, list]] = defaultdict(dict)
+    for key, recs in finished_searches(records).items():
+        if key[1:3] == (algorithm, n) and key[3] != UNLOADED:
+            for r in recs:
+                kept[(key[3], r["problem"])][key[0]] = r["kept"]
+    return kept
 
 
 def finished_searches(records: Sequence[dict]) -> dict[tuple, list[dict]]:
@@ -221,13 +282,8 @@ def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
             sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound, rule_unit),
                                    saturated=not all(p.sustained for p in points), unloaded_measured=measured)
         # kept beams: the same problem at the same rate, every side alike
-        kept: dict[tuple, dict[str, list]] = defaultdict(dict)
-        for key, recs in searches.items():
-            if key[1:3] == (algorithm, n) and key[3] != UNLOADED:
-                for r in recs:
-                    kept[(key[3], r["problem"])][key[0]] = r["kept"]
-        mismatched = sorted([rate, problem] for (rate, problem), by_side in kept.items()
-                            if len({json.dumps(v) for v in by_side.values()}) > 1)
+        kept = kept_beams(records, algorithm, n)
+        mismatched = sorted([rate, problem] for (rate, problem), by_side in kept.items() if _distinct(by_side) > 1)
         compared = any(len(v) > 1 for v in kept.values())
         plugin_sides = [s for s in sides if not is_stock(s)]
         no_overlap = [s for s in plugin_sides if not SIDE_OPTIONS.get(s, {}).get("overlap_verification")]
@@ -282,6 +338,7 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
         lines.append(f"- p99 of the best stock side over the best sgl-tts side's at {_f(at, 'g')}/s: "
                      f"{_f(r['p99_best_stock_over_best'])}x")
         lines.append(f"- kept beams: {'match' if cell.kept_beams_match else 'not compared' if cell.kept_beams_match is None else 'DIFFER at ' + json.dumps(cell.mismatched)}")
+        lines += _runs_lines(cell)
         lines += ["", "| side | rate (/s) | offered (/s) | searches | most in flight | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | p99 stretch | growing "
                   "| sustained | gen queue p50 / max | PRM queue p50 / max | recomputed prompt tokens | evicted "
                   "| retracted | client CPU s / 1k tok | requests accounted |",
@@ -298,14 +355,56 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
     return "\n".join(lines)
 
 
+def split_label(source: dict | None) -> str:
+    """The sgl-tts servers' generator share in a source, and whether the planner chose it."""
+    split = ((source or {}).get("splits") or {}).get("sgl-tts")
+    if not split:
+        return "-"
+    return f"{split['generator_share']:g} ({'planned' if split.get('planned') else 'given'})"
+
+
+def _runs_lines(cell: LoadCell) -> list[str]:
+    """A cell's other runs: each side's maximum rate and p99 stretch per rate, beside the first run's."""
+    if not cell.runs:
+        return []
+    lines = ["", f"Runs of this cell (the first is the one above; the same problems, arrivals, trace and seeds; "
+                 "p99 stretch per offered rate):", "",
+             "| records | sgl-tts split | machine, date | side | max sustainable rate (/s) | p99 stretch by rate "
+             "| recomputed prompt tokens by rate | kept beams as the first run |", "|---|---|---|---|---|---|---|---|"]
+    for src, sides, same in ((cell.source, cell.sides, None),
+                             *((r.source, r.sides, r) for r in cell.runs)):
+        kept = ("(first)" if same is None else "not compared" if same.same_beams_as_first is None
+                else "same" if same.same_beams_as_first else "DIFFER at " + json.dumps(same.differ_from_first))
+        for side, c in sides.items():
+            rate = "-" if c.max_rate is None else ("" if c.saturated else ">= ") + f"{c.max_rate:g}"
+            stretch = ", ".join(f"{p.rate:g}: {_f(p.stretch_p99)}" for p in c.points)
+            recomputed = ", ".join(f"{p.rate:g}: {_f(p.recomputed_tokens, '.0f')}" for p in c.points)
+            lines.append(f"| `{(src or {}).get('records', '-')}` | {split_label(src)} | {(src or {}).get('machine')}, "
+                         f"{(src or {}).get('date')} | {side} | {rate} | {stretch} | {recomputed} | {kept} |")
+    return lines
+
+
+def _side_json(v: SideCell) -> dict:
+    return {"unloaded": v.unloaded, "unloaded_measured": v.unloaded_measured, "max_sustainable_rate": v.max_rate,
+            "saturated": v.saturated, "points": [dataclasses.asdict(p) for p in v.points]}
+
+
 def load_summary(cells: Sequence[LoadCell]) -> list[dict]:
-    """The cells as JSON (the summary file's ``cells``)."""
+    """The cells as JSON (the summary file's ``cells``; a cell's other runs under ``runs``)."""
     return [{"algorithm": c.algorithm, "n": c.n, "kept_beams_match": c.kept_beams_match, "mismatched": c.mismatched,
-             "ratios": c.ratios,
-             "sides": {s: {"unloaded": v.unloaded, "unloaded_measured": v.unloaded_measured,
-                           "max_sustainable_rate": v.max_rate, "saturated": v.saturated,
-                           "points": [dataclasses.asdict(p) for p in v.points]} for s, v in c.sides.items()}}
-            | ({"source": c.source} if c.source else {}) for c in cells]
+             "ratios": c.ratios, "sides": {s: _side_json(v) for s, v in c.sides.items()}}
+            | ({"source": c.source} if c.source else {})
+            | ({"runs": [{"source": r.source, "kept_beams_match": r.kept_beams_match,
+                          "same_beams_as_first": r.same_beams_as_first, "differ_from_first": r.differ_from_first,
+                          "ratios": r.ratios, "sides": {s: _side_json(v) for s, v in r.sides.items()}}
+                         for r in c.runs]} if c.runs else {}) for c in cells]
+
+
+def side_colours(cells: Sequence[LoadCell]) -> dict[str, str]:
+    """One colour per side in every panel (and every run), in the sides' registry order."""
+    sides = sorted({s for c in cells for holder in (c, *c.runs) for s in holder.sides},
+                   key=lambda s: (*ALL_SIDES, s).index(s))
+    return {s: f"C{k % 10}" for k, s in enumerate(sides)}
 
 
 def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
@@ -317,15 +416,18 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
 
     # cells of several records files: each panel names its own budget and machine
     several = len({json.dumps(c.source) for c in cells}) > 1
-    # one colour per side in every panel, in the sides' registry order
-    sides = sorted({s for c in cells for s in c.sides}, key=lambda s: (*ALL_SIDES, s).index(s))
-    colour = {s: f"C{k % 10}" for k, s in enumerate(sides)}
+    colour = side_colours(cells)
     fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for side, c in cell.sides.items():
             style = "--" if is_stock(side) else "-"
-            ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=side,
+            label = f"{side}, split {split_label(cell.source)}" if cell.runs else side
+            ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], style, marker="o", label=label,
                     color=colour[side])
+        for k, run in enumerate(cell.runs):   # other runs: the side's colour, their own line style and marker
+            for side, c in run.sides.items():
+                ax.plot([p.rate for p in c.points], [p.p99 for p in c.points], (":", "-.")[k % 2],
+                        marker="sxd^v"[k % 5], color=colour[side], label=f"{side}, split {split_label(run.source)}")
         ax.set_xlabel("offered rate (searches / s)")
         ax.set_ylabel("p99 latency, arrival to answer (s)")
         where = f"{str(cell.source['budget']).split(';')[0]}, {cell.source['machine']}" if several else None
@@ -341,12 +443,16 @@ def plot_load(cells: Sequence[LoadCell], path: Path, title: str = "") -> Path:
     return path
 
 
+def _summary(header: dict, settings, cells: Sequence[LoadCell]) -> dict:
+    return {"header": header, "settings": settings.to_json(), "cells": load_summary(cells)}
+
+
 def load_json(records: Sequence[dict], settings, header: dict, extra: Sequence[LoadSource] = (),
               name: str = "") -> dict:
     """The load mode's ``.summary.json``: the header, the settings and the cells (``extra``'s after
     those of this file, ``name``; each cell names its source)."""
     own = LoadSource(name, settings, header, records)
-    return {"header": header, "settings": settings.to_json(), "cells": load_summary([c for _, cells in source_cells([own, *extra]) for c in cells])}
+    return _summary(header, settings, [c for _, cells in source_cells([own, *extra]) for c in cells])
 
 
 def _regime_lines(settings) -> list[str]:
@@ -371,14 +477,19 @@ def write_load_report(records: Sequence[dict], settings, output: Path, header: d
               "are over a block's span (first arrival to last answer); queues are SGLang's waiting-queue gauge "
               "read every 0.25 s; recomputed prompt tokens are the generator's observer's (block-granular).", ""]
     for src, mine in per_source:
-        if src is not own:
+        if src is not own and mine:
             lines += [f"## The cells of `{src.name}`", "", *provenance_lines(src.header), *_regime_lines(src.settings), ""]
         lines.append(format_load_report(mine, src.settings.latency_bound))
-    summary = {"header": header, "settings": settings.to_json(), "cells": load_summary(cells)}
+    runs = [src for src, mine in per_source if src is not own and not mine]
+    if runs:   # files that only hold other runs of cells above: their provenance once, at the end
+        lines += ["## Other runs", "", "Files whose cells are other runs of the cells above (in each cell's runs table):", ""]
+        for src in runs:
+            lines += [f"### `{src.name}`", "", *provenance_lines(src.header), *_regime_lines(src.settings), ""]
+    summary = _summary(header, settings, cells)
     title = f"{header['generator']} + {header['prm']}" if extra else plot_title(header)   # several budgets
     return write_report_files(output, "\n".join(lines), summary,
                               (lambda path: plot_load(cells, path, title)) if cells else None)
 
 
-__all__ = ["LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "load_json", "load_summary",
-           "plot_load", "summarize_load", "write_load_report"]
+__all__ = ["CellRun", "LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "kept_beams", "load_json", "load_summary",
+           "plot_load", "side_colours", "split_label", "summarize_load", "write_load_report"]

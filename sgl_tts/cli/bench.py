@@ -93,7 +93,9 @@ def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from --output's records")
     ap.add_argument("--with-records", nargs="+", type=Path, default=(), metavar="RECORDS",
                     help="with --report-only and --arrivals: add the cells of these load records files (each "
-                         "with its own runs, budget and rates, e.g. another n's regime) to the report")
+                         "with its own runs, budget and rates, e.g. another n's regime) to the report; a file "
+                         "holding an (algorithm, n) the report holds, with the same settings, is another run of "
+                         "that cell (a repeat, another --sgl-tts-split), its beams compared with the first run's")
     ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                     help="start no search after this many seconds: stop the servers, write the report and "
                          "exit 3 (run again to go on; for machines that limit a command's time)")
@@ -181,8 +183,9 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(str(exc))
 
 
-def _other_records(paths: Sequence[Path], header: dict, measured_header) -> list:
+def _other_records(paths: Sequence[Path], header: dict) -> list:
     """``--with-records``: each file's records as a :class:`~sgl_tts.bench.load_report.LoadSource`."""
+    from sgl_tts.bench.command import measured_header
     from sgl_tts.bench.errors import BenchError
     from sgl_tts.bench.goodput_store import read_with_settings
     from sgl_tts.bench.load_report import LoadSource
@@ -252,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not records:
             return fail(f"{output} holds no records to report")
         try:
-            show(records, _other_records(args.with_records, header, measured_header))
+            show(records, _other_records(args.with_records, header))
         except (BenchError, ValueError) as exc:
             return fail(str(exc))
         return 0

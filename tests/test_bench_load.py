@@ -293,15 +293,15 @@ def test_a_file_repeating_a_cell_is_another_run_of_it_with_its_beams_compared_to
     side = r["sides"]["sgl-tts+locality+overlap"]
     assert (side["max_sustainable_rate"], side["saturated"]) == (0.1, True)
     assert r["ratios"]["best_vs_best_stock"] is None   # no stock side in this run
-    assert ("| `load.jsonl` | 0.5 (given) | 2-core CPU, 2026-12-03 | sgl-tts+locality+overlap | >= 0.4 | "
-            "0.1: -, 0.2: -, 0.4: - | 0.1: 80, 0.2: 80, 0.4: 80 | (first) |") in md
-    assert ("| `split03.jsonl` | 0.3 (given) | 2-core CPU, 2026-12-04 | sgl-tts+locality+overlap | 0.1 | "
-            "0.1: -, 0.2: - | 0.1: 80, 0.2: 80 | DIFFER at [[0.2, 2]] |") in md
+    assert ("| `load.jsonl` | 0.5 (given) | 2-core CPU, 2026-12-03 | sgl-tts+locality+overlap | 8.0 | >= 0.4 | "
+            "0.1: 8.0, 0.2: 8.0, 0.4: 9.0 | 0.1: -, 0.2: -, 0.4: - | 0.1: 80, 0.2: 80, 0.4: 80 | (first) |") in md
+    assert ("| `split03.jsonl` | 0.3 (given) | 2-core CPU, 2026-12-04 | sgl-tts+locality+overlap | 8.0 | 0.1 | "
+            "0.1: 8.0, 0.2: 30.0 | 0.1: -, 0.2: - | 0.1: 80, 0.2: 80 | DIFFER at [[0.2, 2]] |") in md
     assert "## Other runs" in md and "### `split03.jsonl`" in md and "## The cells of" not in md
     # the same beams everywhere: the run is the same as the first
     same = LoadSource("repeat.jsonl", s03, header03, _block("sgl-tts+locality+overlap", 0.1, [8] * 4))
     md = write_load_report(_records(), s16, out, header, [same])
-    assert "| sgl-tts+locality+overlap | >= 0.1 | 0.1: - | 0.1: 80 | same |" in md
+    assert "| sgl-tts+locality+overlap | 8.0 | >= 0.1 | 0.1: 8.0 | 0.1: - | 0.1: 80 | same |" in md
     # other problems (or trace, seeds) are not a run of the same cell
     other = LoadSource("other.jsonl", dataclasses.replace(s03, seed=1), header03, run)
     with pytest.raises(ValueError, match=r"^beam_search, n = 16 of other.jsonl is not another run of load.jsonl's "

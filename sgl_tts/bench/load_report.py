@@ -374,19 +374,22 @@ def _runs_lines(cell: LoadCell) -> list[str]:
     if not cell.runs:
         return []
     lines = ["", f"Runs of this cell (the first is the one above; the same problems, arrivals, trace and seeds; "
-                 "p99 stretch per offered rate):", "",
-             "| records | sgl-tts split | machine, date | side | max sustainable rate (/s) | p99 stretch by rate "
-             "| recomputed prompt tokens by rate | kept beams as the first run |", "|---|---|---|---|---|---|---|---|"]
+                 "per offered rate):", "",
+             "| records | sgl-tts split | machine, date | side | alone, median (s) | max sustainable rate (/s) "
+             "| p99 (s) by rate | p99 stretch by rate | recomputed prompt tokens by rate | kept beams as the first run |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for src, sides, same in ((cell.source, cell.sides, None),
                              *((r.source, r.sides, r) for r in cell.runs)):
         kept = ("(first)" if same is None else "not compared" if same.same_beams_as_first is None
                 else "same" if same.same_beams_as_first else "DIFFER at " + json.dumps(same.differ_from_first))
         for side, c in sides.items():
             rate = "-" if c.max_rate is None else ("" if c.saturated else ">= ") + f"{c.max_rate:g}"
+            p99 = ", ".join(f"{p.rate:g}: {p.p99:.1f}" for p in c.points)
             stretch = ", ".join(f"{p.rate:g}: {_f(p.stretch_p99)}" for p in c.points)
             recomputed = ", ".join(f"{p.rate:g}: {_f(p.recomputed_tokens, '.0f')}" for p in c.points)
             lines.append(f"| `{(src or {}).get('records', '-')}` | {split_label(src)} | {(src or {}).get('machine')}, "
-                         f"{(src or {}).get('date')} | {side} | {rate} | {stretch} | {recomputed} | {kept} |")
+                         f"{(src or {}).get('date')} | {side} | {_f(c.unloaded, '.1f')} | {rate} | {p99} | {stretch} "
+                         f"| {recomputed} | {kept} |")
     return lines
 
 

@@ -23,7 +23,9 @@ def add_plan_arguments(ap: argparse.ArgumentParser, *, models_required: bool = T
     ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE), help="GPU profile")
     ap.add_argument("--gpu-memory", default=None,
                     help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
-    ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
+    ap.add_argument("--beams", type=int, default=64,
+                    help="requests per search iteration (N); on a service, N x the searches in flight "
+                         "(one search's N under-plans the generator: docs/MEMORY_PLANNER.md, under load)")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
     ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")

@@ -111,6 +111,43 @@ def test_under_pressure_decode_wants_the_memory_prefill_saturates():
     assert off is not None and off.offload_seconds > 0
 
 
+
+def test_a_service_is_planned_for_its_searches_in_flight(capsys):
+    """Issue 64 (docs/MEMORY_PLANNER.md, "Under load"): planned for one search, a service with five in
+    flight gave its generator too small a pool. With ``searches`` the workload is every search's
+    requests, each search's question held once, and the generator gets the larger share."""
+    import argparse
+
+    from sgl_tts.launch.memory import workload_from_args
+
+    one = Workload(64, 1275, 254, 1529, shared_tokens=300, siblings=4)
+    five = Workload(320, 1275, 254, 1529, shared_tokens=300, siblings=4, searches=5)
+    # five questions held once each; a request's own share is the same as in one search
+    assert five.generator_tokens() == (1500, one.generator_tokens()[1]) and one.generator_tokens()[0] == 300
+    assert five.prm_tokens() == (1500, one.prm_tokens()[1])
+    qwen = ModelShape.from_config(CONFIGS / "qwen2.5-1.5b.json")
+    budget = int(0.4 * 24 * GiB)
+    plans = [plan_pair(qwen, qwen, HARDWARE["H200"], w, budget)[0] for w in (one, five)]
+    shares = [round(p.gen_kv_bytes / (p.gen_kv_bytes + p.prm_kv_bytes), 3) for p in plans]
+    assert shares == [0.5, 0.791]
+    assert [(p.gen_batch, p.prm_batch, p.gen_room, p.prm_room) for p in plans] == [(64, 64, 106, 106), (160, 40, 166, 41)]
+    # the flags: K searches of --beams requests each
+    args = argparse.Namespace(beams=64, prompt_tokens=1275, step_tokens=254, verify_tokens=1529,
+                              shared_tokens=300, siblings=4, searches_in_flight=5)
+    assert workload_from_args(args) == five
+    args.searches_in_flight = 0
+    with pytest.raises(ValueError, match=r"^--searches-in-flight must be >= 1, got 0$"):
+        workload_from_args(args)
+    from sgl_tts.cli.plan import main
+
+    qwen_cfg = str(CONFIGS / "qwen2.5-1.5b.json")
+    assert main(["--generator", qwen_cfg, "--prm", qwen_cfg, "--gpu", "H200", "--gpu-memory", "0.4*24GiB",
+                 "--beams", "64", "--prompt-tokens", "1275", "--step-tokens", "254", "--verify-tokens", "1529",
+                 "--shared-tokens", "300", "--siblings", "4", "--searches-in-flight", "5"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("; 320 requests, prompt 1275, step 254, verify 1529 tokens (5 searches in flight, "
+                           "300 shared by each search's requests, the rest of a context by 4 siblings)")
+
 def test_the_h200_run_plan_batches_the_verifier_and_keeps_both_caches():
     """The failure measured on an H200 (issue 37, docs/benchmarks/LOG.md "GPU results"): the seed's model
     (no cost per forward pass, every request's whole context counted) gives the PRM room for one

@@ -23,9 +23,11 @@ def add_plan_arguments(ap: argparse.ArgumentParser, *, models_required: bool = T
     ap.add_argument("--gpu", default="H100", choices=sorted(HARDWARE), help="GPU profile")
     ap.add_argument("--gpu-memory", default=None,
                     help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
-    ap.add_argument("--beams", type=int, default=64,
-                    help="requests per search iteration (N); on a service, N x the searches in flight "
-                         "(one search's N under-plans the generator: docs/MEMORY_PLANNER.md, under load)")
+    ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
+    ap.add_argument("--searches-in-flight", type=int, default=1, metavar="K",
+                    help="searches served at once (a service): both pools are planned for K x N requests, "
+                         "each search's question held once; planned for one search, a busy service's "
+                         "generator gets too little (docs/MEMORY_PLANNER.md, under load)")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--step-tokens", type=int, default=256, help="tokens generated per step")
     ap.add_argument("--verify-tokens", type=int, default=800, help="PRM input tokens per request")
@@ -118,7 +120,9 @@ def _cpu_main(args) -> int:
 
 def _sharing(work) -> str:
     """What the workload's requests share, for the header line ('' when nothing)."""
-    parts = ([f"{work.shared_tokens} shared by all"] if work.shared_tokens else []) + \
+    head = f"{work.shared_tokens} shared by each search's requests" if work.searches > 1 else f"{work.shared_tokens} shared by all"
+    parts = ([f"{work.searches} searches in flight"] if work.searches > 1 else []) + \
+        ([head] if work.shared_tokens else []) + \
         ([f"the rest of a context by {work.siblings} siblings"] if work.siblings > 1 else [])
     return f" ({', '.join(parts)})" if parts else ""
 

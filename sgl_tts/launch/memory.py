@@ -210,7 +210,11 @@ class Workload:
     beam's children extend the same path; beam width for beam search and DVTS, 1 when every request
     has its own path). The defaults (0, 1) count every request's whole context, as the seed does;
     on the H200 that made the budget look too small for both models at full batch and starved the
-    PRM (issue 37)."""
+    PRM (issue 37).
+
+    ``searches``: the searches in flight at once, which ``requests`` counts all of (a service); each
+    holds its own question, so the shared head is held once per search. Planned for one search, a
+    service's generator gets too little (docs/MEMORY_PLANNER.md, "Under load")."""
 
     requests: int
     prompt_tokens: int
@@ -218,6 +222,7 @@ class Workload:
     verify_tokens: int
     shared_tokens: int = 0
     siblings: int = 1
+    searches: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -230,13 +235,13 @@ class Workload:
     def generator_tokens(self) -> tuple[float, float]:
         """(tokens held once, tokens per request) of the generator's pool: the shared head, then per
         request its siblings' share of the rest of the context and its own step."""
-        return self.shared_tokens, (self.prompt_tokens - self.shared_tokens) / self.siblings + self.step_tokens
+        return self.shared_tokens * self.searches, (self.prompt_tokens - self.shared_tokens) / self.siblings + self.step_tokens
 
     def prm_tokens(self) -> tuple[float, float]:
         """(tokens held once, tokens per request) of the PRM's pool: the shared head, the siblings'
         share of the context the PRM reads with the generator, and what it reads past it (the step)."""
         common = min(self.prompt_tokens, self.verify_tokens)
-        return (self.shared_tokens, (common - self.shared_tokens) / self.siblings
+        return (self.shared_tokens * self.searches, (common - self.shared_tokens) / self.siblings
                 + self.verify_tokens - common)
 
 
@@ -596,9 +601,14 @@ def context_tokens(config: str | os.PathLike) -> int:
 
 
 def workload_from_args(args) -> Workload:
-    """The planner's workload from the shared flags (``--shared-tokens`` and ``--siblings`` absent: none)."""
-    return Workload(args.beams, args.prompt_tokens, args.step_tokens, args.verify_tokens,
-                    getattr(args, "shared_tokens", 0) or 0, getattr(args, "siblings", 1) or 1)
+    """The planner's workload from the shared flags (``--shared-tokens`` and ``--siblings`` absent: none;
+    ``--searches-in-flight`` K: K searches of ``--beams`` requests each)."""
+    searches = getattr(args, "searches_in_flight", None)
+    searches = 1 if searches is None else searches
+    if searches < 1:
+        raise ValueError(f"--searches-in-flight must be >= 1, got {searches}")
+    return Workload(args.beams * searches, args.prompt_tokens, args.step_tokens, args.verify_tokens,
+                    getattr(args, "shared_tokens", 0) or 0, getattr(args, "siblings", 1) or 1, searches)
 
 
 def plan_from_args(args) -> PairPlan:

@@ -24,8 +24,8 @@ def add_plan_arguments(ap: argparse.ArgumentParser, *, models_required: bool = T
     ap.add_argument("--gpu-memory", default=None,
                     help="memory both servers may use, e.g. 24GiB or 0.4*24GiB (default: the GPU's)")
     ap.add_argument("--beams", type=int, default=64, help="requests per search iteration (N)")
-    ap.add_argument("--searches-in-flight", type=int, default=1, metavar="K",
-                    help="searches served at once (a service): both pools are planned for K x N requests, "
+    ap.add_argument("--searches-in-flight", type=int, default=1, metavar="Q",
+                    help="searches served at once (a service): both pools are planned for Q x N requests, "
                          "each search's question held once; planned for one search, a busy service's "
                          "generator gets too little (docs/MEMORY_PLANNER.md, under load)")
     ap.add_argument("--prompt-tokens", type=int, default=300)

@@ -602,7 +602,7 @@ def context_tokens(config: str | os.PathLike) -> int:
 
 def workload_from_args(args) -> Workload:
     """The planner's workload from the shared flags (``--shared-tokens`` and ``--siblings`` absent: none;
-    ``--searches-in-flight`` K: K searches of ``--beams`` requests each)."""
+    ``--searches-in-flight`` Q: Q searches of ``--beams`` requests each)."""
     searches = getattr(args, "searches_in_flight", None)
     searches = 1 if searches is None else searches
     if searches < 1:

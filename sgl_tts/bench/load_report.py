@@ -303,8 +303,8 @@ def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
             ratios["p99_best_stock_over_best"] = round(p99_at[best_stock.side] / p99_at[best_plugin.side], 3)
         else:
             ratios["p99_best_stock_over_best"] = None
-        # the most that ratio can be: the best side's searches each as fast as its problem alone (the
-        # unloaded block's p99), against the best baseline's p99 there; a goal above it needs a faster search
+        # that ratio if the best side's searches each took their problem's time alone (the unloaded block's
+        # p99): a reference for what ordering can win, not a hard bound (a host that speeds up beats it)
         solo = alone.get((algorithm, n, best_plugin.side)) if best_plugin else None
         ratios["p99_ratio_if_alone"] = (round(p99_at[best_stock.side] / quantile(sorted(solo.values()), 0.99), 3)
                                         if solo and at and p99_at.get(best_stock.side) else None)
@@ -341,8 +341,8 @@ def format_load_report(cells: Sequence[LoadCell], bound: float) -> str:
             value = "-" if r[name] is None else (">= " if r[name + "_lower_bound"] else "") + f"{r[name]:.2f}x"
             lines.append(f"- `{name}`: {value} ({num} over {den})")
         lines.append(f"- p99 of the best stock side over the best sgl-tts side's at {_f(at, 'g')}/s: "
-                     f"{_f(r['p99_best_stock_over_best'])}x (at most {_f(r.get('p99_ratio_if_alone'))}x: "
-                     "the best side's searches each as fast as alone)")
+                     f"{_f(r['p99_best_stock_over_best'])}x ({_f(r.get('p99_ratio_if_alone'))}x if the best side's "
+                     "searches each took their time alone)")
         lines.append(f"- kept beams: {'match' if cell.kept_beams_match else 'not compared' if cell.kept_beams_match is None else 'DIFFER at ' + json.dumps(cell.mismatched)}")
         lines += _runs_lines(cell)
         lines += ["", "| side | rate (/s) | offered (/s) | searches | most in flight | throughput (/s) | goodput (tok/s) | p50 (s) | p99 (s) | p99 stretch | growing "

@@ -307,6 +307,12 @@ def test_a_file_repeating_a_cell_is_another_run_of_it_with_its_beams_compared_to
     with pytest.raises(ValueError, match=r"^beam_search, n = 16 of other.jsonl is not another run of load.jsonl's "
                                          r"cell: their settings differ in seed$"):
         write_load_report(_records(), s16, out, header, [other])
+    # nor another KV budget (its split may differ: "16 MiB of KV; split 0.3" is a run of "16 MiB of KV")
+    bigger = LoadSource("bigger.jsonl", s03, {**header03, "budget": "32 MiB of KV"}, run)
+    with pytest.raises(ValueError, match=r"their settings differ in budget$"):
+        write_load_report(_records(), s16, out, header, [bigger])
+    split = LoadSource("split.jsonl", s03, {**header03, "budget": "16 MiB of KV; split 0.3"}, run)
+    assert "| `split.jsonl` | 0.3 (given) |" in write_load_report(_records(), s16, out, header, [split])
 
 
 def test_with_records_is_for_a_rebuilt_load_report_and_reads_only_benchmark_records(tmp_path, capsys):

@@ -127,8 +127,10 @@ class LoadSource:
         return cells
 
     def regime(self) -> dict:
-        """The settings a cell's runs must share: all but the grid (algorithms, n, offered rates)."""
-        return {k: v for k, v in self.settings.to_json().items() if k not in GRID}
+        """What a cell's runs must share: the settings but the grid (algorithms, n, offered rates), and the
+        KV budget (its total; how the sgl-tts servers split it may differ)."""
+        budget = str(self.header.get("budget") or "").split(";")[0]
+        return {k: v for k, v in self.settings.to_json().items() if k not in GRID} | {"budget": budget}
 
 
 def source_cells(sources: Sequence[LoadSource]) -> list[tuple[LoadSource, list[LoadCell]]]:

@@ -147,13 +147,15 @@ def source_cells(sources: Sequence[LoadSource]) -> list[tuple[LoadSource, list[L
                 mine.append(cell)
                 continue
             held_src, held = first[key]
-            differ = sorted(k for k in src.regime().keys() | held_src.regime().keys()
-                            if src.regime().get(k) != held_src.regime().get(k))
+            mine_regime, held_regime = src.regime(), held_src.regime()
+            differ = sorted(k for k in mine_regime.keys() | held_regime.keys()
+                            if mine_regime.get(k) != held_regime.get(k))
             if differ:
                 raise ValueError(f"{cell.algorithm}, n = {cell.n} of {src.name} is not another run of "
                                  f"{held_src.name}'s cell: their settings differ in {', '.join(differ)}")
             run = CellRun(src.describe(), cell.sides, cell.ratios, cell.kept_beams_match)
-            theirs, ours = kept_beams(src.records, *key), kept_beams(held_src.records, *key)
+            theirs = kept_by_problem(finished_searches(src.records), *key)
+            ours = kept_by_problem(finished_searches(held_src.records), *key)
             shared = theirs.keys() & ours.keys()
             # differ: a side of this run kept, at a (rate, problem) both ran, beams no side of the first run kept
             run.differ_from_first = sorted([rate, problem] for rate, problem in shared
@@ -175,10 +177,11 @@ def _among(by_side: dict[str, list], first: dict[str, list]) -> bool:
     return all(json.dumps(v) in held for v in by_side.values())
 
 
-def kept_beams(records: Sequence[dict], algorithm: str, n: int) -> dict[tuple, dict[str, list]]:
-    """(rate, problem) -> each side's kept beams, over the finished blocks at an offered rate."""
+def kept_by_problem(searches: dict[tuple, list[dict]], algorithm: str, n: int) -> dict[tuple, dict[str, list]]:
+    """(rate, problem) -> each side's kept beams, over the finished blocks (:func:`finished_searches`)
+    at an offered rate."""
     kept: dict[tuple, dict[str, list]] = defaultdict(dict)
-    for key, recs in finished_searches(records).items():
+    for key, recs in searches.items():
         if key[1:3] == (algorithm, n) and key[3] != UNLOADED:
             for r in recs:
                 kept[(key[3], r["problem"])][key[0]] = r["kept"]
@@ -284,7 +287,7 @@ def summarize_load(records: Sequence[dict], bound: float) -> list[LoadCell]:
             sides[side] = SideCell(side, points, unloaded, max_sustainable_rate(rate_points, bound, rule_unit),
                                    saturated=not all(p.sustained for p in points), unloaded_measured=measured)
         # kept beams: the same problem at the same rate, every side alike
-        kept = kept_beams(records, algorithm, n)
+        kept = kept_by_problem(searches, algorithm, n)
         mismatched = sorted([rate, problem] for (rate, problem), by_side in kept.items() if _distinct(by_side) > 1)
         compared = any(len(v) > 1 for v in kept.values())
         plugin_sides = [s for s in sides if not is_stock(s)]
@@ -380,7 +383,7 @@ def _runs_lines(cell: LoadCell) -> list[str]:
              "| records | sgl-tts split | machine, date | side | alone, median (s) | max sustainable rate (/s) "
              "| p99 (s) by rate | p99 stretch by rate | recomputed prompt tokens by rate | kept beams as the first run |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for src, sides, same in ((cell.source, cell.sides, None),
+    for src, sides, same in ((cell.source or {}, cell.sides, None),
                              *((r.source, r.sides, r) for r in cell.runs)):
         kept = ("(first)" if same is None else "not compared" if same.same_beams_as_first is None
                 else "same" if same.same_beams_as_first else "DIFFER at " + json.dumps(same.differ_from_first))
@@ -389,8 +392,8 @@ def _runs_lines(cell: LoadCell) -> list[str]:
             p99 = ", ".join(f"{p.rate:g}: {p.p99:.1f}" for p in c.points)
             stretch = ", ".join(f"{p.rate:g}: {_f(p.stretch_p99)}" for p in c.points)
             recomputed = ", ".join(f"{p.rate:g}: {_f(p.recomputed_tokens, '.0f')}" for p in c.points)
-            lines.append(f"| `{(src or {}).get('records', '-')}` | {split_label(src)} | {(src or {}).get('machine')}, "
-                         f"{(src or {}).get('date')} | {side} | {_f(c.unloaded, '.1f')} | {rate} | {p99} | {stretch} "
+            lines.append(f"| `{src.get('records', '-')}` | {split_label(src)} | {src.get('machine')}, "
+                         f"{src.get('date')} | {side} | {_f(c.unloaded, '.1f')} | {rate} | {p99} | {stretch} "
                          f"| {recomputed} | {kept} |")
     return lines
 
@@ -502,5 +505,5 @@ def write_load_report(records: Sequence[dict], settings, output: Path, header: d
                               (lambda path: plot_load(cells, path, title)) if cells else None)
 
 
-__all__ = ["CellRun", "LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "kept_beams", "load_json", "load_summary",
+__all__ = ["CellRun", "LoadCell", "LoadPoint", "LoadSource", "source_cells", "SideCell", "finished_searches", "format_load_report", "in_flight_max", "kept_by_problem", "load_json", "load_summary",
            "plot_load", "side_colours", "split_label", "summarize_load", "write_load_report"]

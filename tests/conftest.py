@@ -138,10 +138,13 @@ def live(request, tmp_path_factory, tiny_model_path):
     ``prm`` (the step-tag PRM), ``generator_ragged`` and ``prm_ragged`` (plugin, --tts-policy off,
     --tts-cpu-attention ragged), ``generator_sparse`` (plugin, --tts-sparse-attention async) and ``reward_head`` (``write_reward_head`` of
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
-    right on the CPU, see sgl_tts.launch.cpu_serving). A server that cannot start fails the test with its log."""
+    right on the CPU, see sgl_tts.launch.cpu_serving), ``qwen2.5-math-prm`` and ``skywork-prm`` (tiny checkpoints
+    of those PRMs' real formats, served by the plugin's step-pooled classes, ``--enable-metrics``).
+    A server that cannot start fails the test with its log."""
     from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.launch.serve import DEEPCONF_STOP_FLAGS
     from sgl_tts.models import shipped_model
+    from sgl_tts.models.prm_checkpoints import write_tiny_prm
     from sgl_tts.models.reward_head import write_reward_head
 
     work = tmp_path_factory.mktemp("live")
@@ -167,6 +170,10 @@ def live(request, tmp_path_factory, tiny_model_path):
                                               "--tts-sparse-dense-below", "24", "--tts-sparse-measure",
                                               "--tts-sparse-stand-down", "off")),
         "reward_head": LiveServer(head, kv_bytes=LIVE_KV_BYTES, extra=("--is-embedding",)),
+        # the PRM architectures SGLang does not serve, in their real formats (tiny, random weights),
+        # served by the plugin's step-pooled classes (tests/test_live_prm_models.py; stopped after it)
+        **{fmt: LiveServer(str(write_tiny_prm(fmt, work / fmt)), policy="off", kv_bytes=LIVE_KV_BYTES,
+                           extra=("--enable-metrics",)) for fmt in ("qwen2.5-math-prm", "skywork-prm")},
     }
     servers = LiveServers(specs, work / "servers")
     request.config.stash[_LIVE] = servers

@@ -203,6 +203,7 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
                             "confidence_top_k", "confidence_measure", "warmup_samples", "consensus",
                             "chunk_tokens")}
     fields["seeds"] = "depth-parent-ordinal"   # beam search's seed scheme since issue 18
+    fields["prm_kind"] = "step_tag"   # prm_kind auto (issue 65) is keyed as the step_tag it was before
     assert beam.run_key() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     # exact speculation and overlapped verification never change a result: the same key
     assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact",
@@ -211,6 +212,8 @@ def test_settings_that_change_results_change_the_run_key(tmp_path):
                                      overlap_by_family=True).run_key()
     assert beam.run_key() == cfg_for(tmp_path, program="beam_search", speculative="exact-no-lookahead").run_key()
     assert beam.run_key() != cfg_for(tmp_path, program="beam_search", speculative="truncate").run_key()
+    assert beam.run_key() == cfg_for(tmp_path, program="beam_search", prm_kind="step_tag").run_key()
+    assert beam.run_key() != cfg_for(tmp_path, program="beam_search", prm_kind="reward_head").run_key()
     assert a.run_key() != cfg_for(tmp_path, n=4).run_key()
     assert a.run_key() != cfg_for(tmp_path, seed=1).run_key()
 

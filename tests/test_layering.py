@@ -30,12 +30,25 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_the_plugin_loads_none_of_the_client():
+    # the PRM model classes (sgl_tts.plugin.models.*) are model code: SGLang's model registry imports
+    # them where it loads models, torch already in place; the next test holds them to the rest
     loaded = _loaded_after("import importlib, pkgutil, sgl_tts.plugin as p\n"
-                           "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'): importlib.import_module(m.name)")
-    # it did load the plugin, both parts
-    assert {"sgl_tts.plugin.scheduling.policy", "sgl_tts.plugin.attention.sparse_attention"} <= set(loaded)
+                           "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n"
+                           "    if not m.name.startswith('sgl_tts.plugin.models.'): importlib.import_module(m.name)")
+    # it did load the plugin, both parts, and its model registration imported no model class
+    assert {"sgl_tts.plugin.scheduling.policy", "sgl_tts.plugin.attention.sparse_attention",
+            "sgl_tts.plugin.model_registry", "sgl_tts.plugin.models"} <= set(loaded)
     assert "sgl_tts.protocol" in loaded
+    assert not [m for m in loaded if m.startswith("sgl_tts.plugin.models.")]
     client = [m for m in loaded if any(m == c or m.startswith(c + ".") for c in CLIENT_SIDE)]
+    assert client == []
+
+
+def test_the_plugins_model_classes_load_torch_and_sglang_and_nothing_of_the_client():
+    loaded = _loaded_after("import importlib, pkgutil, sgl_tts.plugin.models as p\n"
+                           "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'): importlib.import_module(m.name)")
+    assert {"sgl_tts.plugin.models.qwen2_prm", "sgl_tts.plugin.models.step_pooling", "torch"} <= set(loaded)
+    client = [m for m in loaded if any(m == c or m.startswith(c + ".") for c in CLIENT_SIDE if c != "torch")]
     assert client == []
 
 

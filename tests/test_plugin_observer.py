@@ -25,12 +25,16 @@ OBSERVED = {TARGETS["scheduler_init"], TARGETS["prefill"], TARGETS["next_batch"]
 
 
 def test_both_modes_share_one_list_of_observation_hooks_without_duplicates():
+    from sgl_tts.plugin.model_registry import is_generation_model, model_hooks
+
     full, observe = hook_table(observe_only=False), hook_table(observe_only=True)
-    shared = observer.observation_hooks()
-    assert full[-len(shared):] == shared and observe[1:] == shared
-    assert observe == [(TARGETS["scheduler_init"], observer.scheduler_init, "AFTER"), *shared]
+    shared, models = observer.observation_hooks(), model_hooks()
+    # both modes serve the plugin's PRM classes (they embed), first
+    assert models == [(TARGETS["is_generation"], is_generation_model, "AROUND")] == full[:1]
+    assert full[-len(shared):] == shared
+    assert observe == [*models, (TARGETS["scheduler_init"], observer.scheduler_init, "AFTER"), *shared]
     assert len({(t, h) for t, h, _ in full}) == len(full) and len({(t, h) for t, h, _ in observe}) == len(observe)
-    assert {t for t, _, _ in observe} == OBSERVED
+    assert {t for t, _, _ in observe} == OBSERVED | {TARGETS["is_generation"]}
     # nothing that schedules, samples, aborts or adds flags in observe-only mode
     acting = {h for _, h, _ in scheduling_hooks()}
     assert not acting & {h for _, h, _ in observe}
@@ -73,8 +77,8 @@ print(json.dumps({"hooked": hooked, "missing": missing_hooks(), "flag": flag}))
 def test_observe_only_registers_the_observation_hooks_and_nothing_else():
     """Through SGLang's own plugin loader and ``HookRegistry`` in a fresh process: only the observer's
     hooks are on SGLang's functions (``SchedulePolicy.calc_priority``, ``PrefillAdder.add_one_req`` and
-    the rest are SGLang's own, so the order is stock), none is missing, and the launcher knows no
-    ``--tts-*`` flag."""
+    the rest are SGLang's own, so the order is stock), besides the one that serves the plugin's PRM
+    classes; none is missing, and the launcher knows no ``--tts-*`` flag."""
     env = {k: v for k, v in os.environ.items() if "TTS_" not in k}
     run = subprocess.run([sys.executable, "-c", REGISTERED], capture_output=True, text=True, timeout=300,
                          env={**env, **observer.SERVER_ENV})
@@ -85,7 +89,8 @@ def test_observe_only_registers_the_observation_hooks_and_nothing_else():
                              TARGETS["prefill"]: [name + "after_prefill"],
                              TARGETS["next_batch"]: [name + "time_round"],
                              TARGETS["flush"]: [name + "after_flush"],
-                             **{t: [name + "after_evict"] for t in EVICT_TARGETS}}
+                             **{t: [name + "after_evict"] for t in EVICT_TARGETS},
+                             TARGETS["is_generation"]: ["sgl_tts.plugin.model_registry.is_generation_model"]}
     assert got["missing"] == [] and got["flag"] == "exit 2"
     assert "unrecognized arguments: --tts-policy prefix-aware" in run.stderr
 

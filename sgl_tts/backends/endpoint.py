@@ -188,6 +188,10 @@ class SGLangEndpoint(RuntimeEndpoint):
         """:meth:`ServerScoring.classify` (a reward-head PRM's read)."""
         return self.scoring.classify(inputs)
 
+    def step_rows(self, inputs: Sequence[Sequence[int]]) -> list[list[list[float]]]:
+        """:meth:`ServerScoring.step_rows` (a step-pooled PRM's read)."""
+        return self.scoring.step_rows(inputs)
+
     def abort_group(self, group: str) -> None:
         """:meth:`ServerControl.abort_group`: abort a search group's requests (sgl-tts plugin)."""
         self.control.abort_group(group)

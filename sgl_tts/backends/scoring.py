@@ -1,6 +1,7 @@
 """Reading a served model without generating, for PRMs: the next-token log-probabilities at chosen
 positions of each input (a step-tag PRM, :class:`~sgl_tts.prm.StepTagPRM`) and a classifier /
-reward head's output at each input's last token (:class:`~sgl_tts.prm.RewardHeadPRM`)."""
+reward head's output at each input's last token (:class:`~sgl_tts.prm.RewardHeadPRM`), and a step-pooled
+PRM's output at every step token (:class:`~sgl_tts.prm.StepPooledPRM`)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,22 @@ class ServerScoring:
                              f"is the server running a reward / classifier-head model?") from exc
         if len(out) != len(inputs):
             raise ValueError(f"{self.base_url}/classify answered {len(out)} rows for {len(inputs)} inputs")
+        return out
+
+    def step_rows(self, inputs: Sequence[Sequence[int]]) -> list[list[list[float]]]:
+        """A step-pooled PRM's rows (:class:`~sgl_tts.prm.StepPooledPRM`): per input, the head's output
+        at each step token the server computed, from one batched ``/classify`` request."""
+        if not inputs:
+            return []
+        res = self.post("/classify", {"input_ids": [[int(t) for t in x] for x in inputs]})
+        answers = res if isinstance(res, list) else [res]
+        try:
+            out = [[[float(v) for v in row] for row in a["embedding"]] for a in answers]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{self.base_url}/classify answered no rows of step scores ({exc}); is the server "
+                             f"running a step-pooled PRM (Qwen2ForProcessRewardModel, Qwen2ForPrmModel)?") from exc
+        if len(out) != len(inputs):
+            raise ValueError(f"{self.base_url}/classify answered {len(out)} inputs for {len(inputs)}")
         return out
 
 

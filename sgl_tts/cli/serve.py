@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from sgl_tts.launch.serve import ServerSpec
 
 
+def _step_pooled(prm: str) -> bool:
+    """Whether ``prm`` is a PRM only the plugin's step-pooled classes serve (it cannot decode)."""
+    from sgl_tts.prm.detect import detect_prm
+
+    try:
+        return detect_prm(prm).kind == "step_pooled"
+    except ValueError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``sgl-tts serve``'s flags: the memory plan's (GPU) and the CPU, replica and router ones."""
     from sgl_tts.launch import serve
@@ -112,6 +122,9 @@ def pair_flags(args: argparse.Namespace) -> tuple[dict, dict[str, str] | None]:
     if not (args.generator and args.prm):
         raise ValueError("this install ships no tiny models: pass --generator and --prm")
     share = args.generator_share
+    if share is None and _step_pooled(args.prm):
+        raise ValueError(f"{args.prm} is a step-pooled PRM, which the CPU planner cannot profile yet (its "
+                         f"profile decodes): give --generator-share (e.g. 0.5)")
     if share is None:   # the planner's split, on both models' measured CPU profiles
         from sgl_tts.launch.cpu_profile import cpu_plan_from_args
 

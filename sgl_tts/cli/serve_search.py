@@ -15,6 +15,7 @@ COUNTS = ("max_concurrent", "max_budget", "max_depth", "max_step_tokens", "max_c
 
 def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.serving import server
+    from sgl_tts.experiment.config import PRM_KINDS
     from sgl_tts.serving.api import Defaults, Limits
 
     p = argparse.ArgumentParser(prog="sgl-tts serve-search", description=server.__doc__.split("\n\n")[0])
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tiny generator with the sgl-tts plugin on the CPU)")
     p.add_argument("--prm-url", default=None, help="the PRM SGLang server (default: start the tiny PRM when "
                    "the generator is started too); 'none': serve self_consistency only")
-    p.add_argument("--prm-kind", default="step_tag", choices=["step_tag", "reward_head"])
+    p.add_argument("--prm-kind", default="auto", choices=list(PRM_KINDS),
+                   help="how to read the PRM (default: from its architecture)")
     p.add_argument("--prm-tokenizer", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30010)

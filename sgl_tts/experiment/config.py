@@ -21,7 +21,7 @@ from sgl_tts.search.speculation import SPECULATION_PRESETS
 # kept for old imports: the programs as registered at import (sgl_tts.registry holds them, later ones too)
 PROGRAMS = registry.names()
 MCTS_SETTINGS = registry.MCTS_SETTINGS   # MCTS's own settings and their defaults (registry)
-PRM_KINDS = ("step_tag", "reward_head")
+PRM_KINDS = ("auto", "step_tag", "reward_head", "step_pooled")
 RULES = ("majority", "prm_weighted", "prm_best")
 
 
@@ -105,8 +105,10 @@ class RunConfig:
             processes (a tree search with 64+ in flight: one), else 1.
         prm: PRM model folder or SGLang server URL; ``None``: the shipped tiny PRM; ``"none"``: no
             PRM (best-of-N then ranks nothing and picks the majority).
-        prm_kind: ``step_tag`` (P(good) after each step tag) or ``reward_head`` (a classifier /
-            reward head read at the end of each step prefix).
+        prm_kind: ``auto`` (from the PRM's architecture, :func:`sgl_tts.prm.detect.detect_prm`),
+            ``step_tag`` (P(good) after each step tag), ``reward_head`` (a classifier / reward head
+            read at the end of each step prefix) or ``step_pooled`` (Qwen2.5-Math-PRM, Skywork-o1-Open-PRM
+            served by SGLang with the sgl-tts plugin: every step's score in one request).
         prm_tokenizer: tokenizer folder of a PRM served by URL (default: the server's model path).
         prm_good: label token of a good step (step-tag PRMs); prm_bad: of a bad step.
         prm_tag: the step tag a step-tag PRM reads after each step.
@@ -140,7 +142,7 @@ class RunConfig:
     cpu_engine: str = "auto"
     cpu_replicas: int | None = None
     prm: str | None = None
-    prm_kind: str = "step_tag"
+    prm_kind: str = "auto"
     prm_tokenizer: str | None = None
     prm_good: str = "+"
     prm_bad: str = "-"
@@ -278,6 +280,10 @@ class RunConfig:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_RUN_KEY
                   and not (k in keyed_when_set and v == keyed_when_set[k])
                   and not (k in self.SAME_RESULTS and v in self.SAME_RESULTS[k])}
+        if fields.get("prm_kind") == "auto":
+            # keyed as step_tag, the default before auto: auto reads a causal-LM PRM as step_tag did (runs
+            # written then still resume), and a PRM auto reads otherwise is another model, another path
+            fields["prm_kind"] = "step_tag"
         if self.program == "beam_search" and self.semantics == "sgl-tts":
             # its step seeds are keyed by (depth, parent, child) since issue 18 (before: by beam index),
             # so a run written before samples differently and does not resume into this one

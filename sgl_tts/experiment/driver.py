@@ -17,10 +17,12 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------- run
 def open_prm(cfg: RunConfig):
-    """The PRM scorer the config names (``None`` when the run uses none)."""
+    """The PRM scorer the config names (``None`` when the run uses none); ``prm_kind: auto`` reads
+    the PRM's architecture (:func:`sgl_tts.prm.detect.detect_prm`)."""
     if not cfg.uses_prm:
         return None, None
-    from sgl_tts.prm import RewardHeadPRM, StepTagPRM
+    from sgl_tts.prm import RewardHeadPRM, StepPooledPRM, StepTagPRM
+    from sgl_tts.prm.detect import detect_prm
 
     target = cfg.prm
     if target is None:
@@ -30,17 +32,32 @@ def open_prm(cfg: RunConfig):
             raise RunError("no PRM: this source tree ships no trained PRM; pass --prm PATH or URL "
                            "(or --prm none for self-consistency)")
     target = str(target)
-    if target.startswith(("http://", "https://")):
+    served = target.startswith(("http://", "https://"))
+    kind, fmt = cfg.prm_kind, None
+    if kind in ("auto", "step_pooled"):
+        try:
+            found = detect_prm(target)
+        except ValueError as exc:
+            raise RunError(str(exc), ("prm", "prm_kind")) from exc
+        if kind == "step_pooled" and found.kind != "step_pooled":
+            raise RunError(f"prm_kind step_pooled: {target} is a {found.architecture}, not a step-pooled PRM", ("prm_kind",))
+        kind, fmt = found.kind, found.format
+    if kind == "step_pooled" and not served:
+        raise RunError(f"{target} is a {fmt} PRM: SGLang serves it, with the sgl-tts plugin installed "
+                       f"(sgl-tts serve --prm {target}); pass the server's URL as --prm", ("prm",))
+    if served:
         from sgl_tts.backends import SGLangEndpoint
         backend = SGLangEndpoint(target.rstrip("/"), tokenizer_path=cfg.prm_tokenizer)
-    elif cfg.prm_kind == "reward_head":
+    elif kind == "reward_head":
         from sgl_tts.backends.classifier import LocalClassifier
         backend = LocalClassifier(target)
     else:
         from sgl_tts.backends import LocalBackend
         backend = LocalBackend(target, seed=cfg.seed, **cfg.engine_layout.prm_options())
     try:
-        if cfg.prm_kind == "reward_head":
+        if kind == "step_pooled":
+            prm = StepPooledPRM(backend, fmt)
+        elif kind == "reward_head":
             prm = RewardHeadPRM(backend, tag=cfg.prm_tag)
         else:
             prm = StepTagPRM(backend, good=cfg.prm_good, bad=cfg.prm_bad, tag=cfg.prm_tag)

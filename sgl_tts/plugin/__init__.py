@@ -1,8 +1,11 @@
 """The sgl-tts SGLang scheduler plugin (entry point ``sgl-tts`` in the ``sglang.srt.plugins`` group).
 
 SGLang 0.5.15 calls :func:`register` in every process that loads plugins (the launcher and each
-scheduler process). It hooks, through SGLang's ``HookRegistry``:
+scheduler process). It registers the PRM architectures SGLang does not serve
+(:mod:`sgl_tts.plugin.model_registry`, :mod:`sgl_tts.plugin.models`: ``Qwen2ForProcessRewardModel``,
+``Qwen2ForPrmModel``, step-pooled) and hooks, through SGLang's ``HookRegistry``:
 
+- ``is_generation_model`` (around), in every mode: those architectures embed;
 - ``ServerArgs.add_cli_args`` (after): the "test-time scaling (sgl-tts)" flag group;
 - ``ServerArgs.from_cli_args`` (after): validation, values onto ``ServerArgs`` + the environment;
 - ``Scheduler.__init__`` (after): the prefix-aware policy attached to the scheduler's policy;
@@ -109,13 +112,14 @@ def hook_table(observe_only: bool | None = None) -> list[tuple[str, object, str]
     scheduling hooks and :func:`sgl_tts.plugin.scheduling.observer.observation_hooks`; observe-only
     (``observe_only``, by default ``SGLANG_TTS_OBSERVE_ONLY=1`` in the environment) the observer's
     scheduler-init hook and the same observation hooks, nothing else."""
+    from sgl_tts.plugin.model_registry import model_hooks
     from sgl_tts.plugin.scheduling import observer
 
     if observe_only is None:
         observe_only = observer.observe_only()
     if observe_only:
-        return observer.observer_hook_table()
-    return [*scheduling_hooks(), *observer.observation_hooks()]
+        return [*model_hooks(), *observer.observer_hook_table()]
+    return [*model_hooks(), *scheduling_hooks(), *observer.observation_hooks()]
 
 
 def missing_hooks(observe_only: bool | None = None) -> list[str]:
@@ -166,12 +170,15 @@ def _scheduler_init(result, scheduler, server_args, *args, **kwargs):
 
 
 def register() -> None:
-    """Register the hooks (SGLang applies them after every plugin has registered): all of them, or
-    with ``SGLANG_TTS_OBSERVE_ONLY=1`` the observation hooks only (:mod:`sgl_tts.plugin.scheduling.observer`)."""
+    """Register the PRM model classes (:mod:`sgl_tts.plugin.model_registry`) and the hooks (SGLang
+    applies them after every plugin has registered): all of them, or with ``SGLANG_TTS_OBSERVE_ONLY=1``
+    the model hooks and the observation hooks only (:mod:`sgl_tts.plugin.scheduling.observer`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sgl_tts.plugin.model_registry import register_models
     from sgl_tts.plugin.scheduling.observer import OBSERVE_ONLY_ENV, observe_only
 
+    register_models()
     if observe_only():
         logger.info("sgl-tts: observe-only (%s=1): observation hooks only, stock scheduling", OBSERVE_ONLY_ENV)
     for target, hook, kind in hook_table():

@@ -30,6 +30,7 @@ TARGETS = {
     "sampling_info": "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
     "seeded_draw": "sglang.srt.layers.sampler.multinomial_with_seed",
     "attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend_from_str",
+    "is_generation": "sglang.srt.configs.model_config.is_generation_model",
 }
 
 # Evictions are counted on every SGLang 0.5.15 tree cache that evicts by its own ``evict`` (a hook on

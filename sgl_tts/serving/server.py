@@ -276,7 +276,7 @@ class BackgroundSearchServer:
 
 # ------------------------------------------------------------------------------------- serving
 def serve_search(generator_url: str | None, prm_url: str | None, *, host: str = "127.0.0.1", port: int = 30010,
-                 max_concurrent: int = 8, prm_kind: str = "step_tag", prm_tokenizer: str | None = None,
+                 max_concurrent: int = 8, prm_kind: str = "auto", prm_tokenizer: str | None = None,
                  limits: Limits = Limits(), defaults: Defaults = Defaults(), log_level: str = "info") -> None:
     """Serve the OpenAI endpoint (uvicorn) until stopped (``sgl-tts serve-search``). With no
     ``generator_url`` it starts the tiny generator, and the tiny PRM unless ``prm_url`` is given, on the

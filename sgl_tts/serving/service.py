@@ -242,7 +242,7 @@ class SearchService:
     """
 
     def __init__(self, generator_url: str, prm_url: str | None, *, max_concurrent: int = 8,
-                 prm_kind: str = "step_tag", prm_tokenizer: str | None = None, prm_good: str = "+",
+                 prm_kind: str = "auto", prm_tokenizer: str | None = None, prm_good: str = "+",
                  prm_bad: str = "-", prm_tag: str | None = None):
         from sgl_tts.experiment import RunConfig, open_prm
 

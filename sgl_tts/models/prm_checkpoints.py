@@ -1,0 +1,96 @@
+"""Tiny checkpoints in the real formats of the PRMs people use, for tests and examples.
+
+No model hub is reachable, so a test of the served PRM classes needs folders laid out like the real
+ones: the real ``config.json`` architecture, the real weight names, a tokenizer carrying the real
+special tokens and conventions. :func:`write_tiny_prm` writes one with seeded random weights (a
+small Qwen2 body and the format's head):
+
+- ``qwen2.5-math-prm``: ``Qwen2ForProcessRewardModel``; ``score.0`` / ``score.2`` (hidden -> hidden,
+  ReLU, hidden -> 2); ``<extra_0>`` an added special token; Qwen2's chat template.
+- ``skywork-prm``: ``Qwen2ForPrmModel``; ``v_head.summary`` (hidden -> 1); a BOS token (Skywork's
+  input starts with it); steps closed by a newline token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sgl_tts.models.tiny import SPECIAL_TOKENS, TinyModelSpec, write_byte_level_tokenizer
+
+FORMATS = ("qwen2.5-math-prm", "skywork-prm")
+QWEN_STEP_TOKEN = "<extra_0>"
+
+# Qwen2's chat template with Qwen2.5-Math's default system turn, reduced to system/user/assistant.
+QWEN_PRM_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nPlease reason step by step, and put your final answer within "
+    "\\\\boxed{}.<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _add_special_token(path: Path, token: str, vocab_size: int) -> int:
+    """Append ``token`` to the tokenizer at ``path`` as an added special token; the new vocab size."""
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["added_tokens_decoder"][str(vocab_size)] = {
+        "content": token, "lstrip": False, "rstrip": False, "normalized": False,
+        "single_word": False, "special": True}
+    cfg["additional_special_tokens"] = [token]
+    cfg_path.write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
+    return vocab_size + 1
+
+
+def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModelSpec(tie_word_embeddings=False),
+                   seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a tiny ``fmt`` PRM (one of :data:`FORMATS`) into ``out`` with weights seeded by ``seed``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown PRM format {fmt!r}; the formats are {', '.join(FORMATS)}")
+    out = Path(out)
+    vocab = write_byte_level_tokenizer(out)
+    eos = vocab - len(SPECIAL_TOKENS)   # <|endoftext|>
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    if fmt == "qwen2.5-math-prm":
+        vocab = _add_special_token(out, QWEN_STEP_TOKEN, vocab)
+        tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+        tok_cfg["chat_template"] = QWEN_PRM_CHAT_TEMPLATE
+        arch, extra = "Qwen2ForProcessRewardModel", {"num_labels": 2}
+    else:
+        tok_cfg["bos_token"] = "<|endoftext|>"
+        arch, extra = "Qwen2ForPrmModel", {}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1, ensure_ascii=False))
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+        tie_word_embeddings=False, bos_token_id=eos if fmt == "skywork-prm" else None, eos_token_id=eos,
+        pad_token_id=eos, dtype=dtype, **extra)
+    config.architectures = [arch]
+    h = spec.hidden_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        body = Qwen2Model(config)
+        if fmt == "qwen2.5-math-prm":
+            head = {"score.0.weight": torch.randn(h, h) / h ** 0.5, "score.0.bias": torch.randn(h) * 0.1,
+                    "score.2.weight": torch.randn(2, h) / h ** 0.5, "score.2.bias": torch.randn(2) * 0.1}
+        else:
+            head = {"v_head.summary.weight": torch.randn(1, h) / h ** 0.5, "v_head.summary.bias": torch.randn(1) * 0.1}
+    tensors = {f"model.{k}": v for k, v in body.state_dict().items()}
+    tensors.update(head)
+    torch_dtype = getattr(torch, dtype)
+    save_file({k: v.detach().to(torch_dtype).contiguous() for k, v in tensors.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    return out
+
+
+__all__ = ["FORMATS", "QWEN_STEP_TOKEN", "write_tiny_prm"]

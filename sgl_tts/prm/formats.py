@@ -1,0 +1,90 @@
+"""How the step-pooled PRMs read a trajectory: their input ids and the token that closes each step.
+
+One :class:`StepPooledFormat` per family, written from the real checkpoints' model cards:
+
+- ``qwen2.5-math-prm`` (``Qwen2ForProcessRewardModel``): the chat template with the system turn
+  "Please reason step by step, and put your final answer within \\boxed{}.", the question as the user
+  turn and, as the assistant turn, every step followed by ``<extra_0>``; step k's score is the
+  class-1 softmax of the head at the k-th ``<extra_0>``. The input stops at the last ``<extra_0>``
+  (what follows cannot change a score, and stopping there lets the next depth's input extend it).
+- ``skywork-prm`` (``Qwen2ForPrmModel``): BOS, the question, a newline; then every line of every step,
+  each followed by the newline token (steps are lines: a step of several lines is scored at its last
+  newline); a step's score is the sigmoid of the value there.
+
+The server answers rows only for the step tokens it computed (:mod:`sgl_tts.plugin.models.step_pooling`),
+so :func:`step_marks` gives every position holding the step token, prompt included: the rows belong
+to the last of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from sgl_tts.prm.scorers import head_score
+
+QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class StepPooledFormat:
+    """A step-pooled PRM family: its name, its ``config.json`` architecture and how it reads."""
+
+    name: str
+    architecture: str
+
+    def step_token_id(self, tokenizer) -> int:
+        """The id of the token that closes a step, in ``tokenizer``."""
+        if self.name == "qwen2.5-math-prm":
+            tid = tokenizer.convert_tokens_to_ids("<extra_0>")
+            if tid is None or tid == tokenizer.unk_token_id:
+                raise ValueError("this tokenizer has no <extra_0> token: it is not a Qwen2.5-Math-PRM's")
+            return int(tid)
+        return int(tokenizer.encode("\n", add_special_tokens=False)[-1])
+
+    def encode(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Input ids for ``question`` and ``steps``, and the position of the token closing each step.
+        Raises ``ValueError`` for a step the format cannot hold."""
+        step_id = self.step_token_id(tokenizer)
+        if self.name == "qwen2.5-math-prm":
+            if any("<extra_0>" in s for s in steps):
+                raise ValueError("a step holds <extra_0>, the Qwen PRM's step token")
+            answer = "".join(s + "<extra_0>" for s in steps)
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": question},
+                 {"role": "assistant", "content": answer}], tokenize=False)
+            text = text[:text.rindex("<extra_0>") + len("<extra_0>")] if steps else text
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            marks = step_marks(ids, step_id)
+            return ids, marks[len(marks) - len(steps):]
+        bos = tokenizer.bos_token or ""
+        ids = list(tokenizer.encode(bos + question + "\n", add_special_tokens=False))
+        ends = []
+        for step in steps:
+            for line in step.split("\n"):
+                ids += (list(tokenizer.encode(line, add_special_tokens=False)) if line else []) + [step_id]
+            ends.append(len(ids) - 1)
+        return ids, ends
+
+    def score(self, row: Sequence[float]) -> float:
+        """A row the server answered as a score in [0, 1]: class 1's softmax (Qwen), the sigmoid (Skywork)."""
+        return head_score(row, 1)
+
+
+FORMATS: dict[str, StepPooledFormat] = {
+    "qwen2.5-math-prm": StepPooledFormat("qwen2.5-math-prm", "Qwen2ForProcessRewardModel"),
+    "skywork-prm": StepPooledFormat("skywork-prm", "Qwen2ForPrmModel"),
+}
+
+
+def step_marks(ids: Sequence[int], step_id: int) -> list[int]:
+    """Every position of ``ids`` that holds the step token (the server pools at each of them)."""
+    return [i for i, t in enumerate(ids) if t == step_id]
+
+
+def format_for_architecture(architecture: str) -> StepPooledFormat | None:
+    """The step-pooled format served as ``architecture``, if it is one."""
+    return next((f for f in FORMATS.values() if f.architecture == architecture), None)
+
+
+__all__ = ["FORMATS", "QWEN_SYSTEM", "StepPooledFormat", "format_for_architecture", "step_marks"]

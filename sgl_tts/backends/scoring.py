@@ -97,32 +97,30 @@ class ServerScoring:
         else:
             payload = {"input_ids": [self.encode(x) if isinstance(x, str) else [int(t) for t in x]
                                      for x in inputs]}
-        res = self.post("/classify", payload)
-        rows = res if isinstance(res, list) else [res]
-        try:
-            out = [[float(v) for v in (r["embedding"] if isinstance(r["embedding"], list)
-                                       else [r["embedding"]])] for r in rows]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{self.base_url}/classify answered without an embedding per input ({exc}); "
-                             f"is the server running a reward / classifier-head model?") from exc
-        if len(out) != len(inputs):
-            raise ValueError(f"{self.base_url}/classify answered {len(out)} rows for {len(inputs)} inputs")
-        return out
+        return self._classify(payload, len(inputs), lambda e: [float(v) for v in (e if isinstance(e, list) else [e])],
+                              "without an embedding per input", "a reward / classifier-head model")
 
     def step_rows(self, inputs: Sequence[Sequence[int]]) -> list[list[list[float]]]:
         """A step-pooled PRM's rows (:class:`~sgl_tts.prm.StepPooledPRM`): per input, the head's output
         at each step token the server computed, from one batched ``/classify`` request."""
         if not inputs:
             return []
-        res = self.post("/classify", {"input_ids": [[int(t) for t in x] for x in inputs]})
+        return self._classify({"input_ids": [[int(t) for t in x] for x in inputs]}, len(inputs),
+                              lambda e: [[float(v) for v in row] for row in e], "no rows of step scores",
+                              "a step-pooled PRM (Qwen2ForProcessRewardModel, Qwen2ForPrmModel)")
+
+    def _classify(self, payload: dict[str, Any], count: int, convert: Callable[[Any], Any], missing: str,
+                  model: str) -> list:
+        """One ``/classify`` request: each answer's embedding through ``convert``, ``count`` of them."""
+        res = self.post("/classify", payload)
         answers = res if isinstance(res, list) else [res]
         try:
-            out = [[[float(v) for v in row] for row in a["embedding"]] for a in answers]
+            out = [convert(a["embedding"]) for a in answers]
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"{self.base_url}/classify answered no rows of step scores ({exc}); is the server "
-                             f"running a step-pooled PRM (Qwen2ForProcessRewardModel, Qwen2ForPrmModel)?") from exc
-        if len(out) != len(inputs):
-            raise ValueError(f"{self.base_url}/classify answered {len(out)} inputs for {len(inputs)}")
+            raise ValueError(f"{self.base_url}/classify answered {missing} ({exc}); "
+                             f"is the server running {model}?") from exc
+        if len(out) != count:
+            raise ValueError(f"{self.base_url}/classify answered {len(out)} rows for {count} inputs")
         return out
 
 

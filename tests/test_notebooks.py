@@ -41,6 +41,7 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     # as problems finish; every cell runs as a user's would
     text = _execute(tmp_path, {"TTS_PROBLEMS": "6"})
     assert "generator: CPU backend | PRM: CPU backend" in text
+    assert "PRM read as: step_tag (Qwen2ForCausalLM)" in text   # the shipped PRM's architecture says how
     assert "scripted check passed: ['step 1', 'step 1', 'The answer is \\\\boxed{1}']" in text
     for k in (1, 2, 4, 8):
         assert f"N={k}: PRM-greedy " in text
@@ -55,6 +56,7 @@ def test_quickstart_notebook_runs_on_live_servers(tmp_path, live):
     # 4 problems, not 16: this checks the server path; the accuracies are the CPU run's to show
     text = _execute(tmp_path, {"TTS_GENERATOR_URL": gen, "TTS_PRM_URL": prm, "TTS_PROBLEMS": "4"})
     assert f"generator: {gen} | PRM: {prm}" in text
+    assert "PRM read as: step_tag (Qwen2ForCausalLM)" in text   # told by the server's /model_info
     assert "MCTS: answer " in text
     for k in (1, 2, 4, 8):
         line = next(x for x in text.splitlines() if x.startswith(f"N={k}: PRM-greedy "))

@@ -15,6 +15,10 @@ parent beam at the previous depth, its own beam index and its class, through SGL
 scheduler plugin (``--tts-policy prefix-aware``) orders a search's requests by these fields:
 siblings together, parents in their previous order.
 Stock SGLang ignores the fields, so tagged programs run unchanged on any server.
+
+**Step-pooled PRMs.** The plugin's PRM classes answer one row per step token they compute, and the
+client aligns the rows to the same tokens: Qwen2.5-Math-PRM's :data:`QWEN_PRM_STEP_TOKEN` (an added
+token) and the last token of Skywork's :data:`SKYWORK_PRM_STEP_TEXT`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ CLASSES = ("normal", "speculative", "boosted")
 KEYS = ("tts_group", "tts_depth", "tts_parent", "tts_beam", "tts_class")
 RID_TAG = "#tag="   # where a request id carries its tag (SearchTag.request_id)
 GROUP_PREFIX = "tts/"   # every tagged rid starts with it
+QWEN_PRM_STEP_TOKEN = "<extra_0>"   # Qwen2.5-Math-PRM scores at this token after each step
+SKYWORK_PRM_STEP_TEXT = "\n"        # Skywork-o1-Open-PRM closes each step (line) with it and scores there
 
 
 def check_group(group: str) -> str:
@@ -159,5 +165,5 @@ def new_group() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "RID_TAG", "SearchTag", "check_group", "group_prefix",
+__all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "QWEN_PRM_STEP_TOKEN", "RID_TAG", "SKYWORK_PRM_STEP_TEXT", "SearchTag", "check_group", "group_prefix",
            "is_group_prefix", "is_tagged_rid", "new_group", "rid_depth", "rid_group", "rid_prefix"]

@@ -30,6 +30,12 @@ def server_info(url: str, timeout: float = 30.0) -> dict:
     return _get_json(base + SERVER_INFO_ROUTES[-1], timeout)
 
 
+def model_info(url: str, timeout: float = 30.0) -> dict:
+    """What the server at ``url`` serves (``GET /model_info``: model path, ``architectures``,
+    ``is_generation``, ...); failures raise as :func:`server_info`'s."""
+    return _get_json(url.rstrip("/") + "/model_info", timeout)
+
+
 def running_request_cap(info: dict) -> int | None:
     """How many requests the server whose :func:`server_info` is ``info`` decodes at once: the
     scheduler's effective limit, else its ``--max-running-requests``; None when it reports neither."""
@@ -69,4 +75,4 @@ def flush_cache(url: str, timeout: float = 30.0) -> None:
         raise CacheNotFlushed(url, exc.code, exc.read().decode(errors="replace").strip()) from None
 
 
-__all__ = ["CacheNotFlushed", "SERVER_INFO_ROUTES", "flush_cache", "running_request_cap", "server_info"]
+__all__ = ["CacheNotFlushed", "SERVER_INFO_ROUTES", "flush_cache", "model_info", "running_request_cap", "server_info"]

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 from sgl_tts.models.tiny import SPECIAL_TOKENS, TinyModelSpec, write_byte_level_tokenizer
+from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN
 
 FORMATS = ("qwen2.5-math-prm", "skywork-prm")
-QWEN_STEP_TOKEN = "<extra_0>"
 
 # Qwen2's chat template with Qwen2.5-Math's default system turn, reduced to system/user/assistant.
 QWEN_PRM_CHAT_TEMPLATE = (
@@ -59,7 +59,7 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     eos = vocab - len(SPECIAL_TOKENS)   # <|endoftext|>
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     if fmt == "qwen2.5-math-prm":
-        vocab = _add_special_token(out, QWEN_STEP_TOKEN, vocab)
+        vocab = _add_special_token(out, QWEN_PRM_STEP_TOKEN, vocab)
         tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
         tok_cfg["chat_template"] = QWEN_PRM_CHAT_TEMPLATE
         arch, extra = "Qwen2ForProcessRewardModel", {"num_labels": 2}
@@ -93,4 +93,4 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     return out
 
 
-__all__ = ["FORMATS", "QWEN_STEP_TOKEN", "write_tiny_prm"]
+__all__ = ["FORMATS", "write_tiny_prm"]

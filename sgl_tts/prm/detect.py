@@ -12,11 +12,11 @@ Anything else is refused in one line naming what is supported.
 from __future__ import annotations
 
 import json
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_tts.prm.formats import FORMATS, format_for_architecture
+from sgl_tts.launch.server_api import model_info
+from sgl_tts.prm.formats import format_for_architecture
 
 KINDS = ("step_tag", "reward_head", "step_pooled")
 SUPPORTED = ("Qwen2ForProcessRewardModel (Qwen2.5-Math-PRM), Qwen2ForPrmModel (Skywork-o1-Open-PRM), "
@@ -38,12 +38,10 @@ def architectures_of(target: str | Path) -> list[str]:
     """The architectures of a PRM folder (its ``config.json``) or server URL (``/model_info``)."""
     target = str(target)
     if target.startswith(("http://", "https://")):
-        url = target.rstrip("/") + "/model_info"
         try:
-            with urllib.request.urlopen(url, timeout=30) as res:
-                info = json.load(res)
+            info = model_info(target)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the PRM server's architecture at {url}: {exc}") from exc
+            raise ValueError(f"cannot read the PRM server's architecture at {target}/model_info: {exc}") from exc
         return list(info.get("architectures") or [])
     if not Path(target).exists():
         raise ValueError(f"no model at {target}")
@@ -69,4 +67,4 @@ def detect_prm(target: str | Path, architectures: list[str] | None = None) -> De
                      f"supported: {SUPPORTED}")
 
 
-__all__ = ["FORMATS", "KINDS", "SUPPORTED", "DetectedPRM", "architectures_of", "detect_prm"]
+__all__ = ["KINDS", "SUPPORTED", "DetectedPRM", "architectures_of", "detect_prm"]

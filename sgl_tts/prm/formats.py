@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN as SEP, SKYWORK_PRM_STEP_TEXT
 from sgl_tts.prm.scorers import head_score
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -36,32 +37,32 @@ class StepPooledFormat:
     def step_token_id(self, tokenizer) -> int:
         """The id of the token that closes a step, in ``tokenizer``."""
         if self.name == "qwen2.5-math-prm":
-            tid = tokenizer.convert_tokens_to_ids("<extra_0>")
+            tid = tokenizer.convert_tokens_to_ids(SEP)
             if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError("this tokenizer has no <extra_0> token: it is not a Qwen2.5-Math-PRM's")
+                raise ValueError(f"this tokenizer has no {SEP} token: it is not a Qwen2.5-Math-PRM's")
             return int(tid)
-        return int(tokenizer.encode("\n", add_special_tokens=False)[-1])
+        return int(tokenizer.encode(SKYWORK_PRM_STEP_TEXT, add_special_tokens=False)[-1])
 
     def encode(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
         """Input ids for ``question`` and ``steps``, and the position of the token closing each step.
         Raises ``ValueError`` for a step the format cannot hold."""
         step_id = self.step_token_id(tokenizer)
         if self.name == "qwen2.5-math-prm":
-            if any("<extra_0>" in s for s in steps):
-                raise ValueError("a step holds <extra_0>, the Qwen PRM's step token")
-            answer = "".join(s + "<extra_0>" for s in steps)
+            if any(SEP in s for s in steps):
+                raise ValueError(f"a step holds {SEP}, the Qwen PRM's step token")
+            answer = "".join(s + SEP for s in steps)
             text = tokenizer.apply_chat_template(
                 [{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": question},
                  {"role": "assistant", "content": answer}], tokenize=False)
-            text = text[:text.rindex("<extra_0>") + len("<extra_0>")] if steps else text
+            text = text[:text.rindex(SEP) + len(SEP)] if steps else text
             ids = list(tokenizer.encode(text, add_special_tokens=False))
             marks = step_marks(ids, step_id)
             return ids, marks[len(marks) - len(steps):]
         bos = tokenizer.bos_token or ""
-        ids = list(tokenizer.encode(bos + question + "\n", add_special_tokens=False))
+        ids = list(tokenizer.encode(bos + question + SKYWORK_PRM_STEP_TEXT, add_special_tokens=False))
         ends = []
         for step in steps:
-            for line in step.split("\n"):
+            for line in step.split(SKYWORK_PRM_STEP_TEXT):
                 ids += (list(tokenizer.encode(line, add_special_tokens=False)) if line else []) + [step_id]
             ends.append(len(ids) - 1)
         return ids, ends

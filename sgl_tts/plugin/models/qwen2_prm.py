@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from sgl_tts.plugin.models.step_pooling import StepPooledQwen2, step_token_id
+from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN, SKYWORK_PRM_STEP_TEXT
 
-QWEN_PRM_STEP_TOKEN = "<extra_0>"
 QWEN_PRM_STEP_ID = 151651     # <extra_0> in the Qwen2.5 vocabulary
-SKYWORK_STEP_TEXT = "\n"
 SKYWORK_STEP_ID = 198         # "\n" in the Qwen2.5 vocabulary
 
 
@@ -61,7 +60,7 @@ class Qwen2ForPrmModel(StepPooledQwen2):
         self.v_head = ValueHead(config.hidden_size)
 
     def find_step_token(self, config) -> int:
-        return step_token_id(config, text=SKYWORK_STEP_TEXT, default=SKYWORK_STEP_ID)
+        return step_token_id(config, text=SKYWORK_PRM_STEP_TEXT, default=SKYWORK_STEP_ID)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.v_head(hidden)

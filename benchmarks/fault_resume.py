@@ -42,6 +42,7 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_PREFIX = "sgl-tts run: error:"
+SLOW_EXIT = 10.0  # s after the kill: a killed run still running then has its stacks taken (py-spy)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class RunAttempt:
     resuming: str | None = None    # its "resuming OUTPUT: k of N problems already done" line
     prefix_kept: bool = True       # the output it started from is still the start of the file
     prm_leftover: int | None = None  # PRM requests running + waiting once the (killed) run exited
+    slow_exit_stacks: str | None = None  # py-spy's dump of a killed run still running SLOW_EXIT s after the kill
 
 
 def count_lines(path: Path) -> int:
@@ -132,7 +134,9 @@ def run_once(cmd: list[str], output: Path, att: RunAttempt, servers, generator: 
             log(f"fault-resume: run {number}: generator SIGKILLed at {att.killed_at_lines} finished lines "
                 f"({att.killed_after_s} s into the run)")
     try:
-        proc.wait(timeout=exit_timeout if killed_at is not None else
+        if killed_at is not None:
+            att.slow_exit_stacks = _stacks_if_slow(proc, min(SLOW_EXIT, exit_timeout))
+        proc.wait(timeout=exit_timeout - (time.perf_counter() - killed_at) if killed_at is not None else
                   max(1.0, run_timeout - (time.perf_counter() - started)))
     except subprocess.TimeoutExpired:
         log(f"fault-resume: run {number} did not exit in time: killing it")
@@ -207,6 +211,9 @@ def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems:
         log(f"fault-resume: run {len(attempts)} exited {att.exit_code} after {att.exit_seconds} s"
             f"{' from the kill' if killed else ''}; {att.lines_at_end} lines"
             + (f"; {att.error_lines[0][:200]}" if att.error_lines else ""))
+        if att.slow_exit_stacks:
+            log(f"fault-resume: run {len(attempts)} still running {SLOW_EXIT:g} s after the kill; its stacks:\n"
+                + att.slow_exit_stacks)
         if not killed:
             break
         points.popleft()
@@ -228,6 +235,25 @@ def fault_run(servers, generator: str, prm_url: str, workdir: Path, *, problems:
         **check_output(output, ids), "leftover_requests": leftover, "seconds": round(time.perf_counter() - t0, 1),
         "runs": [dataclasses.asdict(a) for a in attempts], "run_command": " ".join(cmd),
     }
+
+
+def _stacks_if_slow(proc: subprocess.Popen, after: float) -> str | None:
+    """Every thread's stack in ``proc``, Python and native (``py-spy dump --native``), if it is still
+    running ``after`` seconds on, else None: what a killed run that is slow to exit is waiting for."""
+    try:
+        proc.wait(timeout=after)
+        return None
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        spy = Path(sys.executable).with_name("py-spy")
+        dump = subprocess.run([str(spy) if spy.exists() else "py-spy", "dump", "--native", "--pid", str(proc.pid)],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy dump failed: {exc!r}"
+    if proc.poll() is not None:   # it exited while py-spy looked
+        return None
+    return (dump.stdout + dump.stderr)[-12000:]
 
 
 def _drain(stream, buf: list[str]):

@@ -67,7 +67,7 @@ def test_a_run_with_many_searches_in_flight_survives_generator_kills_exactly(fau
     for run in runs[:-1]:            # each killed run ended by itself, soon, with one clear error
         assert run["killed_at_lines"] is not None and run["killed_at_lines"] < PROBLEMS, detail
         assert run["exit_code"] == 1, run["stderr_tail"]
-        assert run["exit_seconds"] <= EXIT_BOUND, run
+        assert run["exit_seconds"] <= EXIT_BOUND, run["slow_exit_stacks"] or run
         assert len(run["error_lines"]) == 1 and not run["traceback"], run["stderr_tail"]
         assert run["stderr_lines"] == 1, run["stderr_tail"]   # that line and nothing else (no per-search log)
         error = run["error_lines"][0]

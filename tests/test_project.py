@@ -168,6 +168,26 @@ def test_demo_reports_bad_input_in_one_line(tmp_path, args, message, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(message.replace("{tmp}", str(tmp_path)))
 
 
+def test_the_sgl_tts_process_exits_with_its_commands_status_and_a_frozen_heap(tmp_path):
+    """``entry`` (the console script and ``python -m sgl_tts.cli``) exits with what the command
+    returned, its heap frozen by the time exit handlers run; ``main`` in a process that goes on
+    leaves the collector alone."""
+    import gc
+
+    from sgl_tts.cli import main
+
+    probe = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); "
+             "sys.argv = ['sgl-tts', *sys.argv[1:]]; from sgl_tts.cli import entry; entry()")
+    for args, code in ((["info"], 0), (["run", "--problems", str(tmp_path / "none.jsonl")], 1)):
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == code, done.stderr
+        assert done.stdout.rstrip().endswith("frozen True"), done.stdout[-300:]
+    before = gc.get_freeze_count()
+    assert main(["run", "--problems", str(tmp_path / "none.jsonl")]) == 1
+    assert gc.get_freeze_count() == before
+
+
 def test_cli_dispatches_training_and_quality_commands(capsys):
     import pytest
 

@@ -9,10 +9,11 @@ loads neither torch nor SGLang (``tests/test_layering.py``)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import sys
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, NoReturn, Sequence
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -110,4 +111,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return importlib.import_module(COMMANDS[name].module).main(rest)
 
 
-__all__ = ["COMMANDS", "Command", "build_parser", "main", "quiet_logging"]
+def entry() -> NoReturn:
+    """The ``sgl-tts`` process (its console script and ``python -m sgl_tts.cli``): :func:`main` on
+    the command line, then exit with its status.
+
+    Before exiting, the heap is frozen (``gc.freeze``): the command has written and closed what it
+    writes, and the interpreter's last cyclic collection over the ~430k objects torch, transformers
+    and SGLang leave only delays the exit (measured on an idle 2-core machine: 1.7 s, frozen 0.3 s; a
+    killed ``sgl-tts run`` was seen in that collection). Exit handlers still run. Only here, never in :func:`main`:
+    a process that goes on (a test, a notebook) keeps its collector."""
+    try:
+        code = main()
+    finally:
+        gc.freeze()
+    sys.exit(code)
+
+
+__all__ = ["COMMANDS", "Command", "build_parser", "entry", "main", "quiet_logging"]

@@ -79,6 +79,7 @@ def test_prefix_aware_order_raises_the_cached_share_and_keeps_the_same_beams(liv
     results, shares = {}, {}
     for name, tag in (("generator_off", "share-off"), ("generator", "share-on")):
         backend = SGLangEndpoint(live.url(name))
+        flush_cache(live.url(name))   # both start empty: what earlier tests left cached is no one's gain
         start = len(live.metrics_records(name))
         results[name] = _workload(backend, local_prm, tag)
         cached, computed = _share(metrics_since(live, name, start), tag)

@@ -7,6 +7,7 @@ reward-head PRM through a live ``/classify`` server scores as the step-tag PRM d
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import dataclasses
 import math
 
@@ -149,3 +150,36 @@ def test_cpu_serving_refuses_the_tiny_prms_classifier_form(tmp_path):
     head = write_reward_head(shipped_model("prm"), tmp_path / "head")
     with pytest.raises(ValueError, match="cannot serve this classifier right on the CPU"):
         cpu_server_flags(head, 64 << 20)
+
+
+def test_cpu_servers_skip_the_sglang_model_modules_their_models_do_not_use(tmp_path, monkeypatch):
+    """The environment a CPU server gets (``model_registry_env``) keeps the modules serving its
+    model's architecture and SGLang's transformers fallback, adds to what the user disabled, and
+    skips nothing for an architecture no SGLang module serves; SGLang's own registry, read under it,
+    still has the generator's class and no longer Llama's."""
+    import json
+    import subprocess
+    import sys
+
+    from sgl_tts.launch.cpu_serving import model_registry_env
+
+    monkeypatch.delenv("SGLANG_DISABLED_MODEL_ARCHS", raising=False)
+    env = model_registry_env(shipped_model("generator"), shipped_model("prm"))
+    skipped = env["SGLANG_DISABLED_MODEL_ARCHS"].split(",")
+    assert {"llama", "qwen2_rm", "deepseek_v2"} <= set(skipped) and len(skipped) > 150
+    assert not {"qwen2", "transformers", "registry"} & set(skipped)
+    monkeypatch.setenv("SGLANG_DISABLED_MODEL_ARCHS", "my_model")
+    assert model_registry_env(shipped_model("generator"))["SGLANG_DISABLED_MODEL_ARCHS"].split(",") \
+        == sorted([*skipped, "my_model"])
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    (alien / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    assert model_registry_env(alien) == model_registry_env(shipped_model("generator"), alien) == {}
+
+    probe = ("import json; from sglang.srt.models.registry import ModelRegistry; "
+             "print(json.dumps(sorted(ModelRegistry.get_supported_archs())))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "none", **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    archs = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert {"Qwen2ForCausalLM", "TransformersForCausalLM"} <= archs and "LlamaForCausalLM" not in archs

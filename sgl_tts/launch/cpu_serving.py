@@ -28,13 +28,19 @@ it the scheduler dies importing vLLM's rotary kernel). What else the CPU needs, 
   implementation serves ``*ForSequenceClassification`` as an embedding model (``/classify`` returns
   the normalised last hidden state, not the score head's logits), so neither implementation gives
   right scores; :func:`cpu_server_flags` says so instead of letting a server answer wrongly.
+- ``SGLANG_DISABLED_MODEL_ARCHS`` (:func:`model_registry_env`): SGLang's model registry imports every
+  one of its ~200 model modules in each scheduler process (3 s of a 23 s start of the tiny generator
+  on the 2-core CPU); the servers started here skip the modules whose entry classes serve none of
+  their models' architectures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -74,6 +80,50 @@ def needs_transformers_impl(config: Mapping) -> bool:
     head_dim, heads, hidden = cfg.get("head_dim"), cfg.get("num_attention_heads"), cfg.get("hidden_size")
     return (cfg.get("model_type") in _NATIVE_QWEN2 and bool(head_dim and heads and hidden)
             and int(head_dim) * int(heads) != int(hidden))
+
+
+_ENTRY_CLASS = re.compile(r"^EntryClass\s*=\s*(\[[\w\s,]*\]|\w+)\s*$", re.MULTILINE)
+#: kept whatever the models: SGLang serves an architecture it has no class of (and every model under
+#: ``--model-impl transformers``) through its transformers implementation
+_ALWAYS_KEPT = ("transformers",)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_modules() -> dict[str, frozenset[str] | None]:
+    """SGLang's model modules (``sglang/srt/models/*.py``) by name, each with the classes its
+    ``EntryClass`` names, read from the source without importing it; None where it is not a plain
+    name or list of names (such a module is never skipped)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")   # the top package's place only: importing it takes seconds
+    found: dict[str, frozenset[str] | None] = {}
+    for path in sorted((Path(spec.origin).parent / "srt" / "models").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        match = _ENTRY_CLASS.search(path.read_text(errors="replace"))
+        found[path.stem] = frozenset(re.findall(r"\w+", match.group(1))) if match else None
+    return found
+
+
+def model_registry_env(*models: str | os.PathLike) -> dict[str, str]:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` for a server process that serves ``models`` (folders): every
+    SGLang model module whose entry classes serve none of their ``architectures``, added to what the
+    environment already disables. Empty when an architecture is served by no module that can be
+    read (this package's PRM classes: SGLang's registry then needs nothing it would skip, but this
+    stays on the safe side) or SGLang's models cannot be found."""
+    archs = set()
+    for model in models:
+        archs.update(_config(model).get("architectures") or ())
+    try:
+        modules = _model_modules()
+    except (ImportError, AttributeError, TypeError, OSError):
+        return {}
+    serving = {name for name, classes in modules.items() if classes is None or classes & archs}
+    if not archs or not all(any(a in (modules[n] or ()) for n in serving) for a in archs):
+        return {}
+    already = [x.strip() for x in os.environ.get("SGLANG_DISABLED_MODEL_ARCHS", "").split(",") if x.strip()]
+    skipped = sorted(set(modules) - serving - set(_ALWAYS_KEPT) | set(already))
+    return {"SGLANG_DISABLED_MODEL_ARCHS": ",".join(skipped)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,4 +230,4 @@ def plan_cpu_pair(generator: str | os.PathLike, prm: str | os.PathLike, kv_memor
 
 
 __all__ = ["CPU_ENV", "CPUServerFlags", "CpuPairPlan", "DEFAULT_KV_MEMORY", "cpu_pair_flags", "cpu_server_flags",
-           "needs_transformers_impl", "plan_cpu_pair"]
+           "model_registry_env", "needs_transformers_impl", "plan_cpu_pair"]

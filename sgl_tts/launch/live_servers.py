@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sgl_tts.launch.cpu_serving import CPU_ENV, QUICK_STOP_ENV, cpu_server_flags
+from sgl_tts.launch.cpu_serving import CPU_ENV, QUICK_STOP_ENV, cpu_server_flags, model_registry_env
 from sgl_tts.plugin.scheduling.observer import SERVER_ENV as OBSERVER_ENV
 from sgl_tts.plugin.settings import TTSSettings
 from sgl_tts.launch.serve import ManagedServer, ServerFailed, ServerSpec, launch_command
@@ -152,7 +152,7 @@ class LiveServers:
         # starts and binds it a minute later on a busy CPU: two servers starting at once (warm) once
         # met there (EADDRINUSE). One below that range, as the HTTP port, cannot be taken meanwhile.
         nccl = self._ports.setdefault(f"{name}/nccl", free_port(self.host))
-        env = {**CPU_ENV, **QUICK_STOP_ENV}
+        env = {**CPU_ENV, **QUICK_STOP_ENV, **model_registry_env(spec.model)}
         plugin = None
         if spec.policy is NO_PLUGIN:
             env["SGLANG_PLUGINS"] = "none"

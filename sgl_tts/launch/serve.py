@@ -40,6 +40,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, Sequence
 
+from sgl_tts.launch.cpu_serving import model_registry_env
 from sgl_tts.plugin.settings import TTSSettings
 
 
@@ -403,8 +404,10 @@ def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict
                 deepconf_stop: bool = False, allow_remote_code: bool = False) -> list[ServerSpec]:
     """The two servers' command lines in start-up order (``plugin``'s settings, and with
     ``deepconf_stop`` :data:`DEEPCONF_STOP_FLAGS`, go to the generator, whose scheduler runs the
-    search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU attention); ``env`` is added
-    to both servers' environment. Custom logit processors on a non-loopback ``host`` need
+    search's requests; ``prm_plugin``'s, if any, to the PRM, e.g. its CPU attention); ``env`` (a CPU
+    server's, :data:`~sgl_tts.launch.cpu_serving.CPU_ENV`) is added to both servers' environment, with
+    the SGLang model modules each server's model does not need skipped
+    (:func:`~sgl_tts.launch.cpu_serving.model_registry_env`). Custom logit processors on a non-loopback ``host`` need
     ``allow_remote_code`` (ValueError otherwise, :func:`check_remote_code`)."""
     models = {"generator": generator, "prm": prm}
     order = [first, "prm" if first == "generator" else "generator"]
@@ -414,7 +417,8 @@ def build_specs(generator: str, prm: str, flags: dict, *, host: str, ports: dict
         cmd = launch_command(models[name], host=host, port=ports[name], flags=[*flags[name].args(), *own],
                              plugin=plugin if name == "generator" else prm_plugin,
                              extra=(extra or {}).get(name, ()), python=python, allow_remote_code=allow_remote_code)
-        specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health", env))
+        specs.append(ServerSpec(name, cmd, f"http://{host}:{ports[name]}/health",
+                                env if env is None else {**env, **model_registry_env(models[name])}))
     return specs
 
 

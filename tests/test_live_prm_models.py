@@ -25,9 +25,10 @@ QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\bo
 
 @pytest.fixture(scope="module")
 def prm_servers(live):
-    live.warm(*FORMATS, "generator")   # the end-to-end run needs the generator: all three start at once
+    # the end-to-end runs need the generator: all four start at once
+    live.warm(*FORMATS, "math-shepherd", "generator")
     yield live
-    live.stop(*FORMATS)
+    live.stop(*FORMATS, "math-shepherd")
 
 
 class Reference:
@@ -149,5 +150,53 @@ def test_beam_search_runs_end_to_end_with_the_prm_found_from_the_servers_archite
         for t in rec["trajectories"]:
             if t["steps"]:
                 assert t["step_scores"] == pytest.approx(ref.scores(fmt, rec["question"], t["steps"]), abs=1e-4)
+                checked += 1
+    assert checked >= 4
+
+
+def test_a_math_shepherd_prm_on_stock_sglang_scores_each_depth_in_one_call_like_its_card(prm_servers):
+    """Math-Shepherd's layout read from the server (its tokenizer's ``ки``): each depth's trajectories
+    in one batched ``/generate``, the scores its model card's forward gives, earlier depths reused."""
+    from sgl_tts.prm import StepTagPRM
+    from sgl_tts.prm.formats import STEP_TAG_LAYOUTS, step_tag_layout_for
+    from tests.test_prm_models import math_shepherd_reference
+
+    path, url = prm_servers.specs["math-shepherd"].model, prm_servers.url("math-shepherd")
+    endpoint = SGLangEndpoint(url, tokenizer_path=path)
+    layout = step_tag_layout_for(endpoint.tokenizer)
+    assert layout is STEP_TAG_LAYOUTS["math-shepherd"]
+    calls = []
+    post = endpoint.scoring.post
+    endpoint.scoring.post = lambda route, body: calls.append(route) or post(route, body)   # counts the real calls
+    prm = StepTagPRM(endpoint, layout=layout)
+    problem = task.test_split()[1]
+    q = problem.question
+    for k, batch in enumerate(depths(problem), start=1):
+        before, sent = cached_tokens(url), len(calls)
+        got = prm.score(q, batch)
+        for g, steps in zip(got, batch):
+            assert g == pytest.approx(math_shepherd_reference(path, q, steps), abs=1e-4)
+        assert calls[sent:] == ["/generate"]   # the whole depth in one call
+        if k > 1:   # every input extends one the previous depth sent
+            reused = sum(len(layout.encode(endpoint.tokenizer, q, s[:-1])[0]) for s in batch)
+            assert cached_tokens(url) - before >= reused
+
+
+def test_beam_search_runs_end_to_end_on_a_math_shepherd_prm_found_from_its_server(prm_servers, tmp_path):
+    from sgl_tts.cli import run as run_command
+    from tests.test_prm_models import math_shepherd_reference
+
+    path, url = prm_servers.specs["math-shepherd"].model, prm_servers.url("math-shepherd")
+    problems, out = tmp_path / "problems.jsonl", tmp_path / "out.jsonl"
+    task.write_jsonl(task.test_split()[:2], problems)
+    assert run_command.main(["--problems", str(problems), "--output", str(out), "--n", "4", "--beam-width", "2",
+                             "--generator", prm_servers.url("generator"), "--prm", url,
+                             "--no-progress", "--json"]) == 0
+    checked = 0
+    for rec in map(json.loads, out.read_text().splitlines()):
+        for t in rec["trajectories"]:
+            if t["steps"]:
+                assert t["step_scores"] == pytest.approx(math_shepherd_reference(path, rec["question"], t["steps"]),
+                                                         abs=1e-4)
                 checked += 1
     assert checked >= 4

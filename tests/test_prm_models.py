@@ -134,8 +134,9 @@ def test_the_tiny_checkpoints_carry_the_real_architectures_weight_names_and_toke
         assert "model.embed_tokens.weight" in names and not any(n.startswith("lm_head") for n in names)
     assert tiny["qwen2.5-math-prm"].convert_tokens_to_ids("<extra_0>") == len(tiny["qwen2.5-math-prm"]) - 1
     assert tiny["skywork-prm"].bos_token == "<|endoftext|>"
-    with pytest.raises(ValueError, match="unknown PRM format 'math-shepherd'"):
-        write_tiny_prm("math-shepherd", tmp_path / "x")
+    with pytest.raises(ValueError, match="unknown PRM format 'rlhflow'; the formats are qwen2.5-math-prm, "
+                                         "skywork-prm, math-shepherd"):
+        write_tiny_prm("rlhflow", tmp_path / "x")
 
 
 def test_a_skywork_step_of_several_lines_is_scored_at_its_last_newline(tiny):
@@ -203,3 +204,49 @@ def test_serve_on_the_cpu_asks_for_a_split_for_a_step_pooled_prm_and_serves_it_w
     assert serve.main(["--device", "cpu", "--prm", sky, "--generator-share", "0.5", "--dry-run"]) == 0
     prm_line = [line for line in capsys.readouterr().out.splitlines() if "--port 30001" in line][0]
     assert f"--model-path {sky} " in prm_line and "SGLANG_PLUGINS" not in prm_line and "--is-embedding" not in prm_line
+
+
+def math_shepherd_reference(path, question: str, steps: list[str]) -> list[float]:
+    """Math-Shepherd's model card in plain transformers: ``f"{question} {output}"``, the output's steps
+    each closed by " ки" and joined by newlines; at every ``ки`` (the last token of "ки" encoded), the
+    softmax over the logits of "+ -"'s tokens after BOS, the first one's share."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    candidates, tag = tok.encode("+ -")[1:], tok.encode("ки")[-1]
+    ids = torch.tensor([tok.encode(f"{question} " + "\n".join(f"{s} ки" for s in steps))])
+    with torch.no_grad():
+        scores = model(ids).logits[:, :, candidates].softmax(-1)[:, :, 0]
+    return scores[ids == tag].tolist()
+
+
+def test_a_math_shepherd_prm_is_found_from_its_vocabulary_and_read_its_cards_way(tmp_path):
+    from sgl_tts.experiment.config import RunConfig
+    from sgl_tts.experiment.driver import open_prm
+    from sgl_tts.prm.detect import DetectedPRM, detect_prm
+    from sgl_tts.prm.formats import STEP_TAG_LAYOUTS
+    from sgl_tts.tiny import task
+
+    path = write_tiny_prm("math-shepherd", tmp_path / "ms")
+    tok = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"▁ки", "▁+", "▁-", "<s>", "<0x0A>"} <= set(tok)
+    assert detect_prm(path) == DetectedPRM("step_tag", "math-shepherd", "MistralForCausalLM")
+    problem = task.test_split()[0]
+    q, steps = problem.question, problem.step_texts()
+    batch = [steps[:1], steps[:2], [steps[0], steps[1].replace("=", "=1", 1)], steps[:3], [steps[0] + " ки"]]
+    prm, backend = open_prm(RunConfig(prm=str(path)))
+    try:
+        assert prm.layout is STEP_TAG_LAYOUTS["math-shepherd"]
+        got = prm.score(q, batch)
+        for g, trajectory in zip(got[:4], batch[:4]):
+            assert g == pytest.approx(math_shepherd_reference(path, q, trajectory), abs=1e-4)
+        assert len({round(x, 6) for g in got[:4] for x in g}) > 3   # the scores vary with the input
+        assert got[4] == [0.0]   # a step holding the tag cannot be read: 0.0, the batch goes on
+    finally:
+        backend.shutdown()
+    prm, backend = open_prm(RunConfig(prm=str(path), prm_tag="\n"))   # a tag of the user's: the project's layout
+    try:
+        assert prm.layout is None and prm.tag == "\n"
+    finally:
+        backend.shutdown()

@@ -60,11 +60,23 @@ def open_prm(cfg: RunConfig):
         elif kind == "reward_head":
             prm = RewardHeadPRM(backend, tag=cfg.prm_tag)
         else:
-            prm = StepTagPRM(backend, good=cfg.prm_good, bad=cfg.prm_bad, tag=cfg.prm_tag)
+            prm = StepTagPRM(backend, good=cfg.prm_good, bad=cfg.prm_bad, tag=cfg.prm_tag,
+                             layout=_step_tag_layout(cfg, fmt, backend.tokenizer))
     except Exception:
         backend.shutdown()
         raise
     return prm, backend
+
+
+def _step_tag_layout(cfg: RunConfig, fmt: str | None, tokenizer):
+    """A causal-LM PRM family's own layout (Math-Shepherd's) when the PRM is one (its format, or its
+    tokenizer says so) and the run leaves the step tag and labels at their defaults; else None."""
+    from sgl_tts.prm.formats import STEP_TAG_LAYOUTS, step_tag_layout_for
+
+    defaults = RunConfig()
+    if (cfg.prm_tag, cfg.prm_good, cfg.prm_bad) != (defaults.prm_tag, defaults.prm_good, defaults.prm_bad):
+        return None
+    return STEP_TAG_LAYOUTS[fmt] if fmt in STEP_TAG_LAYOUTS else step_tag_layout_for(tokenizer)
 
 
 def check_prm(prm, question: str, where: str) -> None:

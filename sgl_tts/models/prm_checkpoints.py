@@ -9,6 +9,9 @@ small Qwen2 body and the format's head):
   ReLU, hidden -> 2); ``<extra_0>`` an added special token; Qwen2's chat template.
 - ``skywork-prm``: ``Qwen2ForPrmModel``; ``v_head.summary`` (hidden -> 1); a BOS token (Skywork's
   input starts with it); steps closed by a newline token.
+- ``math-shepherd``: ``MistralForCausalLM`` (a Mistral body and its LM head) with a SentencePiece-style
+  tokenizer (``<s>`` / ``</s>`` / ``<unk>``, ``▁`` for a space, byte fallback) whose vocabulary holds
+  Math-Shepherd's step tag ``▁ки`` and its labels ``▁+`` / ``▁-`` as single tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import json
 from pathlib import Path
 
 from sgl_tts.models.tiny import SPECIAL_TOKENS, TinyModelSpec, write_byte_level_tokenizer
+from sgl_tts.prm.formats import MATH_SHEPHERD_TAG
 from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN
 
-FORMATS = ("qwen2.5-math-prm", "skywork-prm")
+FORMATS = ("qwen2.5-math-prm", "skywork-prm", "math-shepherd")
 
 # Qwen2's chat template with Qwen2.5-Math's default system turn, reduced to system/user/assistant.
 QWEN_PRM_CHAT_TEMPLATE = (
@@ -45,6 +49,53 @@ def _add_special_token(path: Path, token: str, vocab_size: int) -> int:
     return vocab_size + 1
 
 
+def write_sentencepiece_tokenizer(out: Path, pieces: str) -> int:
+    """A SentencePiece-style (Llama / Mistral) tokenizer in ``out``: ``<unk>``, ``<s>``, ``</s>``, the
+    256 byte-fallback tokens, ``▁`` and every character of ``pieces``, and merged pieces for
+    Math-Shepherd's tag and labels (``▁ки``, ``▁+``, ``▁-``); BOS is added to every input. Returns the
+    vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(("<unk>", "<s>", "</s>"))}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for ch in "▁" + pieces + MATH_SHEPHERD_TAG:
+        vocab.setdefault(ch, len(vocab))
+    merges = [("к", "и"), ("▁", "ки"), ("▁", "+"), ("▁", "-")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(out)
+    return len(vocab)
+
+
+def _write_math_shepherd(out: Path, spec: TinyModelSpec, seed: int, dtype: str) -> Path:
+    import string
+
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    vocab = write_sentencepiece_tokenizer(out, string.ascii_letters + string.digits + string.punctuation)
+    config = MistralConfig(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, dtype=dtype)
+    config.architectures = ["MistralForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MistralForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    return out
+
+
 def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModelSpec(tie_word_embeddings=False),
                    seed: int = 0, dtype: str = "float32") -> Path:
     """Write a tiny ``fmt`` PRM (one of :data:`FORMATS`) into ``out`` with weights seeded by ``seed``."""
@@ -55,6 +106,8 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     if fmt not in FORMATS:
         raise ValueError(f"unknown PRM format {fmt!r}; the formats are {', '.join(FORMATS)}")
     out = Path(out)
+    if fmt == "math-shepherd":
+        return _write_math_shepherd(out, spec, seed, dtype)
     vocab = write_byte_level_tokenizer(out)
     eos = vocab - len(SPECIAL_TOKENS)   # <|endoftext|>
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
@@ -93,4 +146,4 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     return out
 
 
-__all__ = ["FORMATS", "write_tiny_prm"]
+__all__ = ["FORMATS", "write_sentencepiece_tokenizer", "write_tiny_prm"]

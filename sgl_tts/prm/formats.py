@@ -1,6 +1,7 @@
-"""How the step-pooled PRMs read a trajectory: their input ids and the token that closes each step.
+"""How the PRMs people use read a trajectory: their input ids and where each step's score is read.
 
-One :class:`StepPooledFormat` per family, written from the real checkpoints' model cards:
+One :class:`StepPooledFormat` per step-pooled family and one :class:`StepTagLayout` per causal-LM
+family whose layout is its own, written from the real checkpoints' model cards:
 
 - ``qwen2.5-math-prm`` (``Qwen2ForProcessRewardModel``): the chat template with the system turn
   "Please reason step by step, and put your final answer within \\boxed{}.", the question as the user
@@ -10,6 +11,10 @@ One :class:`StepPooledFormat` per family, written from the real checkpoints' mod
 - ``skywork-prm`` (``Qwen2ForPrmModel``): BOS, the question, a newline; then every line of every step,
   each followed by the newline token (steps are lines: a step of several lines is scored at its last
   newline); a step's score is the sigmoid of the value there.
+- ``math-shepherd`` (a causal LM, Mistral-7B's): ``f"{question} {output}"`` with BOS, where the
+  output is the steps joined by a newline, each followed by `` ки``; a step's score is
+  P(``+``) / (P(``+``) + P(``-``)) from the logits at its ``ки`` token, the two label tokens being
+  the last two of ``"+ -"`` encoded (``▁+``, ``▁-`` in a SentencePiece vocabulary).
 
 The server answers rows only for the step tokens it computed (:mod:`sgl_tts.plugin.models.step_pooling`),
 so :func:`step_marks` gives every position holding the step token, prompt included: the rows belong
@@ -72,6 +77,56 @@ class StepPooledFormat:
         return head_score(row, 1)
 
 
+MATH_SHEPHERD_TAG = "ки"   # Math-Shepherd's step tag (one token, "▁ки", in its vocabulary)
+
+
+@dataclass(frozen=True)
+class StepTagLayout:
+    """A causal-LM PRM family that votes between two label tokens at each step's tag, laid out its
+    own way (:class:`~sgl_tts.prm.StepTagPRM` reads it; the project's own layout is
+    :func:`sgl_tts.prm.input.prm_input`)."""
+
+    name: str
+    tag: str = MATH_SHEPHERD_TAG
+    good: str = "+"
+    bad: str = "-"
+
+    def label_ids(self, tokenizer) -> list[int]:
+        """The good and bad label ids: the last two tokens of ``"{good} {bad}"`` encoded."""
+        ids = list(tokenizer.encode(f"{self.good} {self.bad}", add_special_tokens=False))
+        if len(ids) < 2 or ids[-2] == ids[-1]:
+            raise ValueError(f"{self.good!r} and {self.bad!r} are not two tokens of this tokenizer")
+        return ids[-2:]
+
+    def tag_id(self, tokenizer) -> int:
+        """The step tag's id: the last token of the tag encoded."""
+        return int(tokenizer.encode(self.tag, add_special_tokens=False)[-1])
+
+    def encode(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Input ids for ``question`` and ``steps`` and each step's tag position. Raises
+        ``ValueError`` for a step the layout cannot hold (one holding the tag)."""
+        for st in steps:
+            if self.tag in st:
+                raise ValueError(f"a {self.name} step must not hold its tag {self.tag!r}: {st!r}")
+        text = f"{question} " + "\n".join(f"{st} {self.tag}" for st in steps)
+        ids = list(tokenizer.encode(text))
+        marks = step_marks(ids, self.tag_id(tokenizer))
+        if len(marks) < len(steps):
+            raise ValueError(f"expected {len(steps)} step tags, found {len(marks)}")
+        return ids, marks[len(marks) - len(steps):]
+
+
+STEP_TAG_LAYOUTS: dict[str, StepTagLayout] = {"math-shepherd": StepTagLayout("math-shepherd")}
+
+
+def step_tag_layout_for(tokenizer) -> StepTagLayout | None:
+    """The causal-LM PRM layout ``tokenizer`` says (Math-Shepherd's: its vocabulary has the ``ки``
+    tag as one token), or None: the project's own step-tag layout."""
+    vocab = tokenizer.get_vocab()
+    return STEP_TAG_LAYOUTS["math-shepherd"] if ("▁" + MATH_SHEPHERD_TAG in vocab or MATH_SHEPHERD_TAG in vocab) \
+        else None
+
+
 FORMATS: dict[str, StepPooledFormat] = {
     "qwen2.5-math-prm": StepPooledFormat("qwen2.5-math-prm", "Qwen2ForProcessRewardModel"),
     "skywork-prm": StepPooledFormat("skywork-prm", "Qwen2ForPrmModel"),
@@ -88,4 +143,5 @@ def format_for_architecture(architecture: str) -> StepPooledFormat | None:
     return next((f for f in FORMATS.values() if f.architecture == architecture), None)
 
 
-__all__ = ["FORMATS", "QWEN_SYSTEM", "StepPooledFormat", "format_for_architecture", "step_marks"]
+__all__ = ["FORMATS", "MATH_SHEPHERD_TAG", "QWEN_SYSTEM", "STEP_TAG_LAYOUTS", "StepPooledFormat", "StepTagLayout",
+           "format_for_architecture", "step_marks", "step_tag_layout_for"]

@@ -88,22 +88,41 @@ class StepTagPRM(CachedStepScorer):
     ``backend`` needs ``tokenizer`` and ``next_token_logprobs(prompts, positions, token_ids)``
     (:class:`~sgl_tts.backends.local.LocalBackend`, :class:`~sgl_tts.backends.SGLangEndpoint`). A
     trajectory that cannot be tagged (a step containing the tag) scores 0.0 at every step rather than
-    failing the whole batch.
+    failing the whole batch. ``layout`` (a :class:`~sgl_tts.prm.formats.StepTagLayout`, e.g.
+    Math-Shepherd's) lays trajectories out and names the labels its family's way instead of
+    ``good``/``bad``/``tag``/``prompt``.
     """
 
     def __init__(self, backend, *, good: str = "+", bad: str = "-", tag: str = STEP_TAG,
-                 prompt: Callable[[str], str] = default_prompt, cache: bool = True):
+                 prompt: Callable[[str], str] = default_prompt, cache: bool = True, layout=None):
         super().__init__(cache)
         self.backend = backend
         tok = backend.tokenizer
-        self.tag, self.prompt = tag, prompt
+        self.tag, self.prompt, self.layout = tag, prompt, layout
+        if layout is not None:   # a family's own layout and labels (sgl_tts.prm.formats.StepTagLayout)
+            self.label_ids = layout.label_ids(tok)
+            return
         ids = [tok.convert_tokens_to_ids(t) for t in (good, bad)]
         if any(i is None or i == tok.unk_token_id for i in ids):
             raise ValueError(f"label tokens {good!r}/{bad!r} are not single tokens of this tokenizer")
         self.label_ids = ids
 
+    def _tagged(self, question: str, work: list[tuple[list[str], int]]):
+        if self.layout is None:
+            return tag_work(self.backend.tokenizer, question, work, tag=self.tag, prompt=self.prompt)
+        out: list[list[float]] = [[] for _ in work]
+        tagged = []
+        for w, (steps, start) in enumerate(work):
+            try:
+                ids, pos = self.layout.encode(self.backend.tokenizer, question, steps)
+            except ValueError:
+                out[w] = [0.0] * (len(steps) - start)
+                continue
+            tagged.append((w, ids, pos[start:]))
+        return out, tagged
+
     def _score_new(self, question: str, work: list[tuple[list[str], int]]) -> list[list[float]]:
-        out, tagged = tag_work(self.backend.tokenizer, question, work, tag=self.tag, prompt=self.prompt)
+        out, tagged = self._tagged(question, work)
         if tagged:
             rows = self.backend.next_token_logprobs([t[1] for t in tagged], [t[2] for t in tagged],
                                                     self.label_ids)

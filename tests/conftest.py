@@ -140,7 +140,8 @@ def live(request, tmp_path_factory, tiny_model_path):
     ``tiny_model_path``, served at /classify: SGLang cannot serve the shipped PRM's classifier form
     right on the CPU, see sgl_tts.launch.cpu_serving), ``qwen2.5-math-prm`` and ``skywork-prm`` (tiny checkpoints
     of those PRMs' real formats, served by the plugin's step-pooled classes, ``--enable-metrics``) and
-    ``math-shepherd`` (a tiny checkpoint of Math-Shepherd's format, stock SGLang, ``--enable-metrics``).
+    ``math-shepherd`` and ``rlhflow`` (tiny checkpoints of those causal-LM PRMs' formats, stock SGLang,
+    ``--enable-metrics``).
     A server that cannot start fails the test with its log."""
     from sgl_tts.launch.live_servers import NO_PLUGIN, LiveServer, LiveServers
     from sgl_tts.launch.serve import DEEPCONF_STOP_FLAGS
@@ -175,9 +176,10 @@ def live(request, tmp_path_factory, tiny_model_path):
         # served by the plugin's step-pooled classes (tests/test_live_prm_models.py; stopped after it)
         **{fmt: LiveServer(str(write_tiny_prm(fmt, work / fmt)), policy="off", kv_bytes=LIVE_KV_BYTES,
                            extra=("--enable-metrics",)) for fmt in ("qwen2.5-math-prm", "skywork-prm")},
-        # Math-Shepherd's format (a Mistral causal LM, its tokenizer's ки tag): stock SGLang serves it
-        "math-shepherd": LiveServer(str(write_tiny_prm("math-shepherd", work / "math-shepherd")),
-                                    kv_bytes=LIVE_KV_BYTES, extra=("--enable-metrics",)),
+        # Math-Shepherd's format (a Mistral causal LM, its tokenizer's ки tag) and RLHFlow's (a Llama
+        # causal LM in Llama 3's chat format): stock SGLang serves them
+        **{fmt: LiveServer(str(write_tiny_prm(fmt, work / fmt)), kv_bytes=LIVE_KV_BYTES, extra=("--enable-metrics",))
+           for fmt in ("math-shepherd", "rlhflow")},
     }
     servers = LiveServers(specs, work / "servers")
     request.config.stash[_LIVE] = servers

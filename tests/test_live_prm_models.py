@@ -20,15 +20,16 @@ from sgl_tts.tiny import task
 pytestmark = [pytest.mark.server, pytest.mark.live_servers("extra")]
 
 FORMATS = ("qwen2.5-math-prm", "skywork-prm")
+CAUSAL = ("math-shepherd", "rlhflow")   # causal-LM PRMs in their own layouts, on stock SGLang
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 @pytest.fixture(scope="module")
 def prm_servers(live):
-    # the end-to-end runs need the generator: all four start at once
-    live.warm(*FORMATS, "math-shepherd", "generator")
+    # the end-to-end runs need the generator: all five start at once
+    live.warm(*FORMATS, *CAUSAL, "generator")
     yield live
-    live.stop(*FORMATS, "math-shepherd")
+    live.stop(*FORMATS, *CAUSAL)
 
 
 class Reference:
@@ -154,17 +155,19 @@ def test_beam_search_runs_end_to_end_with_the_prm_found_from_the_servers_archite
     assert checked >= 4
 
 
-def test_a_math_shepherd_prm_on_stock_sglang_scores_each_depth_in_one_call_like_its_card(prm_servers):
-    """Math-Shepherd's layout read from the server (its tokenizer's ``ки``): each depth's trajectories
-    in one batched ``/generate``, the scores its model card's forward gives, earlier depths reused."""
+@pytest.mark.parametrize("fmt", CAUSAL)
+def test_a_causal_lm_prm_on_stock_sglang_scores_each_depth_in_one_call_like_its_card(fmt, prm_servers):
+    """The family's layout read from the server's tokenizer (Math-Shepherd's ``ки``, RLHFlow's Llama-3
+    chat template): each depth's trajectories in one batched ``/generate``, the scores its model
+    card's procedure gives, what earlier depths sent reused."""
     from sgl_tts.prm import StepTagPRM
     from sgl_tts.prm.formats import STEP_TAG_LAYOUTS, step_tag_layout_for
-    from tests.test_prm_models import math_shepherd_reference
+    from tests.test_prm_models import CAUSAL_REFERENCES
 
-    path, url = prm_servers.specs["math-shepherd"].model, prm_servers.url("math-shepherd")
+    path, url = prm_servers.specs[fmt].model, prm_servers.url(fmt)
     endpoint = SGLangEndpoint(url, tokenizer_path=path)
     layout = step_tag_layout_for(endpoint.tokenizer)
-    assert layout is STEP_TAG_LAYOUTS["math-shepherd"]
+    assert layout is STEP_TAG_LAYOUTS[fmt]
     calls = []
     post = endpoint.scoring.post
     endpoint.scoring.post = lambda route, body: calls.append(route) or post(route, body)   # counts the real calls
@@ -175,18 +178,19 @@ def test_a_math_shepherd_prm_on_stock_sglang_scores_each_depth_in_one_call_like_
         before, sent = cached_tokens(url), len(calls)
         got = prm.score(q, batch)
         for g, steps in zip(got, batch):
-            assert g == pytest.approx(math_shepherd_reference(path, q, steps), abs=1e-4)
+            assert g == pytest.approx(CAUSAL_REFERENCES[fmt](path, q, steps), abs=1e-4)
         assert calls[sent:] == ["/generate"]   # the whole depth in one call
         if k > 1:   # every input extends one the previous depth sent
             reused = sum(len(layout.encode(endpoint.tokenizer, q, s[:-1])[0]) for s in batch)
             assert cached_tokens(url) - before >= reused
 
 
-def test_beam_search_runs_end_to_end_on_a_math_shepherd_prm_found_from_its_server(prm_servers, tmp_path):
+@pytest.mark.parametrize("fmt", CAUSAL)
+def test_beam_search_runs_end_to_end_on_a_causal_lm_prm_found_from_its_server(fmt, prm_servers, tmp_path):
     from sgl_tts.cli import run as run_command
-    from tests.test_prm_models import math_shepherd_reference
+    from tests.test_prm_models import CAUSAL_REFERENCES
 
-    path, url = prm_servers.specs["math-shepherd"].model, prm_servers.url("math-shepherd")
+    path, url = prm_servers.specs[fmt].model, prm_servers.url(fmt)
     problems, out = tmp_path / "problems.jsonl", tmp_path / "out.jsonl"
     task.write_jsonl(task.test_split()[:2], problems)
     assert run_command.main(["--problems", str(problems), "--output", str(out), "--n", "4", "--beam-width", "2",
@@ -196,7 +200,7 @@ def test_beam_search_runs_end_to_end_on_a_math_shepherd_prm_found_from_its_serve
     for rec in map(json.loads, out.read_text().splitlines()):
         for t in rec["trajectories"]:
             if t["steps"]:
-                assert t["step_scores"] == pytest.approx(math_shepherd_reference(path, rec["question"], t["steps"]),
+                assert t["step_scores"] == pytest.approx(CAUSAL_REFERENCES[fmt](path, rec["question"], t["steps"]),
                                                          abs=1e-4)
                 checked += 1
     assert checked >= 4

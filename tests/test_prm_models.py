@@ -134,9 +134,9 @@ def test_the_tiny_checkpoints_carry_the_real_architectures_weight_names_and_toke
         assert "model.embed_tokens.weight" in names and not any(n.startswith("lm_head") for n in names)
     assert tiny["qwen2.5-math-prm"].convert_tokens_to_ids("<extra_0>") == len(tiny["qwen2.5-math-prm"]) - 1
     assert tiny["skywork-prm"].bos_token == "<|endoftext|>"
-    with pytest.raises(ValueError, match="unknown PRM format 'rlhflow'; the formats are qwen2.5-math-prm, "
-                                         "skywork-prm, math-shepherd"):
-        write_tiny_prm("rlhflow", tmp_path / "x")
+    with pytest.raises(ValueError, match="unknown PRM format 'bert'; the formats are qwen2.5-math-prm, "
+                                         "skywork-prm, math-shepherd, rlhflow"):
+        write_tiny_prm("bert", tmp_path / "x")
 
 
 def test_a_skywork_step_of_several_lines_is_scored_at_its_last_newline(tiny):
@@ -221,28 +221,50 @@ def math_shepherd_reference(path, question: str, steps: list[str]) -> list[float
     return scores[ids == tag].tolist()
 
 
-def test_a_math_shepherd_prm_is_found_from_its_vocabulary_and_read_its_cards_way(tmp_path):
+def rlhflow_reference(path, question: str, steps: list[str]) -> list[float]:
+    """RLHFlow's PRM card in plain transformers: step by step, the conversation so far (the first user
+    turn the question, a space and step 1; each step answered "+") through the chat template; the
+    softmax over the logits of "+" and "-" (each the last token of itself encoded) 3 tokens from the
+    end, the first one's share."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    candidates = [tok.encode("+")[-1], tok.encode("-")[-1]]
+    conversation, scores = [], []
+    for k, step in enumerate(steps):
+        conversation += [{"content": f"{question} {step}" if k == 0 else step, "role": "user"},
+                         {"content": "+", "role": "assistant"}]
+        ids = tok.apply_chat_template(conversation, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            scores.append(model(ids).logits[:, -3, candidates].softmax(-1)[0, 0].item())
+    return scores
+
+
+CAUSAL_REFERENCES = {"math-shepherd": math_shepherd_reference, "rlhflow": rlhflow_reference}
+CAUSAL_ARCHITECTURES = {"math-shepherd": "MistralForCausalLM", "rlhflow": "LlamaForCausalLM"}
+
+
+@pytest.mark.parametrize("fmt", CAUSAL_REFERENCES)
+def test_a_causal_lm_prm_of_a_known_family_is_found_from_its_tokenizer_and_read_its_cards_way(fmt, tmp_path):
     from sgl_tts.experiment.config import RunConfig
     from sgl_tts.experiment.driver import open_prm
     from sgl_tts.prm.detect import DetectedPRM, detect_prm
     from sgl_tts.prm.formats import STEP_TAG_LAYOUTS
     from sgl_tts.tiny import task
 
-    path = write_tiny_prm("math-shepherd", tmp_path / "ms")
-    tok = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
-    assert {"▁ки", "▁+", "▁-", "<s>", "<0x0A>"} <= set(tok)
-    assert detect_prm(path) == DetectedPRM("step_tag", "math-shepherd", "MistralForCausalLM")
+    path = write_tiny_prm(fmt, tmp_path / fmt)
+    assert detect_prm(path) == DetectedPRM("step_tag", fmt, CAUSAL_ARCHITECTURES[fmt])
     problem = task.test_split()[0]
     q, steps = problem.question, problem.step_texts()
-    batch = [steps[:1], steps[:2], [steps[0], steps[1].replace("=", "=1", 1)], steps[:3], [steps[0] + " ки"]]
+    batch = [steps[:1], steps[:2], [steps[0], steps[1].replace("=", "=1", 1)], steps[:3]]
     prm, backend = open_prm(RunConfig(prm=str(path)))
     try:
-        assert prm.layout is STEP_TAG_LAYOUTS["math-shepherd"]
+        assert prm.layout is STEP_TAG_LAYOUTS[fmt]
         got = prm.score(q, batch)
-        for g, trajectory in zip(got[:4], batch[:4]):
-            assert g == pytest.approx(math_shepherd_reference(path, q, trajectory), abs=1e-4)
-        assert len({round(x, 6) for g in got[:4] for x in g}) > 3   # the scores vary with the input
-        assert got[4] == [0.0]   # a step holding the tag cannot be read: 0.0, the batch goes on
+        for g, trajectory in zip(got, batch):
+            assert g == pytest.approx(CAUSAL_REFERENCES[fmt](path, q, trajectory), abs=1e-4)
+        assert len({round(x, 6) for g in got for x in g}) > 3   # the scores vary with the input
     finally:
         backend.shutdown()
     prm, backend = open_prm(RunConfig(prm=str(path), prm_tag="\n"))   # a tag of the user's: the project's layout
@@ -250,3 +272,28 @@ def test_a_math_shepherd_prm_is_found_from_its_vocabulary_and_read_its_cards_way
         assert prm.layout is None and prm.tag == "\n"
     finally:
         backend.shutdown()
+
+
+def test_the_tiny_causal_prms_carry_their_families_tokens_and_a_step_holding_the_tag_scores_zero(tmp_path):
+    from transformers import AutoTokenizer
+
+    from sgl_tts.prm import StepTagPRM
+    from sgl_tts.prm.formats import STEP_TAG_LAYOUTS
+
+    ms = write_tiny_prm("math-shepherd", tmp_path / "ms")
+    vocab = json.loads((ms / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"▁ки", "▁+", "▁-", "<s>", "<0x0A>"} <= set(vocab)
+    rl = AutoTokenizer.from_pretrained(write_tiny_prm("rlhflow", tmp_path / "rl"))
+    text = rl.apply_chat_template([{"role": "user", "content": " Q? s "}, {"role": "assistant", "content": "+"}],
+                                  tokenize=False)
+    assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nQ? s<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n+<|eot_id|>")
+
+    class NoServer:
+        tokenizer = AutoTokenizer.from_pretrained(ms)
+
+        def next_token_logprobs(self, prompts, positions, token_ids):
+            raise AssertionError(f"nothing to send, got {prompts}")
+
+    prm = StepTagPRM(NoServer(), layout=STEP_TAG_LAYOUTS["math-shepherd"])
+    assert prm.score("Q?", [["a ки b", "c"]]) == [[0.0, 0.0]]

@@ -12,6 +12,10 @@ small Qwen2 body and the format's head):
 - ``math-shepherd``: ``MistralForCausalLM`` (a Mistral body and its LM head) with a SentencePiece-style
   tokenizer (``<s>`` / ``</s>`` / ``<unk>``, ``▁`` for a space, byte fallback) whose vocabulary holds
   Math-Shepherd's step tag ``▁ки`` and its labels ``▁+`` / ``▁-`` as single tokens.
+- ``rlhflow``: ``LlamaForCausalLM`` with a byte-level tokenizer carrying Llama 3's chat tokens
+  (``<|begin_of_text|>``, ``<|start_header_id|>``, ``<|end_header_id|>``, ``<|eot_id|>``) and a chat
+  template of Llama 3's shape (each turn: header, role, header end, a blank line, the trimmed content,
+  ``<|eot_id|>``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from sgl_tts.models.tiny import SPECIAL_TOKENS, TinyModelSpec, write_byte_level_
 from sgl_tts.prm.formats import MATH_SHEPHERD_TAG
 from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN
 
-FORMATS = ("qwen2.5-math-prm", "skywork-prm", "math-shepherd")
+FORMATS = ("qwen2.5-math-prm", "skywork-prm", "math-shepherd", "rlhflow")
+LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
 
 # Qwen2's chat template with Qwen2.5-Math's default system turn, reduced to system/user/assistant.
 QWEN_PRM_CHAT_TEMPLATE = (
@@ -37,16 +48,17 @@ QWEN_PRM_CHAT_TEMPLATE = (
 )
 
 
-def _add_special_token(path: Path, token: str, vocab_size: int) -> int:
-    """Append ``token`` to the tokenizer at ``path`` as an added special token; the new vocab size."""
+def _add_special_tokens(path: Path, tokens: tuple[str, ...], vocab_size: int) -> int:
+    """Append ``tokens`` to the tokenizer at ``path`` as added special tokens; the new vocab size."""
     cfg_path = path / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["added_tokens_decoder"][str(vocab_size)] = {
-        "content": token, "lstrip": False, "rstrip": False, "normalized": False,
-        "single_word": False, "special": True}
-    cfg["additional_special_tokens"] = [token]
+    for k, token in enumerate(tokens):
+        cfg["added_tokens_decoder"][str(vocab_size + k)] = {
+            "content": token, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False, "special": True}
+    cfg["additional_special_tokens"] = list(tokens)
     cfg_path.write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
-    return vocab_size + 1
+    return vocab_size + len(tokens)
 
 
 def write_sentencepiece_tokenizer(out: Path, pieces: str) -> int:
@@ -96,6 +108,28 @@ def _write_math_shepherd(out: Path, spec: TinyModelSpec, seed: int, dtype: str) 
     return out
 
 
+def _write_rlhflow(out: Path, spec: TinyModelSpec, seed: int, dtype: str) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = _add_special_tokens(out, LLAMA3_TOKENS, write_byte_level_tokenizer(out))
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    tok_cfg.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_CHAT_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1, ensure_ascii=False))
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+        tie_word_embeddings=False, bos_token_id=vocab - 4, eos_token_id=vocab - 1, dtype=dtype)
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    return out
+
+
 def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModelSpec(tie_word_embeddings=False),
                    seed: int = 0, dtype: str = "float32") -> Path:
     """Write a tiny ``fmt`` PRM (one of :data:`FORMATS`) into ``out`` with weights seeded by ``seed``."""
@@ -106,13 +140,13 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     if fmt not in FORMATS:
         raise ValueError(f"unknown PRM format {fmt!r}; the formats are {', '.join(FORMATS)}")
     out = Path(out)
-    if fmt == "math-shepherd":
-        return _write_math_shepherd(out, spec, seed, dtype)
+    if fmt in ("math-shepherd", "rlhflow"):
+        return (_write_math_shepherd if fmt == "math-shepherd" else _write_rlhflow)(out, spec, seed, dtype)
     vocab = write_byte_level_tokenizer(out)
     eos = vocab - len(SPECIAL_TOKENS)   # <|endoftext|>
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     if fmt == "qwen2.5-math-prm":
-        vocab = _add_special_token(out, QWEN_PRM_STEP_TOKEN, vocab)
+        vocab = _add_special_tokens(out, (QWEN_PRM_STEP_TOKEN,), vocab)
         tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
         tok_cfg["chat_template"] = QWEN_PRM_CHAT_TEMPLATE
         arch, extra = "Qwen2ForProcessRewardModel", {"num_labels": 2}
@@ -146,4 +180,4 @@ def write_tiny_prm(fmt: str, out: str | Path, *, spec: TinyModelSpec = TinyModel
     return out
 
 
-__all__ = ["FORMATS", "write_sentencepiece_tokenizer", "write_tiny_prm"]
+__all__ = ["FORMATS", "LLAMA3_CHAT_TEMPLATE", "LLAMA3_TOKENS", "write_sentencepiece_tokenizer", "write_tiny_prm"]

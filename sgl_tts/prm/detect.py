@@ -5,8 +5,8 @@
   the family's format), served by SGLang with the sgl-tts plugin;
 - ``*ForSequenceClassification`` / ``*ForRewardModel``: ``reward_head`` (:class:`~sgl_tts.prm.RewardHeadPRM`);
 - ``*ForCausalLM``: ``step_tag`` (:class:`~sgl_tts.prm.StepTagPRM`), format ``math-shepherd`` when its
-  vocabulary holds Math-Shepherd's ``ки`` tag (its layout, :class:`~sgl_tts.prm.formats.StepTagLayout`),
-  else the tag and labels as configured.
+  vocabulary holds Math-Shepherd's ``ки`` tag, ``rlhflow`` when its chat template is Llama-3's (their
+  layouts, :class:`~sgl_tts.prm.formats.StepTagLayout`), else the tag and labels as configured.
 
 Anything else is refused in one line naming what is supported.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_tts.launch.server_api import model_info
-from sgl_tts.prm.formats import MATH_SHEPHERD_TAG, format_for_architecture
+from sgl_tts.prm.formats import format_for_architecture, step_tag_layout_name
 
 KINDS = ("step_tag", "reward_head", "step_pooled")
 SUPPORTED = ("Qwen2ForProcessRewardModel (Qwen2.5-Math-PRM), Qwen2ForPrmModel (Skywork-o1-Open-PRM), "
@@ -54,19 +54,33 @@ def architectures_of(target: str | Path) -> list[str]:
         raise ValueError(f"cannot read the PRM's architecture from {config}: {exc}") from exc
 
 
-def _step_tag_format(target: str | Path) -> str | None:
-    """A causal-LM PRM folder's family layout, read from its ``tokenizer.json`` vocabulary (a server
-    URL: None here; the scorer asks its tokenizer, :func:`sgl_tts.prm.formats.step_tag_layout_for`)."""
-    path = Path(str(target)) / "tokenizer.json"
-    if str(target).startswith(("http://", "https://")) or not path.is_file():
-        return None
+def _read_json(path: Path) -> dict:
     try:
-        vocab = json.loads(path.read_text()).get("model", {}).get("vocab") or {}
-    except (OSError, ValueError, AttributeError):
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _step_tag_format(target: str | Path) -> str | None:
+    """A causal-LM PRM folder's family layout (:func:`~sgl_tts.prm.formats.step_tag_layout_name`),
+    read from its tokenizer files without loading the tokenizer: the vocabulary and added tokens
+    (``tokenizer.json``, ``vocab.json``, ``tokenizer_config.json``) and the chat template. A server
+    URL: None here; the scorer asks the server's tokenizer (:func:`~sgl_tts.prm.formats.step_tag_layout_for`)."""
+    if str(target).startswith(("http://", "https://")):
         return None
-    if isinstance(vocab, list):   # a Unigram model's [piece, score] pairs
-        vocab = {row[0] for row in vocab if row}
-    return "math-shepherd" if ("▁" + MATH_SHEPHERD_TAG in vocab or MATH_SHEPHERD_TAG in vocab) else None
+    folder = Path(str(target))
+    tokenizer, config = _read_json(folder / "tokenizer.json"), _read_json(folder / "tokenizer_config.json")
+    vocab = tokenizer.get("model", {}).get("vocab") if isinstance(tokenizer.get("model"), dict) else None
+    tokens = {row[0] for row in vocab if row} if isinstance(vocab, list) else set(vocab or ())   # Unigram: pairs
+    tokens |= set(_read_json(folder / "vocab.json"))
+    tokens |= {t.get("content") for t in tokenizer.get("added_tokens") or () if isinstance(t, dict)}
+    tokens |= {t.get("content") for t in (config.get("added_tokens_decoder") or {}).values() if isinstance(t, dict)}
+    template = config.get("chat_template")
+    jinja = folder / "chat_template.jinja"
+    if not isinstance(template, str) and jinja.is_file():
+        template = jinja.read_text(errors="replace")
+    return step_tag_layout_name(tokens, template if isinstance(template, str) else None)
 
 
 def detect_prm(target: str | Path, architectures: list[str] | None = None) -> DetectedPRM:

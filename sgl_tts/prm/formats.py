@@ -15,6 +15,10 @@ family whose layout is its own, written from the real checkpoints' model cards:
   output is the steps joined by a newline, each followed by `` ки``; a step's score is
   P(``+``) / (P(``+``) + P(``-``)) from the logits at its ``ки`` token, the two label tokens being
   the last two of ``"+ -"`` encoded (``▁+``, ``▁-`` in a SentencePiece vocabulary).
+- ``rlhflow`` (a causal LM, Llama-3.1-8B's, in its chat format): one user turn per step (the first
+  holds ``f"{question} {step}"``), each answered by an assistant turn ``+``; step k's score is
+  P(``+``) / (P(``+``) + P(``-``)) three tokens from the end of the conversation through step k's
+  answer (the position before its ``+``), the labels being the last token of each encoded alone.
 
 The server answers rows only for the step tokens it computed (:mod:`sgl_tts.plugin.models.step_pooling`),
 so :func:`step_marks` gives every position holding the step token, prompt included: the rows belong
@@ -23,6 +27,7 @@ to the last of them.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -92,11 +97,15 @@ class StepTagLayout:
     bad: str = "-"
 
     def label_ids(self, tokenizer) -> list[int]:
-        """The good and bad label ids: the last two tokens of ``"{good} {bad}"`` encoded."""
-        ids = list(tokenizer.encode(f"{self.good} {self.bad}", add_special_tokens=False))
+        """The good and bad label ids: the last two tokens of ``"{good} {bad}"`` encoded
+        (Math-Shepherd), the last token of each encoded alone (RLHFlow)."""
+        if self.name == "rlhflow":
+            ids = [int(tokenizer.encode(t, add_special_tokens=False)[-1]) for t in (self.good, self.bad)]
+        else:
+            ids = list(tokenizer.encode(f"{self.good} {self.bad}", add_special_tokens=False))[-2:]
         if len(ids) < 2 or ids[-2] == ids[-1]:
             raise ValueError(f"{self.good!r} and {self.bad!r} are not two tokens of this tokenizer")
-        return ids[-2:]
+        return ids
 
     def tag_id(self, tokenizer) -> int:
         """The step tag's id: the last token of the tag encoded."""
@@ -105,6 +114,8 @@ class StepTagLayout:
     def encode(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
         """Input ids for ``question`` and ``steps`` and each step's tag position. Raises
         ``ValueError`` for a step the layout cannot hold (one holding the tag)."""
+        if self.name == "rlhflow":
+            return self._encode_chat(tokenizer, question, steps)
         for st in steps:
             if self.tag in st:
                 raise ValueError(f"a {self.name} step must not hold its tag {self.tag!r}: {st!r}")
@@ -116,15 +127,50 @@ class StepTagLayout:
         return ids, marks[len(marks) - len(steps):]
 
 
-STEP_TAG_LAYOUTS: dict[str, StepTagLayout] = {"math-shepherd": StepTagLayout("math-shepherd")}
+    def _encode_chat(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        conversation: list[dict[str, str]] = []
+        ends = []   # the text's length through each step's answer
+        for k, st in enumerate(steps):
+            conversation += [{"role": "user", "content": f"{question} {st}" if k == 0 else st},
+                             {"role": "assistant", "content": self.good}]
+            ends.append(len(tokenizer.apply_chat_template(conversation, tokenize=False)))
+        if not steps:
+            return [], []
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        # one tokenization of the whole conversation; the conversation through step k is its first
+        # tokens up to that step's text end (the card tokenizes each and reads 3 tokens from its end:
+        # the position before the answer's "+")
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), [int(e) for _, e in enc["offset_mapping"]]
+        positions = [bisect.bisect_right(offsets, end) - 3 for end in ends]
+        good = self.label_ids(tokenizer)[0]
+        if any(p < 0 or ids[p + 1] != good for p in positions):
+            raise ValueError("a step changes how the conversation before its answer is tokenized")
+        return ids, positions
+
+
+STEP_TAG_LAYOUTS: dict[str, StepTagLayout] = {"math-shepherd": StepTagLayout("math-shepherd"),
+                                              "rlhflow": StepTagLayout("rlhflow", tag="")}
+#: the Llama-3 chat format's header token, in RLHFlow's PRMs' chat template
+LLAMA3_HEADER = "<|start_header_id|>"
+
+
+def step_tag_layout_name(vocab, chat_template: str | None) -> str | None:
+    """The causal-LM PRM family a tokenizer's vocabulary (a mapping or set of tokens) and chat
+    template say: ``math-shepherd`` (the ``ки`` tag is one token), ``rlhflow`` (a Llama-3 chat
+    template), or None (the project's own step-tag layout)."""
+    if "▁" + MATH_SHEPHERD_TAG in vocab or MATH_SHEPHERD_TAG in vocab:
+        return "math-shepherd"
+    if chat_template and LLAMA3_HEADER in chat_template and LLAMA3_HEADER in vocab:
+        return "rlhflow"
+    return None
 
 
 def step_tag_layout_for(tokenizer) -> StepTagLayout | None:
-    """The causal-LM PRM layout ``tokenizer`` says (Math-Shepherd's: its vocabulary has the ``ки``
-    tag as one token), or None: the project's own step-tag layout."""
-    vocab = tokenizer.get_vocab()
-    return STEP_TAG_LAYOUTS["math-shepherd"] if ("▁" + MATH_SHEPHERD_TAG in vocab or MATH_SHEPHERD_TAG in vocab) \
-        else None
+    """The causal-LM PRM layout ``tokenizer`` says (:func:`step_tag_layout_name`), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    name = step_tag_layout_name(tokenizer.get_vocab(), template if isinstance(template, str) else None)
+    return STEP_TAG_LAYOUTS.get(name) if name else None
 
 
 FORMATS: dict[str, StepPooledFormat] = {
@@ -143,5 +189,5 @@ def format_for_architecture(architecture: str) -> StepPooledFormat | None:
     return next((f for f in FORMATS.values() if f.architecture == architecture), None)
 
 
-__all__ = ["FORMATS", "MATH_SHEPHERD_TAG", "QWEN_SYSTEM", "STEP_TAG_LAYOUTS", "StepPooledFormat", "StepTagLayout",
-           "format_for_architecture", "step_marks", "step_tag_layout_for"]
+__all__ = ["FORMATS", "LLAMA3_HEADER", "MATH_SHEPHERD_TAG", "QWEN_SYSTEM", "STEP_TAG_LAYOUTS", "StepPooledFormat",
+           "StepTagLayout", "format_for_architecture", "step_marks", "step_tag_layout_for", "step_tag_layout_name"]

@@ -34,6 +34,9 @@ RID_TAG = "#tag="   # where a request id carries its tag (SearchTag.request_id)
 GROUP_PREFIX = "tts/"   # every tagged rid starts with it
 QWEN_PRM_STEP_TOKEN = "<extra_0>"   # Qwen2.5-Math-PRM scores at this token after each step
 SKYWORK_PRM_STEP_TEXT = "\n"        # Skywork-o1-Open-PRM closes each step (line) with it and scores there
+#: their ids in the Qwen2.5 vocabulary: where a checkpoint served without its tokenizer (a real config
+#: with random weights, a benchmark's word tokenizer apart) pools, and where its client puts them
+STEP_POOLED_DEFAULT_IDS = {"Qwen2ForProcessRewardModel": 151651, "Qwen2ForPrmModel": 198}
 
 
 def check_group(group: str) -> str:
@@ -165,5 +168,6 @@ def new_group() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "QWEN_PRM_STEP_TOKEN", "RID_TAG", "SKYWORK_PRM_STEP_TEXT", "SearchTag", "check_group", "group_prefix",
+__all__ = ["CLASSES", "GROUP_PREFIX", "KEYS", "QWEN_PRM_STEP_TOKEN", "RID_TAG", "SKYWORK_PRM_STEP_TEXT",
+           "STEP_POOLED_DEFAULT_IDS", "SearchTag", "check_group", "group_prefix",
            "is_group_prefix", "is_tagged_rid", "new_group", "rid_depth", "rid_group", "rid_prefix"]

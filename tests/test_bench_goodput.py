@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import random
 import threading
 from pathlib import Path
@@ -582,6 +583,10 @@ def test_dry_run_on_the_cpu_runs_both_sides_with_the_same_cpu_flags_and_a_shorte
     assert list(cmds) == ["# stock generator", "# stock prm", "# sgl-tts generator", "# sgl-tts prm"]
     env = f"SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS={CPU_ENV['OMP_NUM_THREADS']} "   # both sides alike
     for name, cmd in cmds.items():
+        # the SGLang model modules neither tiny Qwen2 needs are skipped (cpu_serving.model_registry_env)
+        skipped = re.search(r" SGLANG_DISABLED_MODEL_ARCHS=(\S+) ", cmd).group(1).split(",")
+        assert "llama" in skipped and "qwen2" not in skipped
+        cmd = re.sub(r"SGLANG_DISABLED_MODEL_ARCHS=\S+ ", "", cmd)
         assert cmd.startswith(env + "SGLANG_PLUGINS=sgl-tts SGLANG_TTS_OBSERVE_ONLY=1 " if name.startswith("# stock") else env + "/")
         assert "--device cpu" in cmd and "--grammar-backend none" in cmd and "--sleep-on-idle" in cmd
         assert "--load-format dummy" in cmd and "--attention-backend" not in cmd
@@ -1194,3 +1199,28 @@ def test_the_plot_draws_every_side_that_ran(tmp_path, monkeypatch):
     assert all(m not in ("None", "", " ", None) for m in drawn["markers"]), drawn["markers"]
     assert len(drawn["bars"]) == 2 * len(ran)
     assert max(len(line) for line in drawn["title"].splitlines()) <= 15 * 6
+
+
+def test_a_server_that_never_says_its_cached_tokens_has_no_hit_rate():
+    """SGLang's /classify answers (a step-pooled PRM's) carry no cached tokens: its hit rate is
+    unknown (the report says n/a), not 0; records written before the count say it for every answer."""
+    import dataclasses
+
+    from sgl_tts.bench.goodput_report import _share, _side_row
+    from sgl_tts.bench.goodput_trace import Meter
+
+    said, silent = Meter(), Meter()
+    said.add({"prompt_tokens": 10, "cached_tokens": 4})
+    silent.add({"prompt_tokens": 10})
+    assert (said.cached_reported, silent.cached_reported) == (1, 0)
+    old = dataclasses.asdict(said)
+    del old["cached_reported"]
+
+    def row(prm: dict):
+        return _side_row([{"trajectory_seconds": 1.0, "trajectory_tokens": 5, "seconds": 1.0,
+                           "generator_seconds": 0.5, "verifier_seconds": 0.5, "tokens_generated": 5,
+                           "tokens_kept": 5, "generator": dataclasses.asdict(said), "prm": prm}])
+
+    assert row(dataclasses.asdict(said)).prm_hit_rate == row(old).prm_hit_rate == pytest.approx(0.4)
+    assert row(dataclasses.asdict(silent)).prm_hit_rate is None
+    assert (_share(None), _share(0.4)) == ("n/a", "40.0%")

@@ -57,3 +57,25 @@ def test_an_unknown_config_lists_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config 'gpt-5'; pass a config.json or one of: "
                                                 "math-shepherd-mistral-7b, qwen2.5-7b"):
         write_dummy_model("gpt-5", tmp_path)
+
+
+@pytest.mark.parametrize("name, arch, fmt", [("qwen2.5-math-prm-7b", "Qwen2ForProcessRewardModel", "qwen2.5-math-prm"),
+                                             ("skywork-prm-1.5b", "Qwen2ForPrmModel", "skywork-prm")])
+def test_the_benchmarks_prm_configs_are_the_real_architectures_and_pool_at_the_real_ids(tmp_path, name, arch, fmt):
+    """Served with random weights and the word tokenizer apart, the plugin's class reads no tokenizer
+    beside the config and pools at the real checkpoint's step-token id, the one the benchmark's
+    verifier closes each step with."""
+    from sgl_tts.bench.goodput_trace import WordStepPooledFormat
+    from sgl_tts.plugin.models import ARCHITECTURES
+    from sgl_tts.plugin.models.qwen2_prm import Qwen2ForPrmModel, Qwen2ForProcessRewardModel
+    from sgl_tts.prm.detect import DetectedPRM, detect_prm
+
+    folder = write_dummy_model(name, tmp_path / name)
+    assert detect_prm(folder) == DetectedPRM("step_pooled", fmt, arch) and arch in ARCHITECTURES
+    config = AutoConfig.from_pretrained(folder)
+    cls = {"Qwen2ForProcessRewardModel": Qwen2ForProcessRewardModel, "Qwen2ForPrmModel": Qwen2ForPrmModel}[arch]
+    step_id = cls.find_step_token(None, config)
+    assert step_id == {"Qwen2ForProcessRewardModel": 151651, "Qwen2ForPrmModel": 198}[arch] < config.vocab_size
+    words = AutoTokenizer.from_pretrained(tokenizer_dir(folder))
+    ids, ends = WordStepPooledFormat(arch).encode(words, "t1 t2", ["t3 t4", "t5"])
+    assert ids == [1, 2, 3, 4, step_id, 5, step_id] and ends == [4, 6]

@@ -291,6 +291,16 @@ def prepare(args) -> BenchSetup:
                       f"{plan.budget / GiB:.1f} GiB", vocab, plan)
 
 
+def pooled_step_ids(model_dir: Path) -> tuple[int, ...]:
+    """The id a step-pooled PRM's class pools at when served without its tokenizer (the benchmark's
+    word tokenizer sits apart), if ``model_dir``'s config is one: the generator must never sample it
+    (a sampled one would be read as a step's end), as it never samples the step-tag PRM's tag."""
+    from sgl_tts.protocol import STEP_POOLED_DEFAULT_IDS
+
+    archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ()
+    return tuple(STEP_POOLED_DEFAULT_IDS[a] for a in archs if a in STEP_POOLED_DEFAULT_IDS)
+
+
 def planner_args(args, shape: dict, draft: BenchSettings):
     """A copy of ``args`` with the planner's workload filled in from the trace where not given: a
     request in the middle of a solution (``--beams`` the largest n, step the trace's mean, the prompt
@@ -331,6 +341,9 @@ def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, sh
     share = args.sgl_tts_split
     if share is None and all(is_stock(side) for side in args.sides):
         share = args.stock_split   # no sgl-tts side: nothing to plan (and no profile to measure)
+    if share is None and pooled_step_ids(prm_dir):
+        raise ValueError(f"{names['prm']} is a step-pooled PRM, which the CPU planner cannot profile yet (its "
+                         f"profile decodes): give --sgl-tts-split (e.g. 0.5)")
     if share is None:
         from sgl_tts.launch.cpu_profile import cpu_plan_from_args
 
@@ -351,7 +364,8 @@ def _prepare_cpu(args, gen_dir: Path, prm_dir: Path, names: dict, toks: dict, sh
     # a small vocabulary a random model would write them into many steps (an <unk> vanishes
     # from the decoded text, a step tag makes a path unscorable), and the sides would differ
     vocab_size = vocab + len(WORD_SPECIALS)
-    banned = range(vocab_size - len(WORD_SPECIALS), vocab_size) if toks["generator"] != gen_dir else ()
+    banned = (*range(vocab_size - len(WORD_SPECIALS), vocab_size), *pooled_step_ids(prm_dir)) \
+        if toks["generator"] != gen_dir else ()
     budget = parse_bytes(args.kv_memory)
     return BenchSetup(gen_dir, prm_dir, names, toks, settings_from_args(args, context, max(args.n), banned),
                       shape, flags, {"stock": {**CPU_ENV, **STOCK_ENV}, "sgl-tts": dict(CPU_ENV)},

@@ -23,8 +23,10 @@ On each side beam search and DVTS run for every n on the same synthetic problems
 time. Models are real architectures with random weights, so the *trace* (:mod:`sgl_tts.bench.trace`)
 fixes what a real model would decide: every step's length (the request asks for exactly that many
 tokens with ``ignore_eos``), whether it ends the solution, and its PRM score. The PRM server still
-reads every step (a step-tag PRM request per new step, as in a real run: that is the verifier's work
-and time), but its random output is replaced by the trace's score. Selections are therefore the same
+reads every step as its architecture does in a real run (a step-tag PRM's request per new step; a
+step-pooled PRM's, ``Qwen2ForProcessRewardModel`` or ``Qwen2ForPrmModel`` served by the plugin's
+classes, one ``/classify`` input per trajectory: that is the verifier's work and time), but its random
+output is replaced by the trace's score. Selections are therefore the same
 on both sides by construction, and the benchmark checks it: the kept beams of every search (each
 named by its path of beam indices) must match, or the report says where they differ.
 
@@ -45,6 +47,7 @@ measures the generator-bound limit (:func:`measure_limit`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Iterable
@@ -115,11 +118,28 @@ def run_side(side: str, generator_url: str, prm_url: str, settings: BenchSetting
     return 0
 
 
-def trace_verifier(prm_backend, registry: StepRegistry, trace) -> TraceScores:
-    """A search's verifier: the step-tag PRM on the PRM server, answering with the trace's scores."""
-    from sgl_tts.bench.dummy_models import WORD_TAG
-    from sgl_tts.prm import StepTagPRM
+@functools.lru_cache(maxsize=None)
+def served_prm_architecture(prm_url: str) -> str | None:
+    """The PRM server's architecture when it is a step-pooled one (``/model_info``), else None; read
+    once per server."""
+    from sgl_tts.prm.detect import architectures_of
+    from sgl_tts.protocol import STEP_POOLED_DEFAULT_IDS
 
+    return next((a for a in architectures_of(prm_url) if a in STEP_POOLED_DEFAULT_IDS), None)
+
+
+def trace_verifier(prm_backend, registry: StepRegistry, trace) -> TraceScores:
+    """A search's verifier, answering with the trace's scores after doing the real PRM's work: a
+    step-pooled PRM (``Qwen2ForProcessRewardModel``, ``Qwen2ForPrmModel``, served by the plugin's
+    classes) scores every step of a trajectory in one ``/classify`` input
+    (:class:`~sgl_tts.bench.goodput_trace.WordStepPooledFormat`); any other is read as a step-tag PRM."""
+    from sgl_tts.bench.dummy_models import WORD_TAG
+    from sgl_tts.bench.goodput_trace import WordStepPooledFormat
+    from sgl_tts.prm import StepPooledPRM, StepTagPRM
+
+    pooled = served_prm_architecture(prm_backend.base_url)
+    if pooled is not None:
+        return TraceScores(StepPooledPRM(prm_backend, WordStepPooledFormat(pooled)), registry, trace)
     return TraceScores(StepTagPRM(prm_backend, good="+", bad="-", tag=WORD_TAG), registry, trace)
 
 

@@ -25,8 +25,8 @@ class SideRow:
     verifier_seconds: float     # of which waiting for the PRM (mean)
     tokens_generated: float     # mean per search
     tokens_kept: float
-    generator_hit_rate: float   # cached / prompt tokens
-    prm_hit_rate: float
+    generator_hit_rate: float | None   # cached / prompt tokens (None: the server never said its cached tokens)
+    prm_hit_rate: float | None
     tokens_speculative: float = 0.0   # mean per search, of tokens_generated
     tokens_reused: float = 0.0        # of those, taken over by a kept child
     branches_started: float = 0.0     # speculative branches per search (a controlled side: started,
@@ -48,8 +48,12 @@ def _side_row(recs: list[dict]) -> SideRow:
     k = len(recs)
     mean = lambda f: sum(f(r) for r in recs) / k  # noqa: E731
     secs = sum(r["trajectory_seconds"] for r in recs)
-    rate = lambda who: (sum(r[who]["cached_tokens"] for r in recs) /  # noqa: E731
-                        max(1, sum(r[who]["prompt_tokens"] for r in recs)))
+    def rate(who: str) -> float | None:
+        # records before cached_reported: every answer said it
+        if not sum(r[who].get("cached_reported", r[who].get("requests", 1)) for r in recs):
+            return None   # e.g. a step-pooled PRM's /classify answers
+        return sum(r[who]["cached_tokens"] for r in recs) / max(1, sum(r[who]["prompt_tokens"] for r in recs))
+
     # what the program waited for, where it records it (older records: the PRM calls' time)
     split = all("waited_verifying" in r for r in recs)
     gen_s = mean(lambda r: r["seconds"] - r["waited_verifying"]) if split else mean(lambda r: r["generator_seconds"])
@@ -60,6 +64,10 @@ def _side_row(recs: list[dict]) -> SideRow:
                    mean(lambda r: r.get("tokens_speculative", 0)), mean(lambda r: r.get("tokens_reused", 0)),
                    mean(lambda r: r.get("branches", {}).get("started", 0)),
                    mean(lambda r: r.get("branches", {}).get("declined", 0)))
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def summarize(records: Sequence[dict], settings: BenchSettings) -> list[ReportRow]:
@@ -132,8 +140,8 @@ def format_report(rows: Sequence[ReportRow]) -> str:
                     else "DIFFER: problems " + ", ".join(map(str, row.mismatched)))
             lines.append(f"| {row.algorithm} | {row.n} | {side} | {r.problems} | {_rate(r.goodput, 1)} | {vs} | "
                          f"{r.latency:.2f} | {r.generator_seconds:.2f} | {r.verifier_seconds:.2f} | "
-                         f"{r.tokens_generated:.0f} | {spec} | {r.tokens_kept:.0f} | {r.generator_hit_rate:.1%} | "
-                         f"{r.prm_hit_rate:.1%} | {limit} | {of_limit} | {kept} |")
+                         f"{r.tokens_generated:.0f} | {spec} | {r.tokens_kept:.0f} | {_share(r.generator_hit_rate)} | "
+                         f"{_share(r.prm_hit_rate)} | {limit} | {of_limit} | {kept} |")
     return "\n".join(lines)
 
 

@@ -88,11 +88,13 @@ class Meter:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    cached_reported: int = 0   # answers that said their cached tokens (SGLang's /classify does not)
 
     def add(self, meta: Mapping[str, Any]) -> None:
         self.requests += 1
         self.prompt_tokens += int(meta.get("prompt_tokens", 0) or 0)
         self.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+        self.cached_reported += "cached_tokens" in meta
         self.completion_tokens += int(meta.get("completion_tokens", 0) or 0)
 
 
@@ -220,4 +222,40 @@ class TraceScores:
         return out
 
 
-__all__ = ["CONTEXT_MARGIN", "Meter", "MeteredEndpoint", "StepRegistry", "TraceEndpoint", "TraceScores"]
+@dataclasses.dataclass(frozen=True)
+class WordStepPooledFormat:
+    """A step-pooled PRM's input over the benchmark's word tokenizer (a real config served with random
+    weights, its tokenizer apart): the question, then each step's words closed by the id the
+    architecture's class pools at without its own tokenizer
+    (:data:`sgl_tts.protocol.STEP_POOLED_DEFAULT_IDS`). The work is the real PRM's (every step's
+    tokens, one input per trajectory, the head at each step's end); the scores are the trace's
+    (:class:`TraceScores`). Duck-types :class:`sgl_tts.prm.formats.StepPooledFormat`."""
+
+    architecture: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.architecture} (word tokenizer)"
+
+    def step_token_id(self, tokenizer) -> int:
+        from sgl_tts.protocol import STEP_POOLED_DEFAULT_IDS
+
+        return STEP_POOLED_DEFAULT_IDS[self.architecture]
+
+    def encode(self, tokenizer, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        step_id = self.step_token_id(tokenizer)
+        ids = list(tokenizer.encode(question, add_special_tokens=False))
+        ends = []
+        for step in steps:
+            ids += list(tokenizer.encode(step, add_special_tokens=False)) + [step_id]
+            ends.append(len(ids) - 1)
+        return ids, ends
+
+    def score(self, row: Sequence[float]) -> float:
+        from sgl_tts.prm.scorers import head_score
+
+        return head_score(row, 1)
+
+
+__all__ = ["CONTEXT_MARGIN", "Meter", "MeteredEndpoint", "StepRegistry", "TraceEndpoint", "TraceScores",
+           "WordStepPooledFormat"]

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stock SGLang vs SGLang with sgl-tts (plugin + planned memory split) on beam search "
                     "and DVTS: precise goodput, latency split, tokens, prefix-cache hits, generator-bound "
                     "limit. --generator/--prm take a model folder, a config.json or a shipped config name "
-                    "(qwen2.5-math-1.5b, qwen2.5-7b, math-shepherd-mistral-7b, skywork-prm-1.5b), served "
+                    "(qwen2.5-math-1.5b, qwen2.5-7b, math-shepherd-mistral-7b, skywork-prm-1.5b, qwen2.5-math-prm-7b), served "
                     "with random weights.")
     from sgl_tts.launch.cpu_serving import DEFAULT_KV_MEMORY
 

@@ -17,10 +17,7 @@ import torch
 from torch import nn
 
 from sgl_tts.plugin.models.step_pooling import StepPooledQwen2, step_token_id
-from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN, SKYWORK_PRM_STEP_TEXT
-
-QWEN_PRM_STEP_ID = 151651     # <extra_0> in the Qwen2.5 vocabulary
-SKYWORK_STEP_ID = 198         # "\n" in the Qwen2.5 vocabulary
+from sgl_tts.protocol import QWEN_PRM_STEP_TOKEN, SKYWORK_PRM_STEP_TEXT, STEP_POOLED_DEFAULT_IDS
 
 
 class Qwen2ForProcessRewardModel(StepPooledQwen2):
@@ -34,7 +31,8 @@ class Qwen2ForProcessRewardModel(StepPooledQwen2):
                                    nn.Linear(config.hidden_size, labels))
 
     def find_step_token(self, config) -> int:
-        return step_token_id(config, token=QWEN_PRM_STEP_TOKEN, default=QWEN_PRM_STEP_ID)
+        return step_token_id(config, token=QWEN_PRM_STEP_TOKEN,
+                             default=STEP_POOLED_DEFAULT_IDS["Qwen2ForProcessRewardModel"])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.score(hidden)
@@ -60,7 +58,7 @@ class Qwen2ForPrmModel(StepPooledQwen2):
         self.v_head = ValueHead(config.hidden_size)
 
     def find_step_token(self, config) -> int:
-        return step_token_id(config, text=SKYWORK_PRM_STEP_TEXT, default=SKYWORK_STEP_ID)
+        return step_token_id(config, text=SKYWORK_PRM_STEP_TEXT, default=STEP_POOLED_DEFAULT_IDS["Qwen2ForPrmModel"])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.v_head(hidden)

@@ -17,6 +17,7 @@ end and asks again, with the input cut at that token, for a step it wanted and d
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -24,15 +25,22 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+#: the files a model folder's tokenizer is read from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
 
 def step_token_id(config, *, token: str | None = None, text: str | None = None, default: int) -> int:
     """The id of the token that closes a step, from the tokenizer beside the checkpoint
     (``config._name_or_path``): the added token ``token`` or the last token of ``text``. Without a
-    tokenizer (a config served with random weights), ``default``, the real checkpoint's id."""
+    tokenizer there (a config served with random weights, its tokenizer apart), ``default``, the real
+    checkpoint's id."""
     path = getattr(config, "_name_or_path", "") or ""
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     tok = None
-    if path:
+    if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        # a folder without a tokenizer (transformers would make a blank one of the model type's class)
+        logger.info("sgl-tts: no tokenizer in %s; step token id %d", path, default)
+    elif path:
         try:
             from transformers import AutoTokenizer
 
@@ -46,7 +54,10 @@ def step_token_id(config, *, token: str | None = None, text: str | None = None, 
         if tid is None or tid == tok.unk_token_id:
             raise ValueError(f"the tokenizer at {path} has no {token!r} token, which this PRM scores at")
     else:
-        tid = tok.encode(text, add_special_tokens=False)[-1]
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"the tokenizer at {path} encodes {text!r}, which this PRM scores at, as no token")
+        tid = ids[-1]
     if vocab and not 0 <= int(tid) < vocab:
         raise ValueError(f"step token id {tid} is outside this model's vocabulary of {vocab}")
     return int(tid)
